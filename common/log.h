@@ -1,0 +1,35 @@
+/* log.h - one leveled logger for every module: "<time> <LEVEL> [<tag>] rank <r>: message".
+ *
+ * Lines go to stderr, written with one write(2) each so that lines of concurrent threads and
+ * processes do not interleave. The level comes from CKPT_LOG_LEVEL (error, warn, info,
+ * debug; default info) on first use, or from log_set_level(). The rank prefix is set once by
+ * the program (log_set_rank; -1 = no rank, the default).
+ *
+ * Thread-safety: log_msg may be called from any thread; the setters are for start-up.
+ * Secrets never reach the logger: callers pass no keys or tokens (DESIGN I6).
+ */
+#ifndef COMMON_LOG_H
+#define COMMON_LOG_H
+
+enum log_level { LOG_ERROR = 0, LOG_WARN = 1, LOG_INFO = 2, LOG_DEBUG = 3 };
+
+/* Set the threshold: messages above it are dropped. */
+void log_set_level(enum log_level level);
+
+/* Set the rank shown in every line; -1 shows none. */
+void log_set_rank(int rank);
+
+/* Non-zero when a message at `level` would be printed. */
+int log_enabled(enum log_level level);
+
+/* printf-style message with a subsystem tag ("ckpt", "train", "store", ...). A trailing
+ * newline is added. Lines longer than 2 KiB are cut. */
+void log_msg(enum log_level level, const char *tag, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+#define LOG_E(tag, ...) log_msg(LOG_ERROR, tag, __VA_ARGS__)
+#define LOG_W(tag, ...) log_msg(LOG_WARN, tag, __VA_ARGS__)
+#define LOG_I(tag, ...) log_msg(LOG_INFO, tag, __VA_ARGS__)
+#define LOG_D(tag, ...) log_msg(LOG_DEBUG, tag, __VA_ARGS__)
+
+#endif /* COMMON_LOG_H */

@@ -1,0 +1,82 @@
+/* t_helpers.h - shared helpers for the C test programs (exit 0 pass, 1 fail, 77 skip).
+ *
+ * T_CHECK(cond, fmt, ...) records a failure with file:line and the message and goes on;
+ * T_REQUIRE stops the test at once. t_done() returns the exit status to use from main.
+ */
+#ifndef T_HELPERS_H
+#define T_HELPERS_H
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static int t_failures;
+static int t_checks;
+
+#define T_CHECK(cond, ...)                                                                     \
+    do {                                                                                       \
+        t_checks++;                                                                            \
+        if (!(cond)) {                                                                         \
+            t_failures++;                                                                      \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                    \
+            fprintf(stderr, __VA_ARGS__);                                                      \
+            fputc('\n', stderr);                                                               \
+        }                                                                                      \
+    } while (0)
+
+/* Evaluates cond once (it may have side effects). */
+#define T_REQUIRE(cond, ...)                                                                   \
+    do {                                                                                       \
+        int t_ok_ = !!(cond);                                                                  \
+        t_checks++;                                                                            \
+        if (!t_ok_) {                                                                          \
+            t_failures++;                                                                      \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                    \
+            fprintf(stderr, __VA_ARGS__);                                                      \
+            fputc('\n', stderr);                                                               \
+            exit(1);                                                                           \
+        }                                                                                      \
+    } while (0)
+
+/* |a-b| <= atol + rtol*|ref|, as llm.c compares kernels. */
+static inline int t_close(double a, double ref, double atol, double rtol)
+{
+    return fabs(a - ref) <= atol + rtol * fabs(ref);
+}
+
+/* A fresh temporary folder under $TMPDIR (or /tmp); the caller removes it. */
+static inline char *t_tmpdir(const char *tag)
+{
+    const char *base = getenv("TMPDIR");
+    if (!base || !*base) base = "/tmp";
+    char *p = malloc(4096);
+    if (!p) exit(1);
+    snprintf(p, 4096, "%s/t-%s-XXXXXX", base, tag);
+    if (!mkdtemp(p)) {
+        fprintf(stderr, "mkdtemp %s: %s\n", p, strerror(errno));
+        exit(1);
+    }
+    return p;
+}
+
+static inline void t_rmrf(const char *path)
+{
+    char cmd[4200];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", path);
+    if (system(cmd) != 0) fprintf(stderr, "warning: could not remove %s\n", path);
+}
+
+static inline int t_done(const char *name)
+{
+    if (t_failures) {
+        fprintf(stderr, "%s: %d of %d checks failed\n", name, t_failures, t_checks);
+        return 1;
+    }
+    printf("%s: all %d checks passed\n", name, t_checks);
+    return 0;
+}
+
+#endif /* T_HELPERS_H */
