@@ -1,0 +1,136 @@
+/* storage.h - moving bytes to and from local files with io_uring and O_DIRECT.
+ *
+ * Knows nothing about checkpoints. Every function returns 0 (or a count) on success and a
+ * negative errno-style code on failure; it never exits and never prints except through the
+ * logger on the error's origin.
+ *
+ * Files are written sequentially through 4096-byte-aligned buffers with O_DIRECT, several
+ * writes in flight (queue depth), short writes and -EAGAIN resubmitted (as liburing's
+ * examples/io_uring-cp.c does). The unaligned tail is written padded to the alignment and
+ * the file is then truncated to its logical size. Where the file system refuses O_DIRECT
+ * (EINVAL), the writer and the reader fall back to buffered I/O through the same ring
+ * (logged at debug level).
+ *
+ * No wait is unbounded: every wait for a completion gives up after STORE_WAIT_TIMEOUT_S and
+ * the operation fails with -ETIMEDOUT (requests still in flight are cancelled; if even that
+ * does not finish them, their memory is leaked rather than reused while the kernel may
+ * still touch it, and a reader handle then fails every later read with -EIO).
+ *
+ * Fault injection (tests): CKPT_FAULT_STORE="enospc:N" or "eio:N" makes the N-th data write
+ * (N >= 1) submitted by any store_writer of the process fail with -ENOSPC or -EIO, as if
+ * the device had returned it. Writes are counted from the start of the process across all
+ * writers and threads; resubmissions of a short write do not count. The variable is read
+ * once, at the first write; a malformed value is logged and ignored.
+ *
+ * Thread-safety: a writer or reader handle is used by one thread at a time; different
+ * handles are independent (each owns its ring).
+ */
+#ifndef STORAGE_H
+#define STORAGE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Alignment of O_DIRECT buffers, offsets and lengths, in bytes. */
+#define STORE_ALIGN 4096u
+
+/* Longest wait for one I/O completion, in seconds, before -ETIMEDOUT. */
+#define STORE_WAIT_TIMEOUT_S 60
+
+typedef struct store_writer_opts {
+    size_t buffer_bytes; /* size of each aligned buffer; multiple of STORE_ALIGN;
+                            default 1 MiB, range [STORE_ALIGN, 64 MiB] */
+    unsigned queue_depth; /* buffers (= writes) in flight; default 8, range [1, 64] */
+    int direct;           /* 1: O_DIRECT when the file system allows it (default); 0: never */
+} store_writer_opts;
+
+#define STORE_WRITER_OPTS_INIT {1u << 20, 8u, 1}
+
+typedef struct store_writer store_writer;
+
+/* Create `path` (O_CREAT|O_EXCL, mode 0644) and return a writer in *out.
+ * opts may be NULL for the defaults. Memory: queue_depth * buffer_bytes, allocated here
+ * once. The caller owns *out and releases it with store_writer_close() or
+ * store_writer_abort().
+ * Errors: -EINVAL bad options, -EEXIST path exists, -ENOMEM, other -errno from open or
+ * io_uring_queue_init. */
+int store_writer_open(store_writer **out, const char *path, const store_writer_opts *opts);
+
+/* Append len bytes from buf (any alignment) at the end of the file. The bytes are copied;
+ * buf may be reused at once. Full buffers are submitted as they fill.
+ * Errors: -EINVAL w NULL or buf NULL with len > 0; -EIO, -ENOSPC, -ETIMEDOUT, other -errno
+ * of a completed write; once a write failed every later call returns the same (sticky)
+ * error. */
+int store_writer_append(store_writer *w, const void *buf, size_t len);
+
+/* Logical bytes appended so far (the offset at which the next append lands); 0 for NULL. */
+uint64_t store_writer_offset(const store_writer *w);
+
+/* Write what is buffered, wait for every write, truncate to the logical size, fsync the
+ * file (data and size) when do_fsync is non-zero, close and free the writer (also on error).
+ * On error the (partial) file stays where it is; the caller removes it.
+ * Errors: -EINVAL w NULL; the sticky error, or -errno of ftruncate/fsync/close. */
+int store_writer_close(store_writer *w, int do_fsync);
+
+/* Abandon a writer: wait for writes in flight, close and free it, unlink the file.
+ * Accepts NULL. */
+void store_writer_abort(store_writer *w);
+
+typedef struct store_reader store_reader;
+
+/* Open `path` read-only (O_DIRECT when allowed) with a ring of queue_depth entries
+ * (reads in flight; 0 = default 8, range [1, 64]). *size_out (may be NULL) gets the file
+ * size in bytes. Memory: in O_DIRECT mode up to about 4 MiB of bounce buffers, allocated on
+ * first need and kept until close, whatever the request sizes.
+ * Errors: -EINVAL out or path NULL or queue_depth > 64, -ENOENT, -EACCES, -ENOMEM,
+ * other -errno. */
+int store_reader_open(store_reader **out, const char *path, unsigned queue_depth,
+                      uint64_t *size_out);
+
+/* One range to read: file offset and length in bytes, destination (any alignment). */
+typedef struct store_read_req {
+    uint64_t offset;
+    size_t len;
+    void *dst;
+} store_read_req;
+
+/* Read n ranges, several in flight. Each request is filled completely or the call fails
+ * (then the contents of every dst are unspecified). Ranges may overlap; zero-length ranges
+ * are allowed (dst may then be NULL). Aligned ranges into aligned memory are read straight
+ * into dst; the others go through the bounce buffers.
+ * Errors: -EINVAL r NULL, reqs NULL with n > 0, dst NULL with len > 0, offset + len
+ * overflows; -EBADMSG a range runs past the end of the file (short file); -EIO, -ENOMEM,
+ * -ETIMEDOUT, other -errno. */
+int store_reader_read(store_reader *r, const store_read_req *reqs, size_t n);
+
+/* Close and free; accepts NULL. */
+void store_reader_close(store_reader *r);
+
+/* Read a whole (small) file into a malloc'ed buffer with a terminating NUL; *len_out (may
+ * be NULL) gets its size without the NUL; *buf_out is NULL on error. max_bytes bounds the
+ * size (-EFBIG past it). The caller frees.
+ * Errors: -ENOENT, -EFBIG, -ENOMEM, other -errno. */
+int store_read_file(const char *path, size_t max_bytes, char **buf_out, size_t *len_out);
+
+/* Create `path` with the given bytes, fsync it and close it (buffered I/O).
+ * Errors: -EEXIST, -ENOSPC, -EIO, other -errno. A partial file is unlinked on error. */
+int store_write_file_durable(const char *path, const void *buf, size_t len);
+
+/* fsync a directory so that creations, renames and removals in it are durable.
+ * Errors: -errno of open or fsync. */
+int store_fsync_dir(const char *path);
+
+/* rename(2) from -> to, then fsync the parent folder of `to` (and that of `from` when it
+ * is a different path).
+ * Errors: -errno of rename, or of store_fsync_dir. */
+int store_rename_durable(const char *from, const char *to);
+
+/* Remove a folder and everything below it (no symlinks followed: a link is removed, not
+ * its target); `path` may also name a file or a link. Missing is not an error. Goes on after
+ * a failure and removes what it can. Not durable by itself: fsync the parent afterwards if
+ * that matters.
+ * Errors: -EINVAL path NULL or empty; -errno of the first failing stat/open/unlink/rmdir;
+ * -ELOOP deeper than 128 levels. */
+int store_remove_tree(const char *path);
+
+#endif /* STORAGE_H */
