@@ -1,0 +1,188 @@
+/* ckpt.h - snapshots of flat state buffers: format, commit protocol, restore, listing.
+ *
+ * The module knows nothing about models. A snapshot holds named flat buffers (for example
+ * "params", "adam_m", "adam_v"), each split into shards by rank and into chunks of at most
+ * chunk_bytes raw bytes, plus an opaque trainer-state record (a JSON object given as text).
+ * The layout and commit protocol are specified in docs/FORMAT.md:
+ *
+ *   <dir>/step-<9 digits>/manifest.json      written last: the commit record
+ *   <dir>/step-<9 digits>/rank-<5 digits>.bin concatenated zstd frames, one per chunk
+ *   <dir>/.tmp-step-<9 digits>-<id>/          in progress; never read; removed at start-up
+ *
+ * Commit: data files written and fsynced -> manifest written and fsynced -> temp folder
+ * renamed to its final name -> parent folder fsynced. A folder without a valid manifest does
+ * not exist for readers.
+ *
+ * Errors (negative errno, STYLE.md): -EINVAL bad argument, -EBADMSG corrupt data or checksum
+ * mismatch, -EPROTONOSUPPORT newer format, -ENOENT no such snapshot, -EEXIST step already
+ * committed, -ENOSPC, -EIO, -ENOMEM, other -errno from the file system.
+ *
+ * Thread-safety: handles are used by one thread at a time; distinct handles are independent.
+ */
+#ifndef CKPT_H
+#define CKPT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Version of the snapshot format this code writes and the newest it reads. */
+#define CKPT_FORMAT_VERSION 1
+
+/* Longest snapshot folder path this module handles, bytes including the NUL. */
+#define CKPT_PATH_MAX 4096
+
+/* Filters applied to a chunk before compression. */
+enum ckpt_filter {
+    CKPT_FILTER_NONE = 0,
+    CKPT_FILTER_SHUFFLE = 1 /* byte planes of elem_bytes-wide elements (see FORMAT.md) */
+};
+
+/* ------------------------------------------------------------------ writing */
+
+typedef struct ckpt_save_opts {
+    const char *dir;       /* snapshot root folder; created if missing. Required. */
+    uint64_t chunk_bytes;  /* raw bytes per chunk; default 4 MiB; range [4 KiB, 1 GiB];
+                              a multiple of 16 so elements never straddle chunks */
+    int zstd_level;        /* zstd compression level; default 1; range [-7, 19] */
+    int filter;            /* enum ckpt_filter; default CKPT_FILTER_NONE */
+    int direct_io;         /* 1: O_DIRECT data writes where allowed (default); 0: buffered */
+    unsigned queue_depth;  /* io_uring writes in flight; default 8; range [1, 64] */
+} ckpt_save_opts;
+
+#define CKPT_SAVE_OPTS_INIT {NULL, 4u << 20, 1, CKPT_FILTER_NONE, 1, 8u}
+
+/* One buffer (or this rank's shard of it) to save. The bytes are only read. */
+typedef struct ckpt_buffer {
+    const char *name;     /* [A-Za-z0-9_.-]{1,63}, unique within the snapshot */
+    const char *dtype;    /* element type for readers: "f32", "u16", "u8", ... */
+    uint32_t elem_bytes;  /* bytes per element: 1, 2, 4 or 8 */
+    uint64_t total_bytes; /* bytes of the whole buffer across all ranks */
+    uint64_t offset;      /* where this rank's shard starts in the whole buffer, bytes */
+    uint64_t bytes;       /* bytes of this rank's shard (may be 0) */
+    const void *data;     /* the shard's bytes; NULL only when bytes == 0 */
+} ckpt_buffer;
+
+/* Figures of one save, for logs and benchmarks. */
+typedef struct ckpt_save_stats {
+    uint64_t raw_bytes;    /* bytes of state saved by this call */
+    uint64_t stored_bytes; /* bytes written to data files (after compression) */
+    double seconds;        /* wall time of the call */
+} ckpt_save_stats;
+
+/* Save one snapshot of `step` synchronously, for a world of one rank: writes
+ * rank-00000.bin with every buffer, then commits with the manifest. `trainer_json` must be
+ * a JSON object (text); it is stored verbatim under "trainer". `run_id` and `config_hash`
+ * are free-form identifiers ([A-Za-z0-9_.-]{1,63}) recorded for lineage checks.
+ * On any error nothing is committed and the temp folder is removed; an existing committed
+ * snapshot is never modified. stats may be NULL.
+ * Errors: -EINVAL (bad options, names, JSON), -EEXIST (step already committed), -ENOSPC,
+ * -EIO, -ENOMEM, other -errno. */
+int ckpt_save(const ckpt_save_opts *opts, uint64_t step, const char *run_id,
+              const char *config_hash, const ckpt_buffer *bufs, size_t nbufs,
+              const char *trainer_json, ckpt_save_stats *stats);
+
+/* Remove leftover temp folders (".tmp-step-*") under dir, logging each one removed.
+ * Returns the number removed, or -errno. A missing dir returns 0. */
+int ckpt_remove_temp(const char *dir);
+
+/* ------------------------------------------------------------------ reading */
+
+typedef struct ckpt_snapshot ckpt_snapshot;
+
+/* Open the snapshot folder `path` (".../step-000000020"): read manifest.json, check its
+ * checksum, format and version, and check that the described layout is consistent
+ * (chunks cover each shard exactly, shards cover each buffer exactly, data files exist with
+ * the sizes the manifest gives). Does not read chunk data. On failure, `why` (if not NULL)
+ * receives a one-line reason of at most why_len bytes. The caller frees *out with
+ * ckpt_snapshot_close().
+ * Errors: -ENOENT (no folder or no manifest), -EBADMSG (manifest corrupt, checksum
+ * mismatch, inconsistent layout, data file missing or shorter than described),
+ * -EPROTONOSUPPORT (format_version newer than CKPT_FORMAT_VERSION), -ENOMEM. */
+int ckpt_snapshot_open(ckpt_snapshot **out, const char *path, char *why, size_t why_len);
+
+/* Frees the handle; accepts NULL. */
+void ckpt_snapshot_close(ckpt_snapshot *s);
+
+/* Accessors; strings are owned by the handle and live until ckpt_snapshot_close. */
+uint64_t ckpt_snapshot_step(const ckpt_snapshot *s);
+uint32_t ckpt_snapshot_world_size(const ckpt_snapshot *s);
+const char *ckpt_snapshot_run_id(const ckpt_snapshot *s);
+const char *ckpt_snapshot_config_hash(const ckpt_snapshot *s);
+const char *ckpt_snapshot_path(const ckpt_snapshot *s);
+int64_t ckpt_snapshot_created(const ckpt_snapshot *s); /* unix seconds */
+/* The trainer record as compact JSON text. */
+const char *ckpt_snapshot_trainer_json(const ckpt_snapshot *s);
+
+/* Total bytes of buffer `name`, or -ENOENT when the snapshot has no such buffer. */
+int64_t ckpt_snapshot_buffer_bytes(const ckpt_snapshot *s, const char *name);
+
+/* Description of one buffer of an open snapshot; strings owned by the handle. */
+typedef struct ckpt_buffer_info {
+    const char *name;
+    const char *dtype;
+    uint32_t elem_bytes;
+    uint64_t total_bytes;  /* raw bytes of the whole buffer */
+    uint64_t stored_bytes; /* bytes its chunks take in the data files */
+    size_t nchunks;
+} ckpt_buffer_info;
+
+/* Number of buffers in the snapshot. */
+size_t ckpt_snapshot_nbuffers(const ckpt_snapshot *s);
+
+/* Fill *info for buffer i (0 <= i < ckpt_snapshot_nbuffers). Errors: -EINVAL bad index. */
+int ckpt_snapshot_buffer_info(const ckpt_snapshot *s, size_t i, ckpt_buffer_info *info);
+
+/* Sums over all chunks: raw bytes and stored bytes. */
+void ckpt_snapshot_sizes(const ckpt_snapshot *s, uint64_t *raw_bytes, uint64_t *stored_bytes);
+
+/* Read bytes [offset, offset+len) of buffer `name` into dst. Only the chunks that overlap
+ * the range are read (io_uring), each decompressed and checked against both its stored and
+ * its raw xxh3 checksum. On -EBADMSG, *bad (if not NULL) receives a one-line description
+ * naming the file and chunk (at most bad_len bytes).
+ * Errors: -ENOENT (no such buffer), -EINVAL (range outside the buffer), -EBADMSG (checksum
+ * mismatch, undecodable frame, short file), -EIO, -ENOMEM. */
+int ckpt_snapshot_read(ckpt_snapshot *s, const char *name, uint64_t offset, uint64_t len,
+                       void *dst, char *bad, size_t bad_len);
+
+/* Progress callback for verify: bytes checked so far and in all. Return non-zero to stop
+ * (verify then returns -ECANCELED). */
+typedef int (*ckpt_progress_fn)(void *ctx, uint64_t done_bytes, uint64_t total_bytes);
+
+/* Read and check every chunk of every shard. On -EBADMSG *bad names the first bad file and
+ * chunk. progress may be NULL.
+ * Errors: -EBADMSG, -ECANCELED, -EIO, -ENOMEM. */
+int ckpt_snapshot_verify(ckpt_snapshot *s, char *bad, size_t bad_len, ckpt_progress_fn progress,
+                         void *ctx);
+
+/* ------------------------------------------------------------------ listing */
+
+enum ckpt_status {
+    CKPT_STATUS_COMMITTED = 0,  /* manifest present and valid (chunks not read) */
+    CKPT_STATUS_CORRUPT = 1,    /* final name, but manifest missing, corrupt or inconsistent */
+    CKPT_STATUS_NEWER = 2,      /* manifest of a newer format version */
+    CKPT_STATUS_INCOMPLETE = 3  /* a temp folder: a save in progress or interrupted */
+};
+
+typedef struct ckpt_entry {
+    uint64_t step;
+    int status;            /* enum ckpt_status */
+    int64_t created;       /* unix seconds; 0 when unknown */
+    uint64_t raw_bytes;    /* 0 when unknown */
+    uint64_t stored_bytes; /* 0 when unknown */
+    char name[64];         /* folder name */
+    char reason[160];      /* why not committed; empty when committed */
+} ckpt_entry;
+
+/* List snapshot folders under dir, sorted by step (numerically, ascending; temp folders
+ * after final ones of the same step). The caller frees *entries with free().
+ * A missing dir gives 0 entries. Errors: -errno of opendir, -ENOMEM. */
+int ckpt_list(const char *dir, ckpt_entry **entries, size_t *n);
+
+/* Name of a status for humans and JSON: "committed", "corrupt", "newer-format",
+ * "incomplete". */
+const char *ckpt_status_name(int status);
+
+/* Folder name of a step: "step-%09llu" into buf (at least 32 bytes). */
+void ckpt_step_dirname(uint64_t step, char *buf, size_t len);
+
+#endif /* CKPT_H */

@@ -1,0 +1,38 @@
+/* ckpt_internal.h - helpers shared by the files of ckpt/ (not part of the public API). */
+#ifndef CKPT_INTERNAL_H
+#define CKPT_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define CKPT_MANIFEST_NAME "manifest.json"
+#define CKPT_FORMAT_NAME "ckptsys.snapshot"
+/* The manifest's checksum member; see docs/FORMAT.md "Manifest checksum". */
+#define CKPT_MANIFEST_SUM_KEY ",\"manifest_xxh3\":\""
+/* Largest manifest accepted by readers, bytes. */
+#define CKPT_MANIFEST_MAX (256u << 20)
+
+/* Byte-shuffle n bytes of elem_bytes-wide elements from src into dst (byte plane k of every
+ * element first for k = 0..elem_bytes-1); a tail of n % elem_bytes bytes is copied as is.
+ * dst and src must not overlap. */
+void ckpt_shuffle(uint8_t *dst, const uint8_t *src, size_t n, uint32_t elem_bytes);
+/* Inverse of ckpt_shuffle. */
+void ckpt_unshuffle(uint8_t *dst, const uint8_t *src, size_t n, uint32_t elem_bytes);
+
+/* 16 lowercase hex digits of v into out (17 bytes with the NUL). */
+void ckpt_hex64(uint64_t v, char out[17]);
+/* Parse exactly 16 hex digits; 0 on success, -EBADMSG otherwise. */
+int ckpt_parse_hex64(const char *s, uint64_t *v);
+
+/* Name check for buffers, run ids and config hashes: [A-Za-z0-9_.-]{1,63}. */
+int ckpt_valid_name(const char *s);
+
+/* Parse "step-%09llu" exactly (9 or more digits, nothing after): 0 and *step, or -1. */
+int ckpt_parse_step_dirname(const char *name, uint64_t *step);
+/* Parse ".tmp-step-<digits>-<id>": 0 and *step, or -1. */
+int ckpt_parse_temp_dirname(const char *name, uint64_t *step);
+
+/* out = dir + "/" + name; -ENAMETOOLONG when it does not fit in len bytes. */
+int ckpt_path_join(char *out, size_t len, const char *dir, const char *name);
+
+#endif /* CKPT_INTERNAL_H */

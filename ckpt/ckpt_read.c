@@ -1,0 +1,602 @@
+/* Snapshot reader: manifest validation, range reads with checksums, verify, listing. */
+#include "ckpt.h"
+#include "ckpt_internal.h"
+#include "log.h"
+#include "storage.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <jansson.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <xxhash.h>
+#include <zstd.h>
+
+#define TAG "ckpt"
+
+typedef struct chunk {
+    uint64_t offset;       /* raw offset within the buffer */
+    uint64_t bytes;        /* raw bytes */
+    uint64_t file_offset;  /* where the stored frame starts in its file */
+    uint64_t stored_bytes;
+    uint64_t xxh_raw, xxh_stored;
+    uint32_t file;         /* index into files */
+    int filter;            /* enum ckpt_filter */
+    int codec_zstd;        /* 1 zstd frame, 0 stored raw */
+    uint32_t index;        /* chunk number within its shard, for messages */
+} chunk;
+
+typedef struct buffer {
+    char *name;
+    char *dtype;
+    uint32_t elem_bytes;
+    uint64_t total_bytes;
+    size_t nchunks;
+    chunk *chunks; /* sorted by offset, covering [0, total_bytes) exactly */
+} buffer;
+
+typedef struct file {
+    char *name;
+    uint64_t bytes;
+    store_reader *reader; /* opened on first use */
+} file;
+
+struct ckpt_snapshot {
+    char path[CKPT_PATH_MAX];
+    uint64_t step;
+    uint32_t world_size;
+    int64_t created;
+    char *run_id, *config_hash, *trainer_json;
+    size_t nfiles, nbuffers;
+    file *files;
+    buffer *buffers;
+    uint64_t max_stored, max_raw;
+    uint8_t *stored_buf, *raw_buf, *filter_buf; /* allocated on first read */
+    ZSTD_DCtx *dctx;
+};
+
+static void set_bad(char *bad, size_t bad_len, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void set_bad(char *bad, size_t bad_len, const char *fmt, ...)
+{
+    if (!bad || !bad_len) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(bad, bad_len, fmt, ap);
+    va_end(ap);
+}
+
+void ckpt_snapshot_close(ckpt_snapshot *s)
+{
+    if (!s) return;
+    for (size_t i = 0; i < s->nfiles; i++) {
+        free(s->files[i].name);
+        store_reader_close(s->files[i].reader);
+    }
+    for (size_t i = 0; i < s->nbuffers; i++) {
+        free(s->buffers[i].name);
+        free(s->buffers[i].dtype);
+        free(s->buffers[i].chunks);
+    }
+    free(s->files);
+    free(s->buffers);
+    free(s->run_id);
+    free(s->config_hash);
+    free(s->trainer_json);
+    free(s->stored_buf);
+    free(s->raw_buf);
+    free(s->filter_buf);
+    ZSTD_freeDCtx(s->dctx);
+    free(s);
+}
+
+/* Non-negative integer member, or -1. */
+static int64_t get_u(const json_t *o, const char *key)
+{
+    json_t *v = json_object_get(o, key);
+    if (!json_is_integer(v)) return -1;
+    json_int_t x = json_integer_value(v);
+    return x < 0 ? -1 : (int64_t)x;
+}
+
+static const char *get_s(const json_t *o, const char *key)
+{
+    return json_string_value(json_object_get(o, key));
+}
+
+static int cmp_chunk(const void *a, const void *b)
+{
+    const chunk *x = a, *y = b;
+    return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+/* Check the manifest's checksum member (docs/FORMAT.md) over the raw file bytes. */
+static int check_manifest_sum(const char *text, size_t len, char *why, size_t why_len)
+{
+    const char *key = CKPT_MANIFEST_SUM_KEY;
+    size_t klen = strlen(key);
+    const char *last = NULL;
+    for (const char *p = text; (p = strstr(p, key)) != NULL; p++) last = p;
+    if (!last) {
+        set_bad(why, why_len, "manifest has no manifest_xxh3 member");
+        return -EBADMSG;
+    }
+    const char *hex = last + klen;
+    if ((size_t)(hex - text) + 16 > len) {
+        set_bad(why, why_len, "manifest checksum member is cut short");
+        return -EBADMSG;
+    }
+    char tmp[17];
+    memcpy(tmp, hex, 16);
+    tmp[16] = '\0';
+    uint64_t want;
+    if (ckpt_parse_hex64(tmp, &want) < 0) {
+        set_bad(why, why_len, "manifest checksum is not 16 hex digits");
+        return -EBADMSG;
+    }
+    uint64_t got = XXH3_64bits(text, (size_t)(last - text));
+    if (got != want) {
+        set_bad(why, why_len, "manifest checksum mismatch (stored %016llx, computed %016llx)",
+                (unsigned long long)want, (unsigned long long)got);
+        return -EBADMSG;
+    }
+    return 0;
+}
+
+static int parse_chunks(ckpt_snapshot *s, buffer *b, const json_t *jshards, char *why,
+                        size_t why_len)
+{
+    size_t n = 0, i, j;
+    json_t *sh;
+    json_array_foreach(jshards, i, sh) {
+        json_t *cs = json_object_get(sh, "chunks");
+        if (!json_is_array(cs)) {
+            set_bad(why, why_len, "buffer %s: shard %zu has no chunk list", b->name, i);
+            return -EBADMSG;
+        }
+        n += json_array_size(cs);
+    }
+    b->chunks = calloc(n ? n : 1, sizeof *b->chunks);
+    if (!b->chunks) return -ENOMEM;
+    b->nchunks = 0;
+    json_array_foreach(jshards, i, sh) {
+        const char *fname = get_s(sh, "file");
+        int64_t soff = get_u(sh, "offset"), sbytes = get_u(sh, "bytes");
+        uint32_t fidx = UINT32_MAX;
+        for (size_t f = 0; fname && f < s->nfiles; f++)
+            if (!strcmp(s->files[f].name, fname)) fidx = (uint32_t)f;
+        if (fidx == UINT32_MAX || soff < 0 || sbytes < 0) {
+            set_bad(why, why_len, "buffer %s: shard %zu names an unknown file or lacks offset/bytes",
+                    b->name, i);
+            return -EBADMSG;
+        }
+        uint64_t expect = (uint64_t)soff;
+        json_t *c;
+        json_array_foreach(json_object_get(sh, "chunks"), j, c) {
+            chunk *k = &b->chunks[b->nchunks];
+            int64_t off = get_u(c, "offset"), bytes = get_u(c, "bytes");
+            int64_t foff = get_u(c, "file_offset"), sb = get_u(c, "stored_bytes");
+            const char *codec = get_s(c, "codec"), *filter = get_s(c, "filter");
+            if (off < 0 || bytes <= 0 || foff < 0 || sb < 0 || !codec || !filter ||
+                ckpt_parse_hex64(get_s(c, "xxh3_raw"), &k->xxh_raw) < 0 ||
+                ckpt_parse_hex64(get_s(c, "xxh3_stored"), &k->xxh_stored) < 0) {
+                set_bad(why, why_len, "buffer %s: chunk %zu of %s is malformed", b->name, j, fname);
+                return -EBADMSG;
+            }
+            if (!strcmp(codec, "zstd")) k->codec_zstd = 1;
+            else if (!strcmp(codec, "none")) k->codec_zstd = 0;
+            else {
+                set_bad(why, why_len, "buffer %s: chunk %zu of %s has unknown codec '%s'", b->name,
+                        j, fname, codec);
+                return -EBADMSG;
+            }
+            if (!strcmp(filter, "none")) k->filter = CKPT_FILTER_NONE;
+            else if (!strcmp(filter, "shuffle")) k->filter = CKPT_FILTER_SHUFFLE;
+            else {
+                set_bad(why, why_len, "buffer %s: chunk %zu of %s has unknown filter '%s'", b->name,
+                        j, fname, filter);
+                return -EBADMSG;
+            }
+            if ((uint64_t)off != expect || (!k->codec_zstd && sb != bytes)) {
+                set_bad(why, why_len, "buffer %s: chunk %zu of %s does not follow its predecessor",
+                        b->name, j, fname);
+                return -EBADMSG;
+            }
+            if ((uint64_t)foff + (uint64_t)sb > s->files[fidx].bytes) {
+                set_bad(why, why_len, "buffer %s: chunk %zu lies past the end of %s (%llu bytes)",
+                        b->name, j, fname, (unsigned long long)s->files[fidx].bytes);
+                return -EBADMSG;
+            }
+            k->offset = (uint64_t)off;
+            k->bytes = (uint64_t)bytes;
+            k->file_offset = (uint64_t)foff;
+            k->stored_bytes = (uint64_t)sb;
+            k->file = fidx;
+            k->index = (uint32_t)j;
+            expect += (uint64_t)bytes;
+            if (k->stored_bytes > s->max_stored) s->max_stored = k->stored_bytes;
+            if (k->bytes > s->max_raw) s->max_raw = k->bytes;
+            b->nchunks++;
+        }
+        if (expect != (uint64_t)soff + (uint64_t)sbytes) {
+            set_bad(why, why_len, "buffer %s: chunks of shard %zu do not add up to its %lld bytes",
+                    b->name, i, (long long)sbytes);
+            return -EBADMSG;
+        }
+    }
+    qsort(b->chunks, b->nchunks, sizeof *b->chunks, cmp_chunk);
+    uint64_t pos = 0;
+    for (i = 0; i < b->nchunks; i++) {
+        if (b->chunks[i].offset != pos) break;
+        pos += b->chunks[i].bytes;
+    }
+    if (i != b->nchunks || pos != b->total_bytes) {
+        set_bad(why, why_len, "buffer %s: shards do not cover its %llu bytes exactly", b->name,
+                (unsigned long long)b->total_bytes);
+        return -EBADMSG;
+    }
+    return 0;
+}
+
+static int parse_manifest(ckpt_snapshot *s, const json_t *m, char *why, size_t why_len)
+{
+    const char *fmt = get_s(m, "format");
+    int64_t ver = get_u(m, "format_version");
+    if (!fmt || strcmp(fmt, CKPT_FORMAT_NAME) != 0 || ver < 1) {
+        set_bad(why, why_len, "not a %s manifest", CKPT_FORMAT_NAME);
+        return -EBADMSG;
+    }
+    if (ver > CKPT_FORMAT_VERSION) {
+        set_bad(why, why_len, "format_version %lld is newer than this program reads (%d)",
+                (long long)ver, CKPT_FORMAT_VERSION);
+        return -EPROTONOSUPPORT;
+    }
+    int64_t step = get_u(m, "step"), ws = get_u(m, "world_size"), created = get_u(m, "created_unix");
+    const char *run_id = get_s(m, "run_id"), *chash = get_s(m, "config_hash");
+    json_t *jfiles = json_object_get(m, "files"), *jbufs = json_object_get(m, "buffers");
+    json_t *trainer = json_object_get(m, "trainer");
+    if (step < 0 || ws < 1 || ws > 1 << 20 || !run_id || !chash || !json_is_array(jfiles) ||
+        !json_is_array(jbufs) || !json_is_object(trainer)) {
+        set_bad(why, why_len, "manifest lacks step, world_size, run_id, config_hash, files, "
+                              "buffers or trainer");
+        return -EBADMSG;
+    }
+    s->step = (uint64_t)step;
+    s->world_size = (uint32_t)ws;
+    s->created = created < 0 ? 0 : created;
+    s->run_id = strdup(run_id);
+    s->config_hash = strdup(chash);
+    s->trainer_json = json_dumps(trainer, JSON_COMPACT | JSON_SORT_KEYS | JSON_REAL_PRECISION(17));
+    if (!s->run_id || !s->config_hash || !s->trainer_json) return -ENOMEM;
+
+    s->nfiles = json_array_size(jfiles);
+    s->files = calloc(s->nfiles ? s->nfiles : 1, sizeof *s->files);
+    if (!s->files) return -ENOMEM;
+    size_t i;
+    json_t *jf;
+    json_array_foreach(jfiles, i, jf) {
+        const char *name = get_s(jf, "name");
+        int64_t bytes = get_u(jf, "bytes");
+        if (!name || !ckpt_valid_name(name) || bytes < 0) {
+            set_bad(why, why_len, "file entry %zu is malformed", i);
+            return -EBADMSG;
+        }
+        char p[CKPT_PATH_MAX];
+        struct stat st;
+        if (ckpt_path_join(p, sizeof p, s->path, name) < 0 || stat(p, &st) != 0) {
+            set_bad(why, why_len, "data file %s is missing", p);
+            return -EBADMSG;
+        }
+        if ((uint64_t)st.st_size != (uint64_t)bytes) {
+            set_bad(why, why_len, "data file %s has %lld bytes, manifest says %lld", p,
+                    (long long)st.st_size, (long long)bytes);
+            return -EBADMSG;
+        }
+        s->files[i].name = strdup(name);
+        if (!s->files[i].name) return -ENOMEM;
+        s->files[i].bytes = (uint64_t)bytes;
+    }
+
+    s->nbuffers = json_array_size(jbufs);
+    s->buffers = calloc(s->nbuffers ? s->nbuffers : 1, sizeof *s->buffers);
+    if (!s->buffers) return -ENOMEM;
+    json_t *jb;
+    json_array_foreach(jbufs, i, jb) {
+        buffer *b = &s->buffers[i];
+        const char *name = get_s(jb, "name"), *dtype = get_s(jb, "dtype");
+        int64_t eb = get_u(jb, "elem_bytes"), total = get_u(jb, "total_bytes");
+        json_t *shards = json_object_get(jb, "shards");
+        if (!name || !ckpt_valid_name(name) || !dtype || !(eb == 1 || eb == 2 || eb == 4 || eb == 8) ||
+            total < 0 || !json_is_array(shards)) {
+            set_bad(why, why_len, "buffer entry %zu is malformed", i);
+            return -EBADMSG;
+        }
+        for (size_t k = 0; k < i; k++)
+            if (!strcmp(s->buffers[k].name, name)) {
+                set_bad(why, why_len, "buffer %s appears twice", name);
+                return -EBADMSG;
+            }
+        b->name = strdup(name);
+        b->dtype = strdup(dtype);
+        if (!b->name || !b->dtype) return -ENOMEM;
+        b->elem_bytes = (uint32_t)eb;
+        b->total_bytes = (uint64_t)total;
+        int rc = parse_chunks(s, b, shards, why, why_len);
+        if (rc < 0) return rc;
+    }
+    return 0;
+}
+
+uint64_t ckpt_snapshot_step(const ckpt_snapshot *s) { return s->step; }
+uint32_t ckpt_snapshot_world_size(const ckpt_snapshot *s) { return s->world_size; }
+const char *ckpt_snapshot_run_id(const ckpt_snapshot *s) { return s->run_id; }
+const char *ckpt_snapshot_config_hash(const ckpt_snapshot *s) { return s->config_hash; }
+const char *ckpt_snapshot_path(const ckpt_snapshot *s) { return s->path; }
+int64_t ckpt_snapshot_created(const ckpt_snapshot *s) { return s->created; }
+const char *ckpt_snapshot_trainer_json(const ckpt_snapshot *s) { return s->trainer_json; }
+
+static buffer *find_buffer(const ckpt_snapshot *s, const char *name)
+{
+    for (size_t i = 0; i < s->nbuffers; i++)
+        if (!strcmp(s->buffers[i].name, name)) return &s->buffers[i];
+    return NULL;
+}
+
+int64_t ckpt_snapshot_buffer_bytes(const ckpt_snapshot *s, const char *name)
+{
+    buffer *b = name ? find_buffer(s, name) : NULL;
+    return b ? (int64_t)b->total_bytes : -ENOENT;
+}
+
+size_t ckpt_snapshot_nbuffers(const ckpt_snapshot *s) { return s->nbuffers; }
+
+int ckpt_snapshot_buffer_info(const ckpt_snapshot *s, size_t i, ckpt_buffer_info *info)
+{
+    if (i >= s->nbuffers || !info) return -EINVAL;
+    const buffer *b = &s->buffers[i];
+    info->name = b->name;
+    info->dtype = b->dtype;
+    info->elem_bytes = b->elem_bytes;
+    info->total_bytes = b->total_bytes;
+    info->nchunks = b->nchunks;
+    info->stored_bytes = 0;
+    for (size_t j = 0; j < b->nchunks; j++) info->stored_bytes += b->chunks[j].stored_bytes;
+    return 0;
+}
+
+void ckpt_snapshot_sizes(const ckpt_snapshot *s, uint64_t *raw_bytes, uint64_t *stored_bytes)
+{
+    uint64_t r = 0, st = 0;
+    for (size_t i = 0; i < s->nbuffers; i++)
+        for (size_t j = 0; j < s->buffers[i].nchunks; j++) {
+            r += s->buffers[i].chunks[j].bytes;
+            st += s->buffers[i].chunks[j].stored_bytes;
+        }
+    if (raw_bytes) *raw_bytes = r;
+    if (stored_bytes) *stored_bytes = st;
+}
+
+static int ensure_read_state(ckpt_snapshot *s)
+{
+    if (s->stored_buf) return 0;
+    s->stored_buf = malloc(s->max_stored ? s->max_stored : 1);
+    s->raw_buf = malloc(s->max_raw ? s->max_raw : 1);
+    s->filter_buf = malloc(s->max_raw ? s->max_raw : 1);
+    s->dctx = ZSTD_createDCtx();
+    if (!s->stored_buf || !s->raw_buf || !s->filter_buf || !s->dctx) return -ENOMEM;
+    return 0;
+}
+
+/* Read, check and decode one chunk into s->raw_buf. */
+static int load_chunk(ckpt_snapshot *s, const buffer *b, const chunk *k, char *bad, size_t bad_len)
+{
+    file *f = &s->files[k->file];
+    char p[CKPT_PATH_MAX];
+    int rc;
+    if (ckpt_path_join(p, sizeof p, s->path, f->name) < 0) return -ENAMETOOLONG;
+    if (!f->reader) {
+        uint64_t size = 0;
+        rc = store_reader_open(&f->reader, p, 8, &size);
+        if (rc < 0) {
+            set_bad(bad, bad_len, "%s: cannot open: %s", p, strerror(-rc));
+            return rc == -ENOENT ? -EBADMSG : rc;
+        }
+        if (size != f->bytes) {
+            set_bad(bad, bad_len, "%s: %llu bytes, manifest says %llu", p,
+                    (unsigned long long)size, (unsigned long long)f->bytes);
+            return -EBADMSG;
+        }
+    }
+    store_read_req req = {k->file_offset, (size_t)k->stored_bytes, s->stored_buf};
+    rc = store_reader_read(f->reader, &req, 1);
+    if (rc < 0) {
+        set_bad(bad, bad_len, "%s: chunk %u of %s (file offset %llu): read failed: %s", p,
+                k->index, b->name, (unsigned long long)k->file_offset, strerror(-rc));
+        return rc;
+    }
+    if (XXH3_64bits(s->stored_buf, (size_t)k->stored_bytes) != k->xxh_stored) {
+        set_bad(bad, bad_len, "%s: chunk %u of %s (file offset %llu, %llu bytes): stored checksum "
+                "mismatch", p, k->index, b->name, (unsigned long long)k->file_offset,
+                (unsigned long long)k->stored_bytes);
+        return -EBADMSG;
+    }
+    uint8_t *dec = k->filter == CKPT_FILTER_NONE ? s->raw_buf : s->filter_buf;
+    if (k->codec_zstd) {
+        size_t n = ZSTD_decompressDCtx(s->dctx, dec, (size_t)k->bytes, s->stored_buf,
+                                       (size_t)k->stored_bytes);
+        if (ZSTD_isError(n) || n != k->bytes) {
+            set_bad(bad, bad_len, "%s: chunk %u of %s: zstd frame does not decode to %llu bytes%s%s",
+                    p, k->index, b->name, (unsigned long long)k->bytes, ZSTD_isError(n) ? ": " : "",
+                    ZSTD_isError(n) ? ZSTD_getErrorName(n) : "");
+            return -EBADMSG;
+        }
+    } else {
+        memcpy(dec, s->stored_buf, (size_t)k->bytes);
+    }
+    if (k->filter == CKPT_FILTER_SHUFFLE) ckpt_unshuffle(s->raw_buf, dec, (size_t)k->bytes, b->elem_bytes);
+    if (XXH3_64bits(s->raw_buf, (size_t)k->bytes) != k->xxh_raw) {
+        set_bad(bad, bad_len, "%s: chunk %u of %s: raw checksum mismatch after decoding", p,
+                k->index, b->name);
+        return -EBADMSG;
+    }
+    return 0;
+}
+
+int ckpt_snapshot_read(ckpt_snapshot *s, const char *name, uint64_t offset, uint64_t len,
+                       void *dst, char *bad, size_t bad_len)
+{
+    buffer *b = name ? find_buffer(s, name) : NULL;
+    if (!b) return -ENOENT;
+    if (offset > b->total_bytes || len > b->total_bytes - offset || (len && !dst)) return -EINVAL;
+    if (len == 0) return 0;
+    int rc = ensure_read_state(s);
+    if (rc < 0) return rc;
+    /* first chunk that ends after offset (binary search over sorted offsets) */
+    size_t lo = 0, hi = b->nchunks;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (b->chunks[mid].offset + b->chunks[mid].bytes <= offset) lo = mid + 1;
+        else hi = mid;
+    }
+    uint64_t end = offset + len;
+    for (size_t i = lo; i < b->nchunks && b->chunks[i].offset < end; i++) {
+        const chunk *k = &b->chunks[i];
+        if ((rc = load_chunk(s, b, k, bad, bad_len)) < 0) return rc;
+        uint64_t from = k->offset > offset ? k->offset : offset;
+        uint64_t to = k->offset + k->bytes < end ? k->offset + k->bytes : end;
+        memcpy((uint8_t *)dst + (from - offset), s->raw_buf + (from - k->offset), (size_t)(to - from));
+    }
+    return 0;
+}
+
+int ckpt_snapshot_verify(ckpt_snapshot *s, char *bad, size_t bad_len, ckpt_progress_fn progress,
+                         void *ctx)
+{
+    int rc = ensure_read_state(s);
+    if (rc < 0) return rc;
+    uint64_t total = 0, done = 0;
+    ckpt_snapshot_sizes(s, &total, NULL);
+    for (size_t i = 0; i < s->nbuffers; i++) {
+        const buffer *b = &s->buffers[i];
+        for (size_t j = 0; j < b->nchunks; j++) {
+            if ((rc = load_chunk(s, b, &b->chunks[j], bad, bad_len)) < 0) return rc;
+            done += b->chunks[j].bytes;
+            if (progress && progress(ctx, done, total)) return -ECANCELED;
+        }
+    }
+    return 0;
+}
+
+int ckpt_snapshot_open(ckpt_snapshot **out, const char *path, char *why, size_t why_len)
+{
+    *out = NULL;
+    if (!path || strlen(path) > CKPT_PATH_MAX - 64) return -EINVAL;
+    char mpath[CKPT_PATH_MAX];
+    char *text = NULL;
+    size_t len = 0;
+    json_t *m = NULL;
+    ckpt_snapshot *s = calloc(1, sizeof *s);
+    if (!s) return -ENOMEM;
+    snprintf(s->path, sizeof s->path, "%s", path);
+    ckpt_path_join(mpath, sizeof mpath, path, CKPT_MANIFEST_NAME); /* length checked above */
+    int rc = store_read_file(mpath, CKPT_MANIFEST_MAX, &text, &len);
+    if (rc < 0) {
+        if (rc == -ENOENT) set_bad(why, why_len, "no %s", CKPT_MANIFEST_NAME);
+        else set_bad(why, why_len, "cannot read %s: %s", CKPT_MANIFEST_NAME, strerror(-rc));
+        rc = rc == -ENOMEM ? rc : -EBADMSG;
+        goto out;
+    }
+    if ((rc = check_manifest_sum(text, len, why, why_len)) < 0) goto out;
+    json_error_t jerr;
+    m = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!json_is_object(m)) {
+        set_bad(why, why_len, "manifest is not valid JSON: %s", jerr.text);
+        rc = -EBADMSG;
+        goto out;
+    }
+    rc = parse_manifest(s, m, why, why_len);
+out:
+    json_decref(m);
+    free(text);
+    if (rc < 0) {
+        ckpt_snapshot_close(s);
+        return rc;
+    }
+    *out = s;
+    return 0;
+}
+
+static int cmp_entry(const void *a, const void *b)
+{
+    const ckpt_entry *x = a, *y = b;
+    if (x->step != y->step) return x->step < y->step ? -1 : 1;
+    int tx = x->status == CKPT_STATUS_INCOMPLETE, ty = y->status == CKPT_STATUS_INCOMPLETE;
+    if (tx != ty) return tx - ty;
+    return strcmp(x->name, y->name);
+}
+
+int ckpt_list(const char *dir, ckpt_entry **entries, size_t *n)
+{
+    *entries = NULL;
+    *n = 0;
+    DIR *d = opendir(dir);
+    if (!d) return errno == ENOENT ? 0 : -errno;
+    size_t cap = 16, cnt = 0;
+    ckpt_entry *v = malloc(cap * sizeof *v);
+    if (!v) {
+        closedir(d);
+        return -ENOMEM;
+    }
+    struct dirent *e;
+    char path[CKPT_PATH_MAX];
+    while ((e = readdir(d)) != NULL) {
+        uint64_t step;
+        int final = ckpt_parse_step_dirname(e->d_name, &step) == 0;
+        int temp = !final && ckpt_parse_temp_dirname(e->d_name, &step) == 0;
+        if (!final && !temp) continue;
+        if (strlen(e->d_name) >= sizeof v->name) continue;
+        if (cnt == cap) {
+            ckpt_entry *nv = realloc(v, 2 * cap * sizeof *v);
+            if (!nv) {
+                free(v);
+                closedir(d);
+                return -ENOMEM;
+            }
+            v = nv;
+            cap *= 2;
+        }
+        ckpt_entry *en = &v[cnt++];
+        memset(en, 0, sizeof *en);
+        en->step = step;
+        snprintf(en->name, sizeof en->name, "%s", e->d_name);
+        if (temp) {
+            en->status = CKPT_STATUS_INCOMPLETE;
+            snprintf(en->reason, sizeof en->reason, "temp folder: save in progress or interrupted");
+            continue;
+        }
+        ckpt_snapshot *s = NULL;
+        int rc = ckpt_path_join(path, sizeof path, dir, e->d_name);
+        if (rc == 0) rc = ckpt_snapshot_open(&s, path, en->reason, sizeof en->reason);
+        if (rc == 0) {
+            en->status = CKPT_STATUS_COMMITTED;
+            en->created = s->created;
+            ckpt_snapshot_sizes(s, &en->raw_bytes, &en->stored_bytes);
+            if (s->step != step) {
+                en->status = CKPT_STATUS_CORRUPT;
+                snprintf(en->reason, sizeof en->reason, "manifest says step %llu",
+                         (unsigned long long)s->step);
+            }
+            ckpt_snapshot_close(s);
+        } else {
+            en->status = rc == -EPROTONOSUPPORT ? CKPT_STATUS_NEWER : CKPT_STATUS_CORRUPT;
+        }
+    }
+    closedir(d);
+    qsort(v, cnt, sizeof *v, cmp_entry);
+    *entries = v;
+    *n = cnt;
+    return 0;
+}

@@ -1,0 +1,130 @@
+#include "ckpt.h"
+#include "ckpt_internal.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+void ckpt_shuffle(uint8_t *dst, const uint8_t *src, size_t n, uint32_t elem_bytes)
+{
+    if (elem_bytes <= 1) {
+        memcpy(dst, src, n);
+        return;
+    }
+    size_t count = n / elem_bytes;
+    for (uint32_t k = 0; k < elem_bytes; k++) {
+        uint8_t *plane = dst + (size_t)k * count;
+        const uint8_t *s = src + k;
+        for (size_t i = 0; i < count; i++) plane[i] = s[i * elem_bytes];
+    }
+    memcpy(dst + count * elem_bytes, src + count * elem_bytes, n - count * elem_bytes);
+}
+
+void ckpt_unshuffle(uint8_t *dst, const uint8_t *src, size_t n, uint32_t elem_bytes)
+{
+    if (elem_bytes <= 1) {
+        memcpy(dst, src, n);
+        return;
+    }
+    size_t count = n / elem_bytes;
+    for (uint32_t k = 0; k < elem_bytes; k++) {
+        const uint8_t *plane = src + (size_t)k * count;
+        uint8_t *d = dst + k;
+        for (size_t i = 0; i < count; i++) d[i * elem_bytes] = plane[i];
+    }
+    memcpy(dst + count * elem_bytes, src + count * elem_bytes, n - count * elem_bytes);
+}
+
+void ckpt_hex64(uint64_t v, char out[17])
+{
+    static const char digits[] = "0123456789abcdef";
+    for (int i = 15; i >= 0; i--) {
+        out[i] = digits[v & 15u];
+        v >>= 4;
+    }
+    out[16] = '\0';
+}
+
+int ckpt_parse_hex64(const char *s, uint64_t *v)
+{
+    uint64_t x = 0;
+    if (!s) return -EBADMSG;
+    for (int i = 0; i < 16; i++) {
+        char c = s[i];
+        unsigned d;
+        if (c >= '0' && c <= '9') d = (unsigned)(c - '0');
+        else if (c >= 'a' && c <= 'f') d = (unsigned)(c - 'a' + 10);
+        else return -EBADMSG;
+        x = (x << 4) | d;
+    }
+    if (s[16] != '\0') return -EBADMSG;
+    *v = x;
+    return 0;
+}
+
+int ckpt_valid_name(const char *s)
+{
+    if (!s) return 0;
+    size_t n = strlen(s);
+    if (n == 0 || n > 63) return 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        int ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                 c == '_' || c == '.' || c == '-';
+        if (!ok) return 0;
+    }
+    return 1;
+}
+
+static int parse_digits(const char *s, uint64_t *step, const char **end)
+{
+    uint64_t v = 0;
+    const char *p = s;
+    while (*p >= '0' && *p <= '9') {
+        if (v > (UINT64_MAX - 9) / 10) return -1;
+        v = v * 10 + (uint64_t)(*p - '0');
+        p++;
+    }
+    if (p - s < 9) return -1;
+    *step = v;
+    *end = p;
+    return 0;
+}
+
+int ckpt_parse_step_dirname(const char *name, uint64_t *step)
+{
+    const char *end;
+    if (strncmp(name, "step-", 5) != 0) return -1;
+    if (parse_digits(name + 5, step, &end) != 0 || *end != '\0') return -1;
+    return 0;
+}
+
+int ckpt_parse_temp_dirname(const char *name, uint64_t *step)
+{
+    const char *end;
+    if (strncmp(name, ".tmp-step-", 10) != 0) return -1;
+    if (parse_digits(name + 10, step, &end) != 0 || *end != '-') return -1;
+    return 0;
+}
+
+void ckpt_step_dirname(uint64_t step, char *buf, size_t len)
+{
+    snprintf(buf, len, "step-%09llu", (unsigned long long)step);
+}
+
+const char *ckpt_status_name(int status)
+{
+    switch (status) {
+    case CKPT_STATUS_COMMITTED: return "committed";
+    case CKPT_STATUS_CORRUPT: return "corrupt";
+    case CKPT_STATUS_NEWER: return "newer-format";
+    case CKPT_STATUS_INCOMPLETE: return "incomplete";
+    default: return "unknown";
+    }
+}
+
+int ckpt_path_join(char *out, size_t len, const char *dir, const char *name)
+{
+    int n = snprintf(out, len, "%s/%s", dir, name);
+    return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
+}

@@ -1,0 +1,317 @@
+/* ckpt-inspect: list, show and verify snapshots. Exit 0 success, 1 failure, 2 usage. */
+#include "ckpt.h"
+#include "log.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static const char usage_text[] =
+    "usage: ckpt-inspect [--json] COMMAND ARGS\n"
+    "\n"
+    "Commands:\n"
+    "  list DIR           snapshots under DIR: step, time, raw and stored bytes, ratio, status\n"
+    "  show SNAPSHOT      buffers, tensors and trainer state of one snapshot folder\n"
+    "  verify SNAPSHOT    read every chunk and check its checksums; exit 1 naming the first\n"
+    "                     bad file and chunk\n"
+    "\n"
+    "Options:\n"
+    "  --json             machine-readable output (list, show, verify)\n"
+    "  -q, --quiet        no progress lines\n"
+    "  -h, --help         this text\n"
+    "\n"
+    "Exit status: 0 success, 1 failure (corrupt or unreadable snapshot), 2 usage error.\n";
+
+static void fmt_time(int64_t t, char *buf, size_t len)
+{
+    if (t <= 0) {
+        snprintf(buf, len, "-");
+        return;
+    }
+    time_t tt = (time_t)t;
+    struct tm tm;
+    gmtime_r(&tt, &tm);
+    strftime(buf, len, "%Y-%m-%dT%H:%M:%SZ", &tm);
+}
+
+static void fmt_bytes(uint64_t b, char *buf, size_t len)
+{
+    const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    double v = (double)b;
+    int i = 0;
+    while (v >= 1024 && i < 4) {
+        v /= 1024;
+        i++;
+    }
+    if (i == 0) snprintf(buf, len, "%llu B", (unsigned long long)b);
+    else snprintf(buf, len, "%.2f %s", v, u[i]);
+}
+
+static int cmd_list(const char *dir, int json)
+{
+    ckpt_entry *e;
+    size_t n;
+    int rc = ckpt_list(dir, &e, &n);
+    if (rc < 0) {
+        fprintf(stderr, "ckpt-inspect: cannot list %s: %s\n", dir, strerror(-rc));
+        return 1;
+    }
+    if (json) {
+        json_t *arr = json_array();
+        for (size_t i = 0; i < n; i++) {
+            json_t *o = json_pack("{s:s, s:I, s:s, s:I, s:I, s:I}", "name", e[i].name, "step",
+                                  (json_int_t)e[i].step, "status", ckpt_status_name(e[i].status),
+                                  "created_unix", (json_int_t)e[i].created, "raw_bytes",
+                                  (json_int_t)e[i].raw_bytes, "stored_bytes",
+                                  (json_int_t)e[i].stored_bytes);
+            if (e[i].reason[0]) json_object_set_new(o, "reason", json_string(e[i].reason));
+            json_array_append_new(arr, o);
+        }
+        json_t *top = json_pack("{s:s, s:o}", "dir", dir, "snapshots", arr);
+        char *s = json_dumps(top, JSON_INDENT(2));
+        printf("%s\n", s);
+        free(s);
+        json_decref(top);
+    } else {
+        printf("%-12s %-20s %12s %12s %6s  %s\n", "step", "time (UTC)", "raw", "stored", "ratio",
+               "status");
+        for (size_t i = 0; i < n; i++) {
+            char t[32], r[32], s[32], ratio[16];
+            fmt_time(e[i].created, t, sizeof t);
+            if (e[i].status == CKPT_STATUS_COMMITTED) {
+                fmt_bytes(e[i].raw_bytes, r, sizeof r);
+                fmt_bytes(e[i].stored_bytes, s, sizeof s);
+                snprintf(ratio, sizeof ratio, "%.3f",
+                         e[i].stored_bytes ? (double)e[i].raw_bytes / (double)e[i].stored_bytes : 0.0);
+            } else {
+                snprintf(r, sizeof r, "-");
+                snprintf(s, sizeof s, "-");
+                snprintf(ratio, sizeof ratio, "-");
+            }
+            printf("%-12llu %-20s %12s %12s %6s  %s%s%s\n", (unsigned long long)e[i].step, t, r, s,
+                   ratio, ckpt_status_name(e[i].status), e[i].reason[0] ? ": " : "", e[i].reason);
+        }
+        if (n == 0) printf("(no snapshots in %s)\n", dir);
+    }
+    free(e);
+    return 0;
+}
+
+static int open_or_report(ckpt_snapshot **s, const char *path, int json)
+{
+    char why[512] = "";
+    int rc = ckpt_snapshot_open(s, path, why, sizeof why);
+    if (rc < 0) {
+        if (json) {
+            json_t *o = json_pack("{s:s, s:b, s:s}", "snapshot", path, "ok", 0, "error",
+                                  why[0] ? why : strerror(-rc));
+            char *t = json_dumps(o, JSON_INDENT(2));
+            printf("%s\n", t);
+            free(t);
+            json_decref(o);
+        }
+        fprintf(stderr, "ckpt-inspect: %s: %s\n", path, why[0] ? why : strerror(-rc));
+        return 1;
+    }
+    return 0;
+}
+
+static int cmd_show(const char *path, int json)
+{
+    ckpt_snapshot *s;
+    if (open_or_report(&s, path, json)) return 1;
+    uint64_t raw, stored;
+    ckpt_snapshot_sizes(s, &raw, &stored);
+    json_error_t jerr;
+    json_t *trainer = json_loads(ckpt_snapshot_trainer_json(s), 0, &jerr);
+    if (json) {
+        json_t *bufs = json_array();
+        for (size_t i = 0; i < ckpt_snapshot_nbuffers(s); i++) {
+            ckpt_buffer_info bi;
+            ckpt_snapshot_buffer_info(s, i, &bi);
+            json_array_append_new(bufs, json_pack("{s:s, s:s, s:i, s:I, s:I, s:I}", "name", bi.name,
+                                                  "dtype", bi.dtype, "elem_bytes", (int)bi.elem_bytes,
+                                                  "raw_bytes", (json_int_t)bi.total_bytes,
+                                                  "stored_bytes", (json_int_t)bi.stored_bytes,
+                                                  "chunks", (json_int_t)bi.nchunks));
+        }
+        json_t *o = json_pack("{s:s, s:I, s:i, s:s, s:s, s:I, s:I, s:I, s:o, s:o}", "snapshot",
+                              path, "step", (json_int_t)ckpt_snapshot_step(s), "world_size",
+                              (int)ckpt_snapshot_world_size(s), "run_id", ckpt_snapshot_run_id(s),
+                              "config_hash", ckpt_snapshot_config_hash(s), "created_unix",
+                              (json_int_t)ckpt_snapshot_created(s), "raw_bytes", (json_int_t)raw,
+                              "stored_bytes", (json_int_t)stored, "buffers", bufs, "trainer",
+                              trainer ? trainer : json_object());
+        char *t = json_dumps(o, JSON_INDENT(2) | JSON_REAL_PRECISION(17));
+        printf("%s\n", t);
+        free(t);
+        json_decref(o);
+        ckpt_snapshot_close(s);
+        return 0;
+    }
+    char t[32], r[32], st[32];
+    fmt_time(ckpt_snapshot_created(s), t, sizeof t);
+    fmt_bytes(raw, r, sizeof r);
+    fmt_bytes(stored, st, sizeof st);
+    printf("snapshot     %s\n", path);
+    printf("step         %llu\n", (unsigned long long)ckpt_snapshot_step(s));
+    printf("world size   %u\n", ckpt_snapshot_world_size(s));
+    printf("run id       %s\n", ckpt_snapshot_run_id(s));
+    printf("config hash  %s\n", ckpt_snapshot_config_hash(s));
+    printf("created      %s\n", t);
+    printf("size         raw %s, stored %s, ratio %.3f\n", r, st,
+           stored ? (double)raw / (double)stored : 0.0);
+    printf("\nbuffers\n  %-16s %-6s %14s %12s %12s %7s\n", "name", "dtype", "elements", "raw",
+           "stored", "chunks");
+    for (size_t i = 0; i < ckpt_snapshot_nbuffers(s); i++) {
+        ckpt_buffer_info bi;
+        ckpt_snapshot_buffer_info(s, i, &bi);
+        fmt_bytes(bi.total_bytes, r, sizeof r);
+        fmt_bytes(bi.stored_bytes, st, sizeof st);
+        printf("  %-16s %-6s %14llu %12s %12s %7zu\n", bi.name, bi.dtype,
+               (unsigned long long)(bi.total_bytes / bi.elem_bytes), r, st, bi.nchunks);
+    }
+    json_t *tensors = json_object_get(trainer, "tensors");
+    if (json_is_array(tensors)) {
+        printf("\ntensors (%zu, offsets in elements of buffer %s)\n", json_array_size(tensors),
+               json_string_value(json_object_get(trainer, "tensor_buffer"))
+                   ? json_string_value(json_object_get(trainer, "tensor_buffer"))
+                   : "params");
+        size_t i;
+        json_t *tt;
+        json_array_foreach(tensors, i, tt) {
+            char shape[96] = "";
+            size_t j, off = 0;
+            json_t *d;
+            json_array_foreach(json_object_get(tt, "shape"), j, d) {
+                off += (size_t)snprintf(shape + off, sizeof shape - off, "%s%lld", j ? ", " : "",
+                                        (long long)json_integer_value(d));
+                if (off >= sizeof shape) break;
+            }
+            printf("  %-28s (%s) at %lld\n", json_string_value(json_object_get(tt, "name")), shape,
+                   (long long)json_integer_value(json_object_get(tt, "offset")));
+        }
+    }
+    printf("\ntrainer state\n");
+    const char *key;
+    json_t *val;
+    json_object_foreach(trainer, key, val) {
+        if (!strcmp(key, "tensors") || !strcmp(key, "tensor_buffer")) continue;
+        char *txt = json_dumps(val, JSON_COMPACT | JSON_ENCODE_ANY | JSON_REAL_PRECISION(10));
+        printf("  %-12s %s\n", key, txt ? txt : "?");
+        free(txt);
+    }
+    json_decref(trainer);
+    ckpt_snapshot_close(s);
+    return 0;
+}
+
+typedef struct progress_state {
+    struct timespec start, last;
+    int quiet;
+} progress_state;
+
+static double since(const struct timespec *a, const struct timespec *b)
+{
+    return (double)(b->tv_sec - a->tv_sec) + 1e-9 * (double)(b->tv_nsec - a->tv_nsec);
+}
+
+static int on_progress(void *ctx, uint64_t done, uint64_t total)
+{
+    progress_state *p = ctx;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if (!p->quiet && since(&p->last, &now) >= 2.0) {
+        double el = since(&p->start, &now);
+        fprintf(stderr, "verify: %.1f%% (%.1f of %.1f MiB, %.1f MiB/s)\n",
+                total ? 100.0 * (double)done / (double)total : 100.0, (double)done / 1048576.0,
+                (double)total / 1048576.0, el > 0 ? (double)done / 1048576.0 / el : 0.0);
+        p->last = now;
+    }
+    return 0;
+}
+
+static int cmd_verify(const char *path, int json, int quiet)
+{
+    ckpt_snapshot *s;
+    if (open_or_report(&s, path, json)) return 1;
+    progress_state p = {.quiet = quiet || json};
+    clock_gettime(CLOCK_MONOTONIC, &p.start);
+    p.last = p.start;
+    char bad[512] = "";
+    int rc = ckpt_snapshot_verify(s, bad, sizeof bad, on_progress, &p);
+    struct timespec end;
+    clock_gettime(CLOCK_MONOTONIC, &end);
+    double el = since(&p.start, &end);
+    uint64_t raw, stored;
+    ckpt_snapshot_sizes(s, &raw, &stored);
+    if (json) {
+        json_t *o = json_pack("{s:s, s:b, s:I, s:I, s:f}", "snapshot", path, "ok", rc == 0,
+                              "raw_bytes", (json_int_t)raw, "stored_bytes", (json_int_t)stored,
+                              "seconds", el);
+        if (rc < 0) json_object_set_new(o, "error", json_string(bad[0] ? bad : strerror(-rc)));
+        char *t = json_dumps(o, JSON_INDENT(2));
+        printf("%s\n", t);
+        free(t);
+        json_decref(o);
+    }
+    if (rc < 0) {
+        fprintf(stderr, "ckpt-inspect: verify %s failed: %s\n", path, bad[0] ? bad : strerror(-rc));
+    } else if (!json) {
+        printf("OK %s: step %llu, %llu raw bytes in %.2f s (%.1f MiB/s)\n", path,
+               (unsigned long long)ckpt_snapshot_step(s), (unsigned long long)raw, el,
+               el > 0 ? (double)raw / 1048576.0 / el : 0.0);
+    }
+    ckpt_snapshot_close(s);
+    return rc < 0 ? 1 : 0;
+}
+
+int main(int argc, char **argv)
+{
+    static const struct option opts[] = {{"json", no_argument, 0, 'j'},
+                                         {"quiet", no_argument, 0, 'q'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    int json = 0, quiet = 0, c;
+    while ((c = getopt_long(argc, argv, "+jqh", opts, NULL)) != -1) {
+        switch (c) {
+        case 'j': json = 1; break;
+        case 'q': quiet = 1; break;
+        case 'h': fputs(usage_text, stdout); return 0;
+        default: fputs(usage_text, stderr); return 2;
+        }
+    }
+    /* options may also follow the command: ckpt-inspect list DIR --json */
+    int nargs = 0;
+    const char *args[3] = {0};
+    for (int i = optind; i < argc; i++) {
+        if (!strcmp(argv[i], "--json")) json = 1;
+        else if (!strcmp(argv[i], "-q") || !strcmp(argv[i], "--quiet")) quiet = 1;
+        else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+            fputs(usage_text, stdout);
+            return 0;
+        } else if (argv[i][0] == '-' && argv[i][1]) {
+            fprintf(stderr, "ckpt-inspect: unknown option '%s'\n", argv[i]);
+            return 2;
+        } else if (nargs < 3) args[nargs++] = argv[i];
+        else {
+            fprintf(stderr, "ckpt-inspect: too many arguments\n");
+            return 2;
+        }
+    }
+    if (nargs != 2) {
+        fprintf(stderr, "ckpt-inspect: %s\n%s", nargs == 0 ? "missing command" : "missing argument",
+                usage_text);
+        return 2;
+    }
+    log_set_level(LOG_WARN);
+    if (!strcmp(args[0], "list")) return cmd_list(args[1], json);
+    if (!strcmp(args[0], "show")) return cmd_show(args[1], json);
+    if (!strcmp(args[0], "verify")) return cmd_verify(args[1], json, quiet);
+    fprintf(stderr, "ckpt-inspect: unknown command '%s' (list, show, verify)\n", args[0]);
+    return 2;
+}
