@@ -1,0 +1,327 @@
+/* GPT-2 style decoder on the CPU kernels; structure follows llm.c's train_gpt2.c. */
+#include "model.h"
+
+#include "kernels.h"
+#include "rng.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Per-layer tensors, in layout order. */
+enum {
+    T_LN1W, T_LN1B, T_QKVW, T_QKVB, T_PROJW, T_PROJB,
+    T_LN2W, T_LN2B, T_FCW, T_FCB, T_FCPW, T_FCPB, T_PER_LAYER
+};
+
+typedef struct layer_acts {
+    float *ln1, *ln1_mean, *ln1_rstd; /* (B,T,C) (B,T) (B,T) */
+    float *qkv;                       /* (B,T,3C) */
+    float *atty;                      /* (B,T,C) */
+    float *att;                       /* (B,NH,T,T) */
+    float *attproj, *res2;            /* (B,T,C) */
+    float *ln2, *ln2_mean, *ln2_rstd;
+    float *fch, *fch_gelu;            /* (B,T,4C) */
+    float *fcproj, *res3;             /* (B,T,C) */
+} layer_acts;
+
+typedef struct acts {
+    float *encoded;                   /* (B,T,C) */
+    layer_acts *layers;               /* (L) */
+    float *lnf, *lnf_mean, *lnf_rstd;
+    float *logits, *probs;            /* (B,T,V) */
+    float *losses;                    /* (B,T) */
+    float *base;                      /* one allocation for all of the above */
+} acts;
+
+struct train_model {
+    train_model_config cfg;
+    int max_b;
+    size_t ntensors;
+    train_tensor *tensors;
+    size_t num_params, num_real;
+    float *params, *grads;
+    acts a, da;          /* activations and their gradients */
+    float *scratch;      /* 2*T*T work space for attention */
+    int32_t *inputs, *targets; /* copies of the last forward's tokens (max_b, T) */
+    int last_b, have_targets;
+};
+
+int train_model_config_check(const train_model_config *c, char *why, size_t why_len)
+{
+    const char *bad = NULL;
+    if (c->vocab < 2 || c->vocab > 65536) bad = "vocab must be in [2, 65536]";
+    else if (c->seq_len < 1 || c->seq_len > 8192) bad = "seq_len must be in [1, 8192]";
+    else if (c->n_layer < 1 || c->n_layer > 256) bad = "n_layer must be in [1, 256]";
+    else if (c->n_head < 1 || c->n_head > 256) bad = "n_head must be in [1, 256]";
+    else if (c->n_embd < c->n_head || c->n_embd > 65536 || c->n_embd % c->n_head)
+        bad = "n_embd must be a multiple of n_head, at most 65536";
+    if (bad && why) snprintf(why, why_len, "%s", bad);
+    return bad ? -EINVAL : 0;
+}
+
+static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+static void add_tensor(train_model *m, size_t *off, const char *name, int decay, int ndim,
+                       int64_t d0, int64_t d1)
+{
+    train_tensor *t = &m->tensors[m->ntensors++];
+    snprintf(t->name, sizeof t->name, "%s", name);
+    t->ndim = ndim;
+    t->shape[0] = d0;
+    t->shape[1] = ndim > 1 ? d1 : 0;
+    t->numel = (size_t)d0 * (ndim > 1 ? (size_t)d1 : 1);
+    t->decay = decay;
+    *off = round_up(*off, 16);
+    t->offset = *off;
+    *off += t->numel;
+    m->num_real += t->numel;
+}
+
+static void build_table(train_model *m)
+{
+    const int64_t V = m->cfg.vocab, T = m->cfg.seq_len, C = m->cfg.n_embd;
+    size_t off = 0;
+    char n[48];
+    add_tensor(m, &off, "wte.weight", 1, 2, V, C);
+    add_tensor(m, &off, "wpe.weight", 1, 2, T, C);
+    for (int l = 0; l < m->cfg.n_layer; l++) {
+#define ADD(suffix, decay, nd, a, b)                                                               \
+    do {                                                                                           \
+        snprintf(n, sizeof n, "h.%d.%s", l, suffix);                                              \
+        add_tensor(m, &off, n, decay, nd, a, b);                                                   \
+    } while (0)
+        ADD("ln_1.weight", 0, 1, C, 0);
+        ADD("ln_1.bias", 0, 1, C, 0);
+        ADD("attn.c_attn.weight", 1, 2, 3 * C, C);
+        ADD("attn.c_attn.bias", 0, 1, 3 * C, 0);
+        ADD("attn.c_proj.weight", 1, 2, C, C);
+        ADD("attn.c_proj.bias", 0, 1, C, 0);
+        ADD("ln_2.weight", 0, 1, C, 0);
+        ADD("ln_2.bias", 0, 1, C, 0);
+        ADD("mlp.c_fc.weight", 1, 2, 4 * C, C);
+        ADD("mlp.c_fc.bias", 0, 1, 4 * C, 0);
+        ADD("mlp.c_proj.weight", 1, 2, C, 4 * C);
+        ADD("mlp.c_proj.bias", 0, 1, C, 0);
+#undef ADD
+    }
+    add_tensor(m, &off, "ln_f.weight", 0, 1, C, 0);
+    add_tensor(m, &off, "ln_f.bias", 0, 1, C, 0);
+    m->num_params = round_up(off, TRAIN_BLOCK);
+}
+
+/* Lay out one activation set inside a single allocation; with base == NULL, only count. */
+static size_t layout_acts(acts *a, float *base, const train_model_config *c, int B)
+{
+    const size_t BT = (size_t)B * (size_t)c->seq_len, C = (size_t)c->n_embd;
+    const size_t TT = (size_t)c->seq_len * (size_t)c->seq_len;
+    size_t off = 0;
+#define TAKE(ptr, n)                                                                               \
+    do {                                                                                           \
+        if (base) (ptr) = base + off;                                                              \
+        off += round_up((n), 16);                                                                  \
+    } while (0)
+    TAKE(a->encoded, BT * C);
+    for (int l = 0; l < c->n_layer; l++) {
+        layer_acts dummy, *la = base ? &a->layers[l] : &dummy;
+        TAKE(la->ln1, BT * C);
+        TAKE(la->ln1_mean, BT);
+        TAKE(la->ln1_rstd, BT);
+        TAKE(la->qkv, BT * 3 * C);
+        TAKE(la->atty, BT * C);
+        TAKE(la->att, (size_t)B * (size_t)c->n_head * TT);
+        TAKE(la->attproj, BT * C);
+        TAKE(la->res2, BT * C);
+        TAKE(la->ln2, BT * C);
+        TAKE(la->ln2_mean, BT);
+        TAKE(la->ln2_rstd, BT);
+        TAKE(la->fch, BT * 4 * C);
+        TAKE(la->fch_gelu, BT * 4 * C);
+        TAKE(la->fcproj, BT * C);
+        TAKE(la->res3, BT * C);
+    }
+    TAKE(a->lnf, BT * C);
+    TAKE(a->lnf_mean, BT);
+    TAKE(a->lnf_rstd, BT);
+    TAKE(a->logits, BT * (size_t)c->vocab);
+    TAKE(a->probs, BT * (size_t)c->vocab);
+    TAKE(a->losses, BT);
+#undef TAKE
+    return off;
+}
+
+static int alloc_acts(acts *a, const train_model_config *c, int B, size_t *count)
+{
+    size_t n = layout_acts(a, NULL, c, B);
+    a->layers = calloc((size_t)c->n_layer, sizeof *a->layers);
+    a->base = calloc(n, sizeof(float));
+    if (!a->layers || !a->base) return -ENOMEM;
+    layout_acts(a, a->base, c, B);
+    *count = n;
+    return 0;
+}
+
+int train_model_create(train_model **out, const train_model_config *config, int micro_batch)
+{
+    *out = NULL;
+    if (!config || micro_batch < 1 || train_model_config_check(config, NULL, 0) < 0) return -EINVAL;
+    train_model *m = calloc(1, sizeof *m);
+    if (!m) return -ENOMEM;
+    m->cfg = *config;
+    m->max_b = micro_batch;
+    m->tensors = calloc(2 + (size_t)T_PER_LAYER * (size_t)config->n_layer + 2, sizeof *m->tensors);
+    if (!m->tensors) goto fail;
+    build_table(m);
+    m->params = calloc(m->num_params, sizeof(float));
+    m->grads = calloc(m->num_params, sizeof(float));
+    size_t T = (size_t)config->seq_len;
+    m->scratch = calloc(2 * T * T, sizeof(float));
+    m->inputs = calloc((size_t)micro_batch * T, sizeof(int32_t));
+    m->targets = calloc((size_t)micro_batch * T, sizeof(int32_t));
+    size_t na, nda;
+    if (!m->params || !m->grads || !m->scratch || !m->inputs || !m->targets ||
+        alloc_acts(&m->a, config, micro_batch, &na) < 0 ||
+        alloc_acts(&m->da, config, micro_batch, &nda) < 0)
+        goto fail;
+    *out = m;
+    return 0;
+fail:
+    train_model_free(m);
+    return -ENOMEM;
+}
+
+void train_model_free(train_model *m)
+{
+    if (!m) return;
+    free(m->tensors);
+    free(m->params);
+    free(m->grads);
+    free(m->scratch);
+    free(m->inputs);
+    free(m->targets);
+    free(m->a.layers);
+    free(m->a.base);
+    free(m->da.layers);
+    free(m->da.base);
+    free(m);
+}
+
+const train_tensor *train_model_tensors(const train_model *m, size_t *n)
+{
+    *n = m->ntensors;
+    return m->tensors;
+}
+size_t train_model_num_params(const train_model *m) { return m->num_params; }
+size_t train_model_num_real(const train_model *m) { return m->num_real; }
+float *train_model_params(train_model *m) { return m->params; }
+float *train_model_grads(train_model *m) { return m->grads; }
+const train_model_config *train_model_get_config(const train_model *m) { return &m->cfg; }
+
+void train_model_init_params(train_model *m, uint64_t seed)
+{
+    memset(m->params, 0, m->num_params * sizeof(float));
+    const double resid_std = 0.02 / sqrt(2.0 * m->cfg.n_layer);
+    for (size_t ti = 0; ti < m->ntensors; ti++) {
+        const train_tensor *t = &m->tensors[ti];
+        float *p = m->params + t->offset;
+        const char *suffix = strrchr(t->name, '.');
+        int is_bias = suffix && !strcmp(suffix, ".bias");
+        int is_ln = strstr(t->name, "ln_") != NULL;
+        if (is_ln && !is_bias) {
+            for (size_t i = 0; i < t->numel; i++) p[i] = 1.0f;
+        } else if (!is_bias) {
+            double std = strstr(t->name, "c_proj.weight") ? resid_std : 0.02;
+            for (size_t i = 0; i < t->numel; i++)
+                p[i] = (float)(std * train_rng_normal(seed, 0x1417ull + ti, i));
+        }
+    }
+}
+
+/* Parameter pointer of a tensor. */
+static float *P(float *base, const train_model *m, size_t ti) { return base + m->tensors[ti].offset; }
+
+double train_model_forward(train_model *m, const int32_t *inputs, const int32_t *targets, int B)
+{
+    const int T = m->cfg.seq_len, C = m->cfg.n_embd, NH = m->cfg.n_head, V = m->cfg.vocab;
+    const int L = m->cfg.n_layer, BT = B * T;
+    float *w = m->params;
+    acts *a = &m->a;
+    memcpy(m->inputs, inputs, (size_t)BT * sizeof(int32_t));
+    m->have_targets = targets != NULL;
+    if (targets) memcpy(m->targets, targets, (size_t)BT * sizeof(int32_t));
+    m->last_b = B;
+
+    kern_encoder_forward(a->encoded, inputs, P(w, m, 0), P(w, m, 1), B, T, C);
+    const float *residual = a->encoded;
+    for (int l = 0; l < L; l++) {
+        size_t k = 2 + (size_t)l * T_PER_LAYER;
+        layer_acts *la = &a->layers[l];
+        kern_layernorm_forward(la->ln1, la->ln1_mean, la->ln1_rstd, residual, P(w, m, k + T_LN1W),
+                               P(w, m, k + T_LN1B), BT, C);
+        kern_matmul_forward(la->qkv, la->ln1, P(w, m, k + T_QKVW), P(w, m, k + T_QKVB), BT, C, 3 * C);
+        kern_attention_forward(la->atty, la->att, m->scratch, la->qkv, B, T, C, NH);
+        kern_matmul_forward(la->attproj, la->atty, P(w, m, k + T_PROJW), P(w, m, k + T_PROJB), BT, C, C);
+        kern_residual_forward(la->res2, residual, la->attproj, (size_t)BT * C);
+        kern_layernorm_forward(la->ln2, la->ln2_mean, la->ln2_rstd, la->res2, P(w, m, k + T_LN2W),
+                               P(w, m, k + T_LN2B), BT, C);
+        kern_matmul_forward(la->fch, la->ln2, P(w, m, k + T_FCW), P(w, m, k + T_FCB), BT, C, 4 * C);
+        kern_gelu_forward(la->fch_gelu, la->fch, (size_t)BT * 4 * C);
+        kern_matmul_forward(la->fcproj, la->fch_gelu, P(w, m, k + T_FCPW), P(w, m, k + T_FCPB), BT,
+                            4 * C, C);
+        kern_residual_forward(la->res3, la->res2, la->fcproj, (size_t)BT * C);
+        residual = la->res3;
+    }
+    size_t kf = 2 + (size_t)L * T_PER_LAYER;
+    kern_layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, residual, P(w, m, kf), P(w, m, kf + 1),
+                           BT, C);
+    kern_matmul_forward(a->logits, a->lnf, P(w, m, 0), NULL, BT, C, V);
+    if (!targets) return 0.0;
+    kern_softmax_crossentropy_forward(a->probs, a->losses, a->logits, targets, BT, V);
+    double sum = 0.0;
+    for (int i = 0; i < BT; i++) sum += a->losses[i];
+    return sum / BT;
+}
+
+void train_model_backward(train_model *m, float loss_scale)
+{
+    const int B = m->last_b, T = m->cfg.seq_len, C = m->cfg.n_embd, NH = m->cfg.n_head;
+    const int V = m->cfg.vocab, L = m->cfg.n_layer, BT = B * T;
+    float *w = m->params, *g = m->grads;
+    acts *a = &m->a, *d = &m->da;
+    if (!m->have_targets) return;
+    memset(g, 0, m->num_params * sizeof(float));
+    memset(d->base, 0, layout_acts(d, NULL, &m->cfg, m->max_b) * sizeof(float));
+
+    kern_softmax_crossentropy_backward(d->logits, a->probs, m->targets, loss_scale, BT, V);
+    kern_matmul_backward(d->lnf, P(g, m, 0), NULL, d->logits, a->lnf, P(w, m, 0), BT, C, V);
+    size_t kf = 2 + (size_t)L * T_PER_LAYER;
+    const float *res_last = L ? a->layers[L - 1].res3 : a->encoded;
+    float *dres_last = L ? d->layers[L - 1].res3 : d->encoded;
+    kern_layernorm_backward(dres_last, P(g, m, kf), P(g, m, kf + 1), d->lnf, res_last, P(w, m, kf),
+                            a->lnf_mean, a->lnf_rstd, BT, C);
+    for (int l = L - 1; l >= 0; l--) {
+        size_t k = 2 + (size_t)l * T_PER_LAYER;
+        layer_acts *la = &a->layers[l], *dl = &d->layers[l];
+        const float *residual = l == 0 ? a->encoded : a->layers[l - 1].res3;
+        float *dresidual = l == 0 ? d->encoded : d->layers[l - 1].res3;
+        kern_residual_backward(dl->res2, dl->fcproj, dl->res3, (size_t)BT * C);
+        kern_matmul_backward(dl->fch_gelu, P(g, m, k + T_FCPW), P(g, m, k + T_FCPB), dl->fcproj,
+                             la->fch_gelu, P(w, m, k + T_FCPW), BT, 4 * C, C);
+        kern_gelu_backward(dl->fch, la->fch, dl->fch_gelu, (size_t)BT * 4 * C);
+        kern_matmul_backward(dl->ln2, P(g, m, k + T_FCW), P(g, m, k + T_FCB), dl->fch, la->ln2,
+                             P(w, m, k + T_FCW), BT, C, 4 * C);
+        kern_layernorm_backward(dl->res2, P(g, m, k + T_LN2W), P(g, m, k + T_LN2B), dl->ln2, la->res2,
+                                P(w, m, k + T_LN2W), la->ln2_mean, la->ln2_rstd, BT, C);
+        kern_residual_backward(dresidual, dl->attproj, dl->res2, (size_t)BT * C);
+        kern_matmul_backward(dl->atty, P(g, m, k + T_PROJW), P(g, m, k + T_PROJB), dl->attproj,
+                             la->atty, P(w, m, k + T_PROJW), BT, C, C);
+        kern_attention_backward(dl->qkv, m->scratch, dl->atty, la->qkv, la->att, B, T, C, NH);
+        kern_matmul_backward(dl->ln1, P(g, m, k + T_QKVW), P(g, m, k + T_QKVB), dl->qkv, la->ln1,
+                             P(w, m, k + T_QKVW), BT, C, 3 * C);
+        kern_layernorm_backward(dresidual, P(g, m, k + T_LN1W), P(g, m, k + T_LN1B), dl->ln1, residual,
+                                P(w, m, k + T_LN1W), la->ln1_mean, la->ln1_rstd, BT, C);
+    }
+    kern_encoder_backward(P(g, m, 0), P(g, m, 1), d->encoded, m->inputs, B, T, C);
+}

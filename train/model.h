@@ -1,0 +1,78 @@
+/* model.h - GPT-2 style decoder over flat fp32 buffers (CPU backend).
+ *
+ * Parameters live in one flat, padded fp32 buffer described by a tensor table (name, shape,
+ * offset in elements). Gradients and Adam moments use the same layout. Tensors are laid out
+ * layer by layer (wte, wpe, then h.<l>.* for each layer, then ln_f.*), each starting at a
+ * multiple of 16 elements; the total is padded to a multiple of TRAIN_BLOCK elements so that
+ * fixed reduction blocks and whole-block shards tile the buffer (DESIGN section 4). Padding
+ * stays zero. Names follow Hugging Face's GPT-2 (with nn.Linear (out, in) weight layout).
+ *
+ * Thread-safety: a model is used by one thread at a time.
+ */
+#ifndef TRAIN_MODEL_H
+#define TRAIN_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Elements per reduction block of the flat space (grad norm, digests, shards). */
+#define TRAIN_BLOCK 2048
+
+typedef struct train_model_config {
+    int vocab;   /* vocabulary size V; [2, 65536]; 256 for byte-level data */
+    int seq_len; /* context length T (max positions); [1, 8192] */
+    int n_layer; /* [1, 256] */
+    int n_embd;  /* C; [n_head, 65536], divisible by n_head */
+    int n_head;  /* NH; [1, 256] */
+} train_model_config;
+
+/* Check ranges; on error write a one-line reason into why (may be NULL). -EINVAL if bad. */
+int train_model_config_check(const train_model_config *c, char *why, size_t why_len);
+
+enum { TRAIN_MAX_DIMS = 4 };
+
+typedef struct train_tensor {
+    char name[48];
+    int ndim;
+    int64_t shape[TRAIN_MAX_DIMS];
+    size_t offset; /* first element in the flat buffer */
+    size_t numel;
+    int decay;     /* 1: AdamW weight decay applies (matrices and embeddings); 0: gains, biases */
+} train_tensor;
+
+typedef struct train_model train_model;
+
+/* Create a model for micro-batches of up to `micro_batch` sequences of config->seq_len tokens:
+ * computes the tensor table, allocates parameters, gradients and activations (owned by the
+ * model). Parameters are not initialised (see train_model_init_params).
+ * Errors: -EINVAL bad config or micro_batch < 1, -ENOMEM. */
+int train_model_create(train_model **out, const train_model_config *config, int micro_batch);
+
+/* Frees everything; accepts NULL. */
+void train_model_free(train_model *m);
+
+/* Tensor table and flat sizes. */
+const train_tensor *train_model_tensors(const train_model *m, size_t *n);
+size_t train_model_num_params(const train_model *m);  /* padded flat size, elements */
+size_t train_model_num_real(const train_model *m);    /* sum of tensor sizes, elements */
+float *train_model_params(train_model *m);           /* (num_params) */
+float *train_model_grads(train_model *m);            /* (num_params) gradient of one micro-batch */
+const train_model_config *train_model_get_config(const train_model *m);
+
+/* GPT-2 initialisation, counter-based so that it depends only on (seed, tensor, element):
+ * weights ~ N(0, 0.02), residual projections (attn.c_proj, mlp.c_proj) ~ N(0, 0.02/sqrt(2L)),
+ * biases 0, LayerNorm gains 1. Padding is zeroed. */
+void train_model_init_params(train_model *m, uint64_t seed);
+
+/* Forward pass over one micro-batch. inputs, targets (B,T) token ids in [0, V); B <= the
+ * micro_batch given at creation. Returns the mean cross-entropy over the B*T positions
+ * (nats); keeps the activations for train_model_backward. targets may be NULL (no loss,
+ * returns 0). */
+double train_model_forward(train_model *m, const int32_t *inputs, const int32_t *targets, int B);
+
+/* Backward pass of the last forward (which must have had targets): zeroes the gradient
+ * buffer, then writes d(loss_scale * sum of per-position losses)/d(params) into it.
+ * loss_scale is usually 1 / (positions in the global batch). */
+void train_model_backward(train_model *m, float loss_scale);
+
+#endif /* TRAIN_MODEL_H */
