@@ -81,6 +81,13 @@ int ckpt_save(const ckpt_save_opts *opts, uint64_t step, const char *run_id,
               const char *config_hash, const ckpt_buffer *bufs, size_t nbufs,
               const char *trainer_json, ckpt_save_stats *stats);
 
+/* Set a corrupt snapshot folder aside so that its step can be saved again while the bad
+ * bytes stay for inspection: renames dir/name to dir/name.corrupt-<unix seconds> (a name
+ * that readers never take for a snapshot) and fsyncs dir. The new name goes into newname
+ * (at least 64 bytes) when not NULL.
+ * Errors: -EINVAL (name is not a snapshot folder name), -errno of rename or fsync. */
+int ckpt_set_aside(const char *dir, const char *name, char *newname, size_t newname_len);
+
 /* Remove leftover temp folders (".tmp-step-*") under dir, logging each one removed.
  * Returns the number removed, or -errno. A missing dir returns 0. */
 int ckpt_remove_temp(const char *dir);
@@ -160,7 +167,8 @@ enum ckpt_status {
     CKPT_STATUS_COMMITTED = 0,  /* manifest present and valid (chunks not read) */
     CKPT_STATUS_CORRUPT = 1,    /* final name, but manifest missing, corrupt or inconsistent */
     CKPT_STATUS_NEWER = 2,      /* manifest of a newer format version */
-    CKPT_STATUS_INCOMPLETE = 3  /* a temp folder: a save in progress or interrupted */
+    CKPT_STATUS_INCOMPLETE = 3, /* a temp folder: a save in progress or interrupted */
+    CKPT_STATUS_SET_ASIDE = 4   /* a corrupt snapshot renamed by ckpt_set_aside */
 };
 
 typedef struct ckpt_entry {
@@ -179,7 +187,7 @@ typedef struct ckpt_entry {
 int ckpt_list(const char *dir, ckpt_entry **entries, size_t *n);
 
 /* Name of a status for humans and JSON: "committed", "corrupt", "newer-format",
- * "incomplete". */
+ * "incomplete", "set-aside". */
 const char *ckpt_status_name(int status);
 
 /* Folder name of a step: "step-%09llu" into buf (at least 32 bytes). */

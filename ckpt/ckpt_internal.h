@@ -29,10 +29,23 @@ int ckpt_valid_name(const char *s);
 
 /* Parse "step-%09llu" exactly (9 or more digits, nothing after): 0 and *step, or -1. */
 int ckpt_parse_step_dirname(const char *name, uint64_t *step);
+/* Parse "step-<digits>.corrupt-<anything>" (a folder set aside): 0 and *step, or -1. */
+int ckpt_parse_aside_dirname(const char *name, uint64_t *step);
 /* Parse ".tmp-step-<digits>-<id>": 0 and *step, or -1. */
 int ckpt_parse_temp_dirname(const char *name, uint64_t *step);
 
 /* out = dir + "/" + name; -ENAMETOOLONG when it does not fit in len bytes. */
 int ckpt_path_join(char *out, size_t len, const char *dir, const char *name);
+
+/* Fault points for crash tests (docs/FORMAT.md, "Crash safety"). When the environment
+ * variable CKPT_FAULT_POINT is "<name>" or "<name>@<step>" and matches, the process kills
+ * itself with SIGKILL here, as a crash at that instant would. Names along the save path:
+ *   before-chunk-write  before the first chunk of the snapshot is handed to the writer
+ *   mid-data            after half of the snapshot's raw bytes were handed to the writer
+ *   after-data-fsync    data file written and fsynced, no manifest yet
+ *   after-manifest      manifest written and fsynced in the temp folder, not renamed
+ *   after-rename        temp folder renamed to its final name, parent not yet fsynced
+ * Thread-safe; reads the variable once. */
+void ckpt_fault_point(const char *name, uint64_t step);
 
 #endif /* CKPT_INTERNAL_H */

@@ -533,7 +533,7 @@ static int cmp_entry(const void *a, const void *b)
 {
     const ckpt_entry *x = a, *y = b;
     if (x->step != y->step) return x->step < y->step ? -1 : 1;
-    int tx = x->status == CKPT_STATUS_INCOMPLETE, ty = y->status == CKPT_STATUS_INCOMPLETE;
+    int tx = x->status >= CKPT_STATUS_INCOMPLETE, ty = y->status >= CKPT_STATUS_INCOMPLETE;
     if (tx != ty) return tx - ty;
     return strcmp(x->name, y->name);
 }
@@ -556,7 +556,8 @@ int ckpt_list(const char *dir, ckpt_entry **entries, size_t *n)
         uint64_t step;
         int final = ckpt_parse_step_dirname(e->d_name, &step) == 0;
         int temp = !final && ckpt_parse_temp_dirname(e->d_name, &step) == 0;
-        if (!final && !temp) continue;
+        int aside = !final && !temp && ckpt_parse_aside_dirname(e->d_name, &step) == 0;
+        if (!final && !temp && !aside) continue;
         if (strlen(e->d_name) >= sizeof v->name) continue;
         if (cnt == cap) {
             ckpt_entry *nv = realloc(v, 2 * cap * sizeof *v);
@@ -575,6 +576,11 @@ int ckpt_list(const char *dir, ckpt_entry **entries, size_t *n)
         if (temp) {
             en->status = CKPT_STATUS_INCOMPLETE;
             snprintf(en->reason, sizeof en->reason, "temp folder: save in progress or interrupted");
+            continue;
+        }
+        if (aside) {
+            en->status = CKPT_STATUS_SET_ASIDE;
+            snprintf(en->reason, sizeof en->reason, "found corrupt and set aside by a resume");
             continue;
         }
         ckpt_snapshot *s = NULL;

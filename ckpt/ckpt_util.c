@@ -1,8 +1,12 @@
 #include "ckpt.h"
 #include "ckpt_internal.h"
 
+#include "log.h"
+
 #include <errno.h>
+#include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 void ckpt_shuffle(uint8_t *dst, const uint8_t *src, size_t n, uint32_t elem_bytes)
@@ -99,6 +103,14 @@ int ckpt_parse_step_dirname(const char *name, uint64_t *step)
     return 0;
 }
 
+int ckpt_parse_aside_dirname(const char *name, uint64_t *step)
+{
+    const char *end;
+    if (strncmp(name, "step-", 5) != 0) return -1;
+    if (parse_digits(name + 5, step, &end) != 0 || strncmp(end, ".corrupt-", 9) != 0) return -1;
+    return 0;
+}
+
 int ckpt_parse_temp_dirname(const char *name, uint64_t *step)
 {
     const char *end;
@@ -119,6 +131,7 @@ const char *ckpt_status_name(int status)
     case CKPT_STATUS_CORRUPT: return "corrupt";
     case CKPT_STATUS_NEWER: return "newer-format";
     case CKPT_STATUS_INCOMPLETE: return "incomplete";
+    case CKPT_STATUS_SET_ASIDE: return "set-aside";
     default: return "unknown";
     }
 }
@@ -127,4 +140,29 @@ int ckpt_path_join(char *out, size_t len, const char *dir, const char *name)
 {
     int n = snprintf(out, len, "%s/%s", dir, name);
     return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
+}
+
+/* CKPT_FAULT_POINT="<name>[@<step>]": read once; matching points kill the process. */
+void ckpt_fault_point(const char *name, uint64_t step)
+{
+    static int loaded;
+    static char want[64];
+    static long long want_step = -1;
+    if (!__atomic_load_n(&loaded, __ATOMIC_ACQUIRE)) {
+        const char *s = getenv("CKPT_FAULT_POINT");
+        if (s && *s) {
+            snprintf(want, sizeof want, "%s", s);
+            char *at = strchr(want, '@');
+            if (at) {
+                *at = '\0';
+                want_step = strtoll(at + 1, NULL, 10);
+            }
+        }
+        __atomic_store_n(&loaded, 1, __ATOMIC_RELEASE);
+    }
+    if (!want[0] || strcmp(want, name) != 0) return;
+    if (want_step >= 0 && (uint64_t)want_step != step) return;
+    LOG_W("ckpt", "fault point %s reached at step %llu: killing this process (CKPT_FAULT_POINT)",
+          name, (unsigned long long)step);
+    raise(SIGKILL);
 }

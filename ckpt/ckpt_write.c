@@ -70,6 +70,9 @@ typedef struct save_ctx {
     uint8_t *filtered; /* chunk_bytes, for the shuffle filter */
     uint8_t *frame;    /* ZSTD_compressBound(chunk_bytes) */
     size_t frame_cap;
+    uint64_t step;
+    uint64_t raw_done, raw_total; /* bytes handed to the writer so far, and in all */
+    int half_reported;
 } save_ctx;
 
 /* Write one shard as chunks; append the chunk records to `chunks`. */
@@ -92,8 +95,14 @@ static int write_shard(save_ctx *sc, store_writer *w, const ckpt_save_opts *o,
             return -EIO;
         }
         uint64_t file_off = store_writer_offset(w);
+        if (sc->raw_done == 0) ckpt_fault_point("before-chunk-write", sc->step);
         int rc = store_writer_append(w, sc->frame, z);
         if (rc < 0) return rc;
+        sc->raw_done += n;
+        if (!sc->half_reported && sc->raw_done * 2 >= sc->raw_total) {
+            sc->half_reported = 1;
+            ckpt_fault_point("mid-data", sc->step);
+        }
         char hraw[17], hst[17];
         ckpt_hex64(XXH3_64bits(raw, n), hraw);
         ckpt_hex64(XXH3_64bits(sc->frame, z), hst);
@@ -201,6 +210,8 @@ int ckpt_save(const ckpt_save_opts *opts, uint64_t step, const char *run_id,
         goto out;
     }
 
+    sc.step = step;
+    for (size_t i = 0; i < nbufs; i++) sc.raw_total += bufs[i].bytes;
     const char *file_name = "rank-00000.bin";
     if ((rc = ckpt_path_join(path, sizeof path, tmp_dir, file_name)) < 0) goto out;
     store_writer_opts wo = STORE_WRITER_OPTS_INIT;
@@ -236,6 +247,7 @@ int ckpt_save(const ckpt_save_opts *opts, uint64_t step, const char *run_id,
         LOG_E(TAG, "finishing %s failed: %s", path, strerror(-rc));
         goto out;
     }
+    ckpt_fault_point("after-data-fsync", step);
 
     body = json_pack("{s:s, s:i, s:I, s:I, s:i, s:s, s:s, s:I, s:[{s:s, s:i, s:I}], s:O, s:O}",
                      "format", CKPT_FORMAT_NAME, "format_version", CKPT_FORMAT_VERSION, "step",
@@ -256,12 +268,21 @@ int ckpt_save(const ckpt_save_opts *opts, uint64_t step, const char *run_id,
         LOG_E(TAG, "fsync of %s failed: %s", tmp_dir, strerror(-rc));
         goto out;
     }
-    if ((rc = store_rename_durable(tmp_dir, final_dir)) < 0) {
+    ckpt_fault_point("after-manifest", step);
+    if (rename(tmp_dir, final_dir) != 0) {
+        rc = -errno;
         LOG_E(TAG, "commit of step %llu (rename %s -> %s) failed: %s", (unsigned long long)step,
               tmp_dir, final_dir, strerror(-rc));
         goto out;
     }
     tmp_made = 0;
+    ckpt_fault_point("after-rename", step);
+    if ((rc = store_fsync_dir(opts->dir)) < 0) {
+        /* the rename happened; a crash now may or may not keep it, so report the error */
+        LOG_E(TAG, "fsync of %s after committing step %llu failed: %s", opts->dir,
+              (unsigned long long)step, strerror(-rc));
+        goto out;
+    }
     clock_gettime(CLOCK_MONOTONIC, &t1);
     if (stats) {
         stats->raw_bytes = raw_total;
@@ -279,6 +300,25 @@ out:
     json_decref(jbufs);
     json_decref(trainer);
     return rc;
+}
+
+int ckpt_set_aside(const char *dir, const char *name, char *newname, size_t newname_len)
+{
+    uint64_t step;
+    char from[CKPT_PATH_MAX], to[CKPT_PATH_MAX], aside[96];
+    if (!dir || !name || ckpt_parse_step_dirname(name, &step) != 0) return -EINVAL;
+    snprintf(aside, sizeof aside, "%.40s.corrupt-%lld", name, (long long)time(NULL));
+    int rc = ckpt_path_join(from, sizeof from, dir, name);
+    if (rc == 0) rc = ckpt_path_join(to, sizeof to, dir, aside);
+    if (rc < 0) return rc;
+    if (rename(from, to) != 0) {
+        rc = -errno;
+        LOG_E(TAG, "cannot set %s aside as %s: %s", from, aside, strerror(errno));
+        return rc;
+    }
+    if ((rc = store_fsync_dir(dir)) < 0) return rc;
+    if (newname) snprintf(newname, newname_len, "%s", aside);
+    return 0;
 }
 
 int ckpt_remove_temp(const char *dir)

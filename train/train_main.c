@@ -362,6 +362,32 @@ static int same_model(const json_t *model, const train_model_config *c, char *di
     return diff[0] == '\0';
 }
 
+/* Log one warning listing the optimizer and schedule settings that differ from the
+ * snapshot's: allowed, but the run no longer reproduces an uninterrupted one. */
+static void warn_changed_hparams(const json_t *tr, const options *o)
+{
+    const json_t *opt = json_object_get(tr, "optimizer");
+    struct { const char *k; double now; } f[] = {
+        {"lr", o->adam.lr}, {"min_lr_ratio", o->adam.min_lr_ratio}, {"warmup", o->adam.warmup},
+        {"total_steps", o->adam.total_steps}, {"beta1", o->adam.beta1}, {"beta2", o->adam.beta2},
+        {"eps", o->adam.eps}, {"weight_decay", o->adam.weight_decay},
+        {"grad_clip", o->adam.grad_clip}};
+    char msg[512];
+    size_t off = 0;
+    msg[0] = '\0';
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
+        json_t *x = json_object_get(opt, f[i].k);
+        if (!json_is_number(x)) continue;
+        double was = json_number_value(x);
+        if ((float)was != (float)f[i].now && off < sizeof msg)
+            off += (size_t)snprintf(msg + off, sizeof msg - off, "%s%s %g -> %g", off ? ", " : "",
+                                    f[i].k, was, f[i].now);
+    }
+    if (msg[0])
+        LOG_W(TAG, "optimizer settings differ from the snapshot's (%s): the run will not match an "
+              "uninterrupted one", msg);
+}
+
 /* Load one snapshot. Returns 0, -EBADMSG (corrupt: try an older one), or -EINVAL
  * (incompatible: refuse), other -errno. why gets one line. */
 static int load_snapshot(state *s, const char *path, char *why, size_t why_len)
@@ -405,6 +431,7 @@ static int load_snapshot(state *s, const char *path, char *why, size_t why_len)
                                         why_len)) == 0 &&
                (rc = ckpt_snapshot_read(snap, "adam_m", 0, bytes, s->m, why, why_len)) == 0 &&
                (rc = ckpt_snapshot_read(snap, "adam_v", 0, bytes, s->v, why, why_len)) == 0) {
+        warn_changed_hparams(tr, s->o);
         s->step = step;
         s->samples = (uint64_t)samples;
         snprintf(s->run_id, sizeof s->run_id, "%s", ckpt_snapshot_run_id(snap));
@@ -457,24 +484,46 @@ static int resume(state *s)
         return 1;
     }
     int result = -1;
-    for (size_t i = n; i-- > 0 && result < 0;) {
+    for (size_t i = n; i-- > 0;) {
         char path[CKPT_PATH_MAX];
         snprintf(path, sizeof path, "%s/%s", o->ckpt_dir, e[i].name);
-        if (e[i].status != CKPT_STATUS_COMMITTED) {
-            LOG_W(TAG, "skipping %s: %s (%s)", path, ckpt_status_name(e[i].status), e[i].reason);
+        if (e[i].status == CKPT_STATUS_INCOMPLETE || e[i].status == CKPT_STATUS_SET_ASIDE) {
+            LOG_D(TAG, "ignoring %s: %s", path, ckpt_status_name(e[i].status));
             continue;
         }
-        rc = load_snapshot(s, path, why, sizeof why);
-        if (rc == 0) {
-            LOG_I(TAG, "resumed from %s at step %" PRId64 " (run %s)", path, s->step, s->run_id);
-            result = 0;
-        } else if (rc == -EINVAL) {
-            LOG_E(TAG, "refusing to resume from %s: %s", path, why);
+        if (e[i].status == CKPT_STATUS_NEWER) {
+            LOG_E(TAG, "refusing to resume: %s was written by a newer version (%s); upgrade, or "
+                  "pass --resume PATH to choose an older snapshot", path, e[i].reason);
             result = 2;
-        } else {
+            break;
+        }
+        if (e[i].status == CKPT_STATUS_COMMITTED) {
+            rc = load_snapshot(s, path, why, sizeof why);
+            if (rc == 0) {
+                LOG_I(TAG, "resumed from %s at step %" PRId64 " (run %s)", path, s->step, s->run_id);
+                result = 0;
+                break;
+            }
+            if (rc == -EINVAL) {
+                LOG_E(TAG, "refusing to resume from %s: %s", path, why);
+                result = 2;
+                break;
+            }
+            if (rc != -EBADMSG) {
+                LOG_E(TAG, "cannot read %s: %s", path, why[0] ? why : strerror(-rc));
+                result = 1;
+                break;
+            }
             LOG_W(TAG, "skipping corrupt snapshot %s: %s", path, why);
             fresh_start(s); /* the failed load may have overwritten part of the state */
+        } else {
+            LOG_W(TAG, "skipping %s: corrupt (%s)", path, e[i].reason);
         }
+        /* keep the bad bytes for inspection, under a name that frees the step for a new save */
+        char aside[96];
+        int ar = ckpt_set_aside(o->ckpt_dir, e[i].name, aside, sizeof aside);
+        if (ar == 0) LOG_W(TAG, "set %s aside as %s/%s", path, o->ckpt_dir, aside);
+        else LOG_W(TAG, "could not set %s aside: %s", path, strerror(-ar));
     }
     free(e);
     if (result < 0) {

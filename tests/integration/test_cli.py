@@ -1,0 +1,93 @@
+"""Command-line contract: --help, exit status 0 / 1 / 2, one clear line for bad input (I5),
+JSON output of ckpt-inspect, and refusal to resume a different model configuration."""
+import json
+import os
+import struct
+
+import harness as h
+
+
+class Cli(h.TempDirTest):
+    def test_help(self):
+        for prog in (h.TRAIN, h.INSPECT, h.PREPARE):
+            p = h.run([prog, "--help"])
+            self.assertEqual(p.returncode, 0, prog)
+            self.assertIn("usage:", p.stdout)
+
+    def test_usage_errors_exit_2(self):
+        cases = [
+            ([h.TRAIN], "--data GLOB is required"),
+            ([h.TRAIN, "--data", "x", "--bogus"], "see --help"),
+            ([h.TRAIN, "--data", "x", "--steps", "ten"], "--steps: 'ten' is not an integer"),
+            ([h.TRAIN, "--data", "x", "--n-embd", "30", "--n-head", "4"], "n_embd must be a multiple of n_head"),
+            ([h.TRAIN, "--data", "x", "--ckpt-every", "5"], "--ckpt-every needs --ckpt-dir"),
+            ([h.TRAIN, "--data", os.path.join(self.tmp, "none_*.bin")], "no file matches"),
+            ([h.INSPECT], "missing command"),
+            ([h.INSPECT, "frobnicate", "x"], "unknown command"),
+            ([h.PREPARE, "--out", self.tmp], "no input files"),
+            ([h.PREPARE, "--out", self.tmp, "--val-fraction", "0.9", "x"], "not a number in [0, 0.5]"),
+        ]
+        for args, msg in cases:
+            p = h.run(args)
+            self.assertEqual(p.returncode, 2, f"{args}: {p.stderr}")
+            self.assertIn(msg, p.stderr, args)
+
+    def test_bad_shards_are_named(self):
+        bad = os.path.join(self.tmp, "bad_000000.bin")
+        with open(bad, "wb") as f:
+            f.write(struct.pack("<3i", 12345, 1, 10) + bytes(1012) + bytes(20))
+        p = h.run([h.TRAIN, "--data", bad])
+        self.assertEqual(p.returncode, 1)
+        self.assertIn(f"{bad}: bad magic 12345", p.stderr)
+        short = os.path.join(self.tmp, "short_000000.bin")
+        with open(short, "wb") as f:
+            f.write(struct.pack("<3i", 20240520, 1, 1000) + bytes(1012) + bytes(10))
+        p = h.run([h.TRAIN, "--data", short])
+        self.assertEqual(p.returncode, 1)
+        self.assertIn(f"{short}: header says 1000 tokens", p.stderr)
+        empty = os.path.join(self.tmp, "empty.txt")
+        open(empty, "w").close()
+        p = h.run([h.PREPARE, "--out", os.path.join(self.tmp, "out"), empty])
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("no training text", p.stderr)
+
+    def test_resume_with_other_model_is_refused(self):
+        ckpt = os.path.join(self.tmp, "ckpt")
+        h.train(["--ckpt-dir", ckpt, "--ckpt-every", "20", "--steps", "20"])
+        p = h.train(["--ckpt-dir", ckpt, "--resume", "auto", "--n-layer", "3", "--n-embd", "32"], check=False)
+        self.assertEqual(p.returncode, 2, p.stderr[-1000:])
+        self.assertRegex(p.stderr, r"refusing to resume from \S+step-000000020: model configuration differs: "
+                                   r"n_layer \(snapshot 2, now 3\), n_embd \(snapshot 64, now 32\)")
+        # nothing was deleted or written
+        self.assertEqual(h.snapshot_dirs(ckpt), ["step-000000020"])
+
+    def test_inspect_json_and_show(self):
+        ckpt = os.path.join(self.tmp, "ckpt")
+        h.train(["--ckpt-dir", ckpt, "--ckpt-every", "30"])
+        lst = json.loads(h.run([h.INSPECT, "list", ckpt, "--json"], check=True).stdout)
+        self.assertEqual([s["step"] for s in lst["snapshots"]], [30, 60])
+        for s in lst["snapshots"]:
+            self.assertEqual(s["status"], "committed")
+            self.assertGreater(s["raw_bytes"], s["stored_bytes"] * 0.5)
+        snap = os.path.join(ckpt, "step-000000060")
+        show = json.loads(h.run([h.INSPECT, "--json", "show", snap], check=True).stdout)
+        self.assertEqual(show["step"], 60)
+        self.assertEqual({b["name"] for b in show["buffers"]}, {"params", "adam_m", "adam_v"})
+        tr = show["trainer"]
+        self.assertEqual(tr["optimizer"]["t"], 60)
+        self.assertEqual(tr["data"]["samples_consumed"], 60 * 8)
+        self.assertEqual(tr["model"]["n_layer"], 2)
+        names = [t["name"] for t in tr["tensors"]]
+        self.assertEqual(names[:3], ["wte.weight", "wpe.weight", "h.0.ln_1.weight"])
+        self.assertEqual(tr["params_digest"], h.reference()["digest"])
+        text = h.run([h.INSPECT, "show", snap], check=True).stdout
+        self.assertIn("h.1.mlp.c_proj.weight", text)
+        v = json.loads(h.run([h.INSPECT, "verify", snap, "--json"], check=True).stdout)
+        self.assertTrue(v["ok"])
+        p = h.run([h.INSPECT, "show", os.path.join(ckpt, "step-000000099")])
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("no manifest.json", p.stderr)
+
+
+if __name__ == "__main__":
+    h.main()
