@@ -272,6 +272,18 @@ static double eval_val(state *s)
 
 /* ------------------------------------------------------------------ snapshots */
 
+/* The shortest decimal that reads back as the same float: 0.9f is recorded as 0.9, not as
+ * 0.8999999761581421. */
+static double f2d(float f)
+{
+    char buf[32] = "0";
+    for (int prec = 1; prec <= 9; prec++) {
+        snprintf(buf, sizeof buf, "%.*g", prec, (double)f);
+        if ((float)strtod(buf, NULL) == f) break;
+    }
+    return strtod(buf, NULL);
+}
+
 static json_t *trainer_record(state *s)
 {
     const options *o = s->o;
@@ -296,11 +308,11 @@ static json_t *trainer_record(state *s)
         "step", (json_int_t)s->step, "model", "vocab", o->model.vocab, "seq_len", o->model.seq_len,
         "n_layer", o->model.n_layer, "n_embd", o->model.n_embd, "n_head", o->model.n_head,
         "tensor_buffer", "params", "tensors", tensors, "num_params",
-        (int)train_model_num_params(s->model), "optimizer", "type", "adamw", "lr", (double)o->adam.lr,
-        "min_lr_ratio", (double)o->adam.min_lr_ratio, "warmup", o->adam.warmup, "total_steps",
-        o->adam.total_steps, "beta1", (double)o->adam.beta1, "beta2", (double)o->adam.beta2, "eps",
-        (double)o->adam.eps, "weight_decay", (double)o->adam.weight_decay, "grad_clip",
-        (double)o->adam.grad_clip, "t", (json_int_t)s->step, "batch", "micro_batch", o->micro_batch,
+        (int)train_model_num_params(s->model), "optimizer", "type", "adamw", "lr", f2d(o->adam.lr),
+        "min_lr_ratio", f2d(o->adam.min_lr_ratio), "warmup", o->adam.warmup, "total_steps",
+        o->adam.total_steps, "beta1", f2d(o->adam.beta1), "beta2", f2d(o->adam.beta2), "eps",
+        f2d(o->adam.eps), "weight_decay", f2d(o->adam.weight_decay), "grad_clip",
+        f2d(o->adam.grad_clip), "t", (json_int_t)s->step, "batch", "micro_batch", o->micro_batch,
         "grad_accum", o->grad_accum, "world_size", 1, "global_batch", o->micro_batch * o->grad_accum,
         "data", "samples_consumed", (json_int_t)s->samples, "epoch", (json_int_t)(s->samples / n),
         "offset_in_epoch", (json_int_t)(s->samples % n), "seed", (json_int_t)o->seed, "num_samples",
