@@ -42,17 +42,21 @@ typedef struct store_writer_opts {
                             default 1 MiB, range [STORE_ALIGN, 64 MiB] */
     unsigned queue_depth; /* buffers (= writes) in flight; default 8, range [1, 64] */
     int direct;           /* 1: O_DIRECT when the file system allows it (default); 0: never */
+    void *memory;         /* NULL (default): the writer allocates its buffers; else caller-owned
+                             memory of queue_depth * buffer_bytes bytes, STORE_ALIGN-aligned,
+                             that outlives the writer: a caller that writes many files keeps
+                             its memory use flat this way (no allocator churn) */
 } store_writer_opts;
 
-#define STORE_WRITER_OPTS_INIT {1u << 20, 8u, 1}
+#define STORE_WRITER_OPTS_INIT {1u << 20, 8u, 1, NULL}
 
 typedef struct store_writer store_writer;
 
 /* Create `path` (O_CREAT|O_EXCL, mode 0644) and return a writer in *out.
  * opts may be NULL for the defaults. Memory: queue_depth * buffer_bytes, allocated here
- * once. The caller owns *out and releases it with store_writer_close() or
+ * once unless opts->memory provides it. The caller owns *out and releases it with store_writer_close() or
  * store_writer_abort().
- * Errors: -EINVAL bad options, -EEXIST path exists, -ENOMEM, other -errno from open or
+ * Errors: -EINVAL bad options (or misaligned memory), -EEXIST path exists, -ENOMEM, other -errno from open or
  * io_uring_queue_init. */
 int store_writer_open(store_writer **out, const char *path, const store_writer_opts *opts);
 

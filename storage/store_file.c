@@ -14,6 +14,7 @@
 #include <liburing.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -158,6 +159,7 @@ typedef struct wslot {
 
 struct store_writer {
     struct io_uring ring;
+    bool owns_mem; /* buffers allocated here (not caller's opts.memory) */
     int fd;
     bool direct;    /* opened with O_DIRECT: buffers are padded to STORE_ALIGN */
     bool fd_direct; /* O_DIRECT still set on fd (cleared after an unaligned short write) */
@@ -356,7 +358,8 @@ static void w_free(store_writer *w)
         return;
     }
     io_uring_queue_exit(&w->ring);
-    for (unsigned i = 0; i < w->qd; i++) free(w->slots[i].data);
+    if (w->owns_mem)
+        for (unsigned i = 0; i < w->qd; i++) free(w->slots[i].data);
     free(w->slots);
     free(w->path);
     free(w);
@@ -369,7 +372,8 @@ int store_writer_open(store_writer **out, const char *path, const store_writer_o
     *out = NULL;
     if (!opts) opts = &defaults;
     if (opts->buffer_bytes < STORE_ALIGN || opts->buffer_bytes > (64u << 20) ||
-        opts->buffer_bytes % STORE_ALIGN || opts->queue_depth < 1 || opts->queue_depth > 64)
+        opts->buffer_bytes % STORE_ALIGN || opts->queue_depth < 1 || opts->queue_depth > 64 ||
+        ((uintptr_t)opts->memory % STORE_ALIGN) != 0)
         return -EINVAL;
 
     int rc = 0;
@@ -385,9 +389,12 @@ int store_writer_open(store_writer **out, const char *path, const store_writer_o
         rc = -ENOMEM;
         goto fail;
     }
+    w->owns_mem = opts->memory == NULL;
     for (unsigned i = 0; i < w->qd; i++) {
         void *p = NULL;
-        if (posix_memalign(&p, STORE_ALIGN, w->buf_bytes)) {
+        if (!w->owns_mem) {
+            p = (char *)opts->memory + (size_t)i * w->buf_bytes;
+        } else if (posix_memalign(&p, STORE_ALIGN, w->buf_bytes)) {
             rc = -ENOMEM;
             goto fail;
         }
@@ -432,7 +439,7 @@ fail_created:
 fail:
     if (w->fd >= 0) close(w->fd);
     if (ring_ok) io_uring_queue_exit(&w->ring);
-    if (w->slots)
+    if (w->slots && w->owns_mem)
         for (unsigned i = 0; i < w->qd; i++) free(w->slots[i].data);
     free(w->slots);
     free(w->path);

@@ -113,7 +113,8 @@ static void test_round_trips(const char *dir)
                                      4097,    MiB - 1,     MiB,         MiB + 1,
                                      8193,    10 * MiB + 123};
     static const store_writer_opts opts[] = {
-        {4096, 1, 1}, {4096, 8, 1}, {1u << 20, 8, 1}, {65536, 3, 1}, {8192, 2, 0}};
+        {4096, 1, 1, NULL}, {4096, 8, 1, NULL}, {1u << 20, 8, 1, NULL}, {65536, 3, 1, NULL},
+        {8192, 2, 0, NULL}};
     unsigned seed = 1;
     for (size_t oi = 0; oi < sizeof opts / sizeof *opts; oi++) {
         for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++, seed++) {
@@ -158,8 +159,10 @@ static void test_writer_errors(const char *dir)
     free(buf);
     unlink(p);
 
-    store_writer_opts bad[] = {{1000, 8, 1}, {0, 8, 1},      {4096, 0, 1},
-                               {4096, 65, 1}, {6000, 1, 1}, {(64u << 20) + 4096, 1, 1}};
+    static char misaligned_mem[2 * 4096 + 1];
+    store_writer_opts bad[] = {{1000, 8, 1, NULL},  {0, 8, 1, NULL},    {4096, 0, 1, NULL},
+                               {4096, 65, 1, NULL}, {6000, 1, 1, NULL}, {(64u << 20) + 4096, 1, 1, NULL},
+                               {4096, 1, 1, misaligned_mem + ((uintptr_t)misaligned_mem % 4096 ? 0 : 1)}};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         rc = store_writer_open(&w, p, &bad[i]);
         T_CHECK(rc == -EINVAL, "bad opts %zu: %d", i, rc);
@@ -175,7 +178,7 @@ static void test_writer_errors(const char *dir)
     free(missing);
 
     /* Abort: with writes in flight and with a buffered tail; the file disappears. */
-    store_writer_opts o = {4096, 8, 1};
+    store_writer_opts o = {4096, 8, 1, NULL};
     REQUIRE_OK(store_writer_open(&w, p, &o), "open for abort");
     unsigned char *big = malloc(MiB + 5);
     T_REQUIRE(big, "malloc");
@@ -194,7 +197,7 @@ static void test_reader(const char *dir)
 {
     const uint64_t size = 3 * MiB + 4321;
     char *p = path_in(dir, "reader.bin");
-    store_writer_opts o = {65536, 4, 1};
+    store_writer_opts o = {65536, 4, 1, NULL};
     REQUIRE_OK(write_pattern(p, size, &o, 7), "write reader file");
     unsigned char *ref = malloc(size);
     T_REQUIRE(ref, "malloc");
@@ -384,7 +387,7 @@ static int fault_child(const char *dir, const char *spec, int want_err, int fail
     setenv("CKPT_FAULT_STORE", spec, 1);
     setenv("CKPT_LOG_LEVEL", "error", 1);
     char *p = path_in(dir, "fault.bin");
-    store_writer_opts o = {4096, 1, 1};
+    store_writer_opts o = {4096, 1, 1, NULL};
     store_writer *w = NULL;
     if (store_writer_open(&w, p, &o)) return 10;
     unsigned char b[4096];
@@ -415,7 +418,7 @@ static int fsize_child(const char *dir, int direct)
     struct rlimit rl = {10000, 10000};
     if (setrlimit(RLIMIT_FSIZE, &rl)) return 77;
     char *p = path_in(dir, "fsize.bin");
-    store_writer_opts o = {4096, 2, direct};
+    store_writer_opts o = {4096, 2, direct, NULL};
     store_writer *w = NULL;
     if (store_writer_open(&w, p, &o)) return 10;
     unsigned char b[3 * 4096];
