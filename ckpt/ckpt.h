@@ -70,7 +70,9 @@ typedef struct ckpt_save_stats {
 } ckpt_save_stats;
 
 /* Save one snapshot of `step` synchronously, for a world of one rank: writes
- * rank-00000.bin with every buffer, then commits with the manifest. `trainer_json` must be
+ * rank-00000.bin with every buffer, then commits with the manifest. It runs the same
+ * pipeline as the asynchronous engine below (compressing on one thread, zstd always) and
+ * writes the same bytes. `trainer_json` must be
  * a JSON object (text); it is stored verbatim under "trainer". `run_id` and `config_hash`
  * are free-form identifiers ([A-Za-z0-9_.-]{1,63}) recorded for lineage checks.
  * On any error nothing is committed and the temp folder is removed; an existing committed
@@ -80,6 +82,104 @@ typedef struct ckpt_save_stats {
 int ckpt_save(const ckpt_save_opts *opts, uint64_t step, const char *run_id,
               const char *config_hash, const ckpt_buffer *bufs, size_t nbufs,
               const char *trainer_json, ckpt_save_stats *stats);
+
+/* ------------------------------------------------------------------ asynchronous engine
+ *
+ * Two-phase snapshots (DESIGN section 3; CheckFreq, Mohan et al., FAST 2021):
+ *   stage   - ckpt_engine_stage() copies the buffers and the trainer record into a staging
+ *             area that is allocated once and reused (the only part that stalls training);
+ *   persist - a background thread splits the staged bytes into chunks, compresses them on
+ *             `threads` worker threads (each chunk an independent zstd frame, or stored raw
+ *             when compression does not shrink it), checksums them, writes them in order
+ *             through io_uring (queue depth `queue_depth`), fsyncs, commits (ckpt_save's
+ *             protocol) and then applies retention.
+ * The bytes a persist writes depend only on the staged bytes and the options, never on
+ * timing: the files equal those of a synchronous ckpt_save of the same state.
+ *
+ * At most one persist is in flight. When a stage is requested while one is, the policy says
+ * what happens: CKPT_POLICY_WAIT waits for it (bounded by wait_timeout_s), CKPT_POLICY_SKIP
+ * skips the new snapshot and counts it.
+ *
+ * Memory, allocated at the first stage and reused (bounded, case C21):
+ *   staging:  the sum of the staged buffers' bytes (exactly what was asked to be saved);
+ *   pipeline: 2 x threads x ZSTD_compressBound(chunk_bytes) for compressed chunks, plus
+ *             threads x chunk_bytes when the shuffle filter is on, plus
+ *             queue_depth x 1 MiB io_uring write buffers.
+ * A later stage with more bytes than the first grows the staging area once.
+ *
+ * Thread-safety: one thread drives an engine (stage/wait/destroy); the engine's own threads
+ * never touch the caller's buffers after ckpt_engine_stage returns.
+ */
+
+enum ckpt_policy { CKPT_POLICY_WAIT = 0, CKPT_POLICY_SKIP = 1 };
+
+typedef struct ckpt_engine_opts {
+    ckpt_save_opts save;    /* folder, chunking, codec, I/O; see ckpt_save_opts */
+    int compress;           /* 1: zstd (default); 0: every chunk stored raw (codec "none") */
+    unsigned threads;       /* compression worker threads; default 2; range [1, 64] */
+    int policy;             /* enum ckpt_policy; default CKPT_POLICY_WAIT */
+    double wait_timeout_s;  /* longest wait for a persist in flight; default 3600 s */
+    unsigned keep_last;     /* retention: keep the newest K committed snapshots; 0 = keep all */
+    uint64_t keep_every;    /* retention: also keep every snapshot whose step is a multiple
+                               of N; 0 = none */
+} ckpt_engine_opts;
+
+#define CKPT_ENGINE_OPTS_INIT {CKPT_SAVE_OPTS_INIT, 1, 2u, CKPT_POLICY_WAIT, 3600.0, 0u, 0u}
+
+/* Figures of the last finished persist. */
+typedef struct ckpt_persist_stats {
+    uint64_t step;
+    int result;            /* 0 committed, or the negative errno of the failure */
+    uint64_t raw_bytes, stored_bytes;
+    double stage_seconds;  /* the stall of its stage */
+    double persist_seconds;/* from the end of the stage to the end of the commit */
+    unsigned removed;      /* snapshots removed by retention after it committed */
+} ckpt_persist_stats;
+
+typedef struct ckpt_engine ckpt_engine;
+
+/* Create an engine; starts no thread until the first stage. The caller frees it with
+ * ckpt_engine_destroy. Errors: -EINVAL bad options, -ENOMEM. */
+int ckpt_engine_create(ckpt_engine **out, const ckpt_engine_opts *opts);
+
+/* Stage a snapshot of `step` (arguments as for ckpt_save, world of one rank) and start its
+ * persist in the background. Returns 0 when staged, 1 when skipped by CKPT_POLICY_SKIP
+ * (counted in ckpt_engine_skipped). *stall_s (may be NULL) gets the time this call took.
+ * Errors: -EINVAL bad arguments, -ETIMEDOUT the persist in flight did not finish within
+ * wait_timeout_s (nothing staged), -ENOMEM. The result of the previous persist is not
+ * returned here: see ckpt_engine_last. */
+int ckpt_engine_stage(ckpt_engine *e, uint64_t step, const char *run_id, const char *config_hash,
+                      const ckpt_buffer *bufs, size_t nbufs, const char *trainer_json,
+                      double *stall_s);
+
+/* Wait until no persist is in flight, at most timeout_s seconds. Returns the result of the
+ * last persist (0 or its negative errno; 0 if none ran), or -ETIMEDOUT. */
+int ckpt_engine_wait(ckpt_engine *e, double timeout_s);
+
+/* Non-zero while a persist is in flight. */
+int ckpt_engine_busy(ckpt_engine *e);
+
+/* Copy the figures of the last finished persist into *st; returns 0, or -ENOENT when none
+ * has finished yet. */
+int ckpt_engine_last(ckpt_engine *e, ckpt_persist_stats *st);
+
+/* Finished persists since creation (committed or failed), and snapshots skipped. */
+uint64_t ckpt_engine_completed(ckpt_engine *e);
+uint64_t ckpt_engine_skipped(ckpt_engine *e);
+
+/* Wait for the persist in flight (at most wait_timeout_s), stop the threads and free
+ * everything. Returns the last persist's result like ckpt_engine_wait. Accepts NULL. */
+int ckpt_engine_destroy(ckpt_engine *e);
+
+/* Apply retention to dir now. Considers the committed snapshots of lineage run_id (all
+ * lineages when run_id is NULL); keeps the newest keep_last of them (0 = all) and those whose
+ * step is a multiple of keep_every (0 = none); removes the others. The newest committed
+ * snapshot is never removed, nor anything that is not a committed snapshot. A snapshot is
+ * removed by renaming it to a temp name (".tmp-step-<step>-retired") and fsyncing dir first,
+ * so a crash never leaves a half-deleted snapshot under a final name; leftovers go with
+ * ckpt_remove_temp. Returns the number removed, or -errno (the first failure; it goes on
+ * with the others). */
+int ckpt_retain(const char *dir, unsigned keep_last, uint64_t keep_every, const char *run_id);
 
 /* Set a corrupt snapshot folder aside so that its step can be saved again while the bad
  * bytes stay for inspection: renames dir/name to dir/name.corrupt-<unix seconds> (a name
@@ -142,21 +242,30 @@ int ckpt_snapshot_buffer_info(const ckpt_snapshot *s, size_t i, ckpt_buffer_info
 /* Sums over all chunks: raw bytes and stored bytes. */
 void ckpt_snapshot_sizes(const ckpt_snapshot *s, uint64_t *raw_bytes, uint64_t *stored_bytes);
 
+/* Threads that ckpt_snapshot_read and ckpt_snapshot_verify use to read and decode chunks in
+ * parallel (each with its own io_uring reader and zstd context); default 2, range [1, 64].
+ * Memory per thread: the largest stored chunk + 2 x the largest raw chunk.
+ * Errors: -EINVAL. */
+int ckpt_snapshot_set_threads(ckpt_snapshot *s, unsigned threads);
+
 /* Read bytes [offset, offset+len) of buffer `name` into dst. Only the chunks that overlap
- * the range are read (io_uring), each decompressed and checked against both its stored and
- * its raw xxh3 checksum. On -EBADMSG, *bad (if not NULL) receives a one-line description
+ * the range are read (io_uring), on the snapshot's reading threads, each decompressed and
+ * checked against both its stored and its raw xxh3 checksum; a chunk that lies wholly in the
+ * range is decoded straight into dst. When several chunks are bad, the first one in buffer
+ * order is reported. On -EBADMSG, *bad (if not NULL) receives a one-line description
  * naming the file and chunk (at most bad_len bytes).
  * Errors: -ENOENT (no such buffer), -EINVAL (range outside the buffer), -EBADMSG (checksum
  * mismatch, undecodable frame, short file), -EIO, -ENOMEM. */
 int ckpt_snapshot_read(ckpt_snapshot *s, const char *name, uint64_t offset, uint64_t len,
                        void *dst, char *bad, size_t bad_len);
 
-/* Progress callback for verify: bytes checked so far and in all. Return non-zero to stop
- * (verify then returns -ECANCELED). */
+/* Progress callback for verify, called on the caller's thread once per chunk checked, in
+ * chunk order: bytes checked so far and in all. Return non-zero to stop (verify then returns
+ * -ECANCELED). */
 typedef int (*ckpt_progress_fn)(void *ctx, uint64_t done_bytes, uint64_t total_bytes);
 
-/* Read and check every chunk of every shard. On -EBADMSG *bad names the first bad file and
- * chunk. progress may be NULL.
+/* Read and check every chunk of every shard, on the snapshot's reading threads. On -EBADMSG
+ * *bad names the first bad file and chunk. progress may be NULL.
  * Errors: -EBADMSG, -ECANCELED, -EIO, -ENOMEM. */
 int ckpt_snapshot_verify(ckpt_snapshot *s, char *bad, size_t bad_len, ckpt_progress_fn progress,
                          void *ctx);
@@ -177,7 +286,8 @@ typedef struct ckpt_entry {
     int64_t created;       /* unix seconds; 0 when unknown */
     uint64_t raw_bytes;    /* 0 when unknown */
     uint64_t stored_bytes; /* 0 when unknown */
-    char name[64];         /* folder name */
+    char name[256];        /* folder name */
+    char run_id[64];       /* lineage; empty when unknown */
     char reason[160];      /* why not committed; empty when committed */
 } ckpt_entry;
 

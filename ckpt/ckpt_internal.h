@@ -45,7 +45,30 @@ int ckpt_path_join(char *out, size_t len, const char *dir, const char *name);
  *   after-data-fsync    data file written and fsynced, no manifest yet
  *   after-manifest      manifest written and fsynced in the temp folder, not renamed
  *   after-rename        temp folder renamed to its final name, parent not yet fsynced
+ *   during-retention    (step = the step being removed) renamed to its temp name, not yet
+ *                       deleted
  * Thread-safe; reads the variable once. */
 void ckpt_fault_point(const char *name, uint64_t step);
+
+/* Compression pool and the save pipeline shared by ckpt_save and the engine (ckpt_write.c). */
+#include "ckpt.h"
+
+typedef struct ckpt_pool ckpt_pool;
+
+/* Start `threads` compression workers with 2*threads ring slots for chunks of up to
+ * chunk_bytes (plus shuffle scratch when shuffle != 0). Errors: -EINVAL, -ENOMEM. */
+int ckpt_pool_create(ckpt_pool **out, unsigned threads, uint64_t chunk_bytes, int shuffle);
+/* Stop the workers and free; accepts NULL. No job may be running. */
+void ckpt_pool_destroy(ckpt_pool *p);
+
+/* Validate the arguments of a save: 0 or -EINVAL. */
+int ckpt_check_save(const ckpt_save_opts *opts, const char *run_id, const char *config_hash,
+                    const ckpt_buffer *bufs, size_t nbufs);
+
+/* Write and commit one snapshot from bufs (read only during the call) with the pool's
+ * workers; compress = 0 stores every chunk raw. Same contract as ckpt_save. */
+int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint64_t step,
+                 const char *run_id, const char *config_hash, const ckpt_buffer *bufs,
+                 size_t nbufs, const char *trainer_json, ckpt_save_stats *stats);
 
 #endif /* CKPT_INTERNAL_H */

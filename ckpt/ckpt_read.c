@@ -7,6 +7,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <jansson.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,8 +42,15 @@ typedef struct buffer {
 typedef struct file {
     char *name;
     uint64_t bytes;
-    store_reader *reader; /* opened on first use */
 } file;
+
+/* Decode state of one reading thread: zstd context, bounded buffers, one io_uring reader per
+ * data file (opened on first use). */
+typedef struct rctx {
+    ZSTD_DCtx *dctx;
+    uint8_t *stored, *raw, *filt;
+    store_reader **readers;
+} rctx;
 
 struct ckpt_snapshot {
     char path[CKPT_PATH_MAX];
@@ -54,8 +62,8 @@ struct ckpt_snapshot {
     file *files;
     buffer *buffers;
     uint64_t max_stored, max_raw;
-    uint8_t *stored_buf, *raw_buf, *filter_buf; /* allocated on first read */
-    ZSTD_DCtx *dctx;
+    unsigned threads; /* reading threads; default 2 */
+    rctx *ctx;        /* (threads) decode states, allocated on first read */
 };
 
 static void set_bad(char *bad, size_t bad_len, const char *fmt, ...)
@@ -69,13 +77,12 @@ static void set_bad(char *bad, size_t bad_len, const char *fmt, ...)
     va_end(ap);
 }
 
+static void rctx_free(rctx *c, size_t nfiles);
+
 void ckpt_snapshot_close(ckpt_snapshot *s)
 {
     if (!s) return;
-    for (size_t i = 0; i < s->nfiles; i++) {
-        free(s->files[i].name);
-        store_reader_close(s->files[i].reader);
-    }
+    for (size_t i = 0; i < s->nfiles; i++) free(s->files[i].name);
     for (size_t i = 0; i < s->nbuffers; i++) {
         free(s->buffers[i].name);
         free(s->buffers[i].dtype);
@@ -86,10 +93,8 @@ void ckpt_snapshot_close(ckpt_snapshot *s)
     free(s->run_id);
     free(s->config_hash);
     free(s->trainer_json);
-    free(s->stored_buf);
-    free(s->raw_buf);
-    free(s->filter_buf);
-    ZSTD_freeDCtx(s->dctx);
+    for (unsigned t = 0; s->ctx && t < s->threads; t++) rctx_free(&s->ctx[t], s->nfiles);
+    free(s->ctx);
     free(s);
 }
 
@@ -379,27 +384,58 @@ void ckpt_snapshot_sizes(const ckpt_snapshot *s, uint64_t *raw_bytes, uint64_t *
     if (stored_bytes) *stored_bytes = st;
 }
 
+static void rctx_free(rctx *c, size_t nfiles)
+{
+    if (!c) return;
+    ZSTD_freeDCtx(c->dctx);
+    free(c->stored);
+    free(c->raw);
+    free(c->filt);
+    for (size_t i = 0; c->readers && i < nfiles; i++) store_reader_close(c->readers[i]);
+    free(c->readers);
+}
+
 static int ensure_read_state(ckpt_snapshot *s)
 {
-    if (s->stored_buf) return 0;
-    s->stored_buf = malloc(s->max_stored ? s->max_stored : 1);
-    s->raw_buf = malloc(s->max_raw ? s->max_raw : 1);
-    s->filter_buf = malloc(s->max_raw ? s->max_raw : 1);
-    s->dctx = ZSTD_createDCtx();
-    if (!s->stored_buf || !s->raw_buf || !s->filter_buf || !s->dctx) return -ENOMEM;
+    if (s->ctx) return 0;
+    s->ctx = calloc(s->threads, sizeof *s->ctx);
+    if (!s->ctx) return -ENOMEM;
+    for (unsigned t = 0; t < s->threads; t++) {
+        rctx *c = &s->ctx[t];
+        c->dctx = ZSTD_createDCtx();
+        c->stored = malloc(s->max_stored ? s->max_stored : 1);
+        c->raw = malloc(s->max_raw ? s->max_raw : 1);
+        c->filt = malloc(s->max_raw ? s->max_raw : 1);
+        c->readers = calloc(s->nfiles ? s->nfiles : 1, sizeof *c->readers);
+        if (!c->dctx || !c->stored || !c->raw || !c->filt || !c->readers) return -ENOMEM;
+    }
     return 0;
 }
 
-/* Read, check and decode one chunk into s->raw_buf. */
-static int load_chunk(ckpt_snapshot *s, const buffer *b, const chunk *k, char *bad, size_t bad_len)
+int ckpt_snapshot_set_threads(ckpt_snapshot *s, unsigned threads)
 {
-    file *f = &s->files[k->file];
+    if (!s || threads < 1 || threads > 64) return -EINVAL;
+    if (s->ctx) {
+        for (unsigned t = 0; t < s->threads; t++) rctx_free(&s->ctx[t], s->nfiles);
+        free(s->ctx);
+        s->ctx = NULL;
+    }
+    s->threads = threads;
+    return 0;
+}
+
+/* Read, check and decode chunk k of buffer b into out (k->bytes bytes): read the stored
+ * bytes (io_uring), check their checksum, decode, unfilter, check the raw checksum. */
+static int load_chunk(const ckpt_snapshot *s, rctx *c, const buffer *b, const chunk *k,
+                      uint8_t *out, char *bad, size_t bad_len)
+{
+    const file *f = &s->files[k->file];
     char p[CKPT_PATH_MAX];
     int rc;
     if (ckpt_path_join(p, sizeof p, s->path, f->name) < 0) return -ENAMETOOLONG;
-    if (!f->reader) {
+    if (!c->readers[k->file]) {
         uint64_t size = 0;
-        rc = store_reader_open(&f->reader, p, 8, &size);
+        rc = store_reader_open(&c->readers[k->file], p, 8, &size);
         if (rc < 0) {
             set_bad(bad, bad_len, "%s: cannot open: %s", p, strerror(-rc));
             return rc == -ENOENT ? -EBADMSG : rc;
@@ -410,37 +446,127 @@ static int load_chunk(ckpt_snapshot *s, const buffer *b, const chunk *k, char *b
             return -EBADMSG;
         }
     }
-    store_read_req req = {k->file_offset, (size_t)k->stored_bytes, s->stored_buf};
-    rc = store_reader_read(f->reader, &req, 1);
+    /* a raw chunk without filter is read straight into its destination */
+    uint8_t *stored = (!k->codec_zstd && k->filter == CKPT_FILTER_NONE) ? out : c->stored;
+    store_read_req req = {k->file_offset, (size_t)k->stored_bytes, stored};
+    rc = store_reader_read(c->readers[k->file], &req, 1);
     if (rc < 0) {
         set_bad(bad, bad_len, "%s: chunk %u of %s (file offset %llu): read failed: %s", p,
                 k->index, b->name, (unsigned long long)k->file_offset, strerror(-rc));
         return rc;
     }
-    if (XXH3_64bits(s->stored_buf, (size_t)k->stored_bytes) != k->xxh_stored) {
+    if (XXH3_64bits(stored, (size_t)k->stored_bytes) != k->xxh_stored) {
         set_bad(bad, bad_len, "%s: chunk %u of %s (file offset %llu, %llu bytes): stored checksum "
                 "mismatch", p, k->index, b->name, (unsigned long long)k->file_offset,
                 (unsigned long long)k->stored_bytes);
         return -EBADMSG;
     }
-    uint8_t *dec = k->filter == CKPT_FILTER_NONE ? s->raw_buf : s->filter_buf;
+    uint8_t *dec = k->filter == CKPT_FILTER_NONE ? out : c->filt;
     if (k->codec_zstd) {
-        size_t n = ZSTD_decompressDCtx(s->dctx, dec, (size_t)k->bytes, s->stored_buf,
-                                       (size_t)k->stored_bytes);
+        size_t n = ZSTD_decompressDCtx(c->dctx, dec, (size_t)k->bytes, stored, (size_t)k->stored_bytes);
         if (ZSTD_isError(n) || n != k->bytes) {
             set_bad(bad, bad_len, "%s: chunk %u of %s: zstd frame does not decode to %llu bytes%s%s",
                     p, k->index, b->name, (unsigned long long)k->bytes, ZSTD_isError(n) ? ": " : "",
                     ZSTD_isError(n) ? ZSTD_getErrorName(n) : "");
             return -EBADMSG;
         }
-    } else {
-        memcpy(dec, s->stored_buf, (size_t)k->bytes);
+    } else if (dec != stored) {
+        memcpy(dec, stored, (size_t)k->bytes);
     }
-    if (k->filter == CKPT_FILTER_SHUFFLE) ckpt_unshuffle(s->raw_buf, dec, (size_t)k->bytes, b->elem_bytes);
-    if (XXH3_64bits(s->raw_buf, (size_t)k->bytes) != k->xxh_raw) {
+    if (k->filter == CKPT_FILTER_SHUFFLE) ckpt_unshuffle(out, dec, (size_t)k->bytes, b->elem_bytes);
+    if (XXH3_64bits(out, (size_t)k->bytes) != k->xxh_raw) {
         set_bad(bad, bad_len, "%s: chunk %u of %s: raw checksum mismatch after decoding", p,
                 k->index, b->name);
         return -EBADMSG;
+    }
+    return 0;
+}
+
+/* One unit of work: a chunk and where its bytes go. dst NULL: check only (verify). */
+typedef struct work {
+    const buffer *b;
+    const chunk *k;
+    uint8_t *dst;    /* where range [from, to) of the buffer lands */
+    uint64_t from, to;
+} work;
+
+typedef struct batch {
+    const ckpt_snapshot *s;
+    const work *w;
+    size_t n;
+    size_t next;     /* guarded by mu */
+    int failed;
+    size_t bad_index;
+    int bad_rc;
+    char bad[512];
+    pthread_mutex_t mu;
+} batch;
+
+static void do_work(batch *bt, rctx *c)
+{
+    char bad[512];
+    for (;;) {
+        pthread_mutex_lock(&bt->mu);
+        size_t i = bt->next++;
+        int stop = bt->failed || i >= bt->n;
+        pthread_mutex_unlock(&bt->mu);
+        if (stop) return;
+        const work *w = &bt->w[i];
+        const chunk *k = w->k;
+        int whole = w->dst && w->from == k->offset && w->to == k->offset + k->bytes;
+        uint8_t *out = whole ? w->dst : c->raw;
+        bad[0] = '\0';
+        int rc = load_chunk(bt->s, c, w->b, k, out, bad, sizeof bad);
+        if (rc == 0 && w->dst && !whole)
+            memcpy(w->dst, c->raw + (w->from - k->offset), (size_t)(w->to - w->from));
+        if (rc < 0) {
+            pthread_mutex_lock(&bt->mu);
+            if (!bt->failed || i < bt->bad_index) { /* report the first bad chunk in order */
+                bt->failed = 1;
+                bt->bad_index = i;
+                bt->bad_rc = rc;
+                snprintf(bt->bad, sizeof bt->bad, "%s", bad);
+            }
+            pthread_mutex_unlock(&bt->mu);
+            return;
+        }
+    }
+}
+
+typedef struct thread_arg {
+    batch *bt;
+    rctx *c;
+} thread_arg;
+
+static void *work_main(void *arg)
+{
+    thread_arg *ta = arg;
+    do_work(ta->bt, ta->c);
+    return NULL;
+}
+
+/* Run the work items on up to s->threads threads (the caller's among them). */
+static int run_batch(ckpt_snapshot *s, const work *w, size_t n, char *bad, size_t bad_len)
+{
+    batch bt = {.s = s, .w = w, .n = n};
+    pthread_mutex_init(&bt.mu, NULL);
+    unsigned extra = s->threads - 1;
+    if (extra > n - 1) extra = (unsigned)(n - 1);
+    pthread_t tid[64];
+    thread_arg ta[64];
+    unsigned started = 0;
+    for (unsigned t = 0; t < extra; t++) {
+        ta[t].bt = &bt;
+        ta[t].c = &s->ctx[t + 1];
+        if (pthread_create(&tid[t], NULL, work_main, &ta[t]) != 0) break;
+        started++;
+    }
+    do_work(&bt, &s->ctx[0]);
+    for (unsigned t = 0; t < started; t++) pthread_join(tid[t], NULL);
+    pthread_mutex_destroy(&bt.mu);
+    if (bt.failed) {
+        set_bad(bad, bad_len, "%s", bt.bad);
+        return bt.bad_rc;
     }
     return 0;
 }
@@ -462,14 +588,19 @@ int ckpt_snapshot_read(ckpt_snapshot *s, const char *name, uint64_t offset, uint
         else hi = mid;
     }
     uint64_t end = offset + len;
-    for (size_t i = lo; i < b->nchunks && b->chunks[i].offset < end; i++) {
+    size_t last = lo;
+    while (last < b->nchunks && b->chunks[last].offset < end) last++;
+    work *w = calloc(last - lo ? last - lo : 1, sizeof *w);
+    if (!w) return -ENOMEM;
+    for (size_t i = lo; i < last; i++) {
         const chunk *k = &b->chunks[i];
-        if ((rc = load_chunk(s, b, k, bad, bad_len)) < 0) return rc;
         uint64_t from = k->offset > offset ? k->offset : offset;
         uint64_t to = k->offset + k->bytes < end ? k->offset + k->bytes : end;
-        memcpy((uint8_t *)dst + (from - offset), s->raw_buf + (from - k->offset), (size_t)(to - from));
+        w[i - lo] = (work){b, k, (uint8_t *)dst + (from - offset), from, to};
     }
-    return 0;
+    rc = run_batch(s, w, last - lo, bad, bad_len);
+    free(w);
+    return rc;
 }
 
 int ckpt_snapshot_verify(ckpt_snapshot *s, char *bad, size_t bad_len, ckpt_progress_fn progress,
@@ -479,12 +610,20 @@ int ckpt_snapshot_verify(ckpt_snapshot *s, char *bad, size_t bad_len, ckpt_progr
     if (rc < 0) return rc;
     uint64_t total = 0, done = 0;
     ckpt_snapshot_sizes(s, &total, NULL);
+    size_t cap = 4 * (size_t)s->threads, n = 0;
+    work w[4 * 64];
     for (size_t i = 0; i < s->nbuffers; i++) {
         const buffer *b = &s->buffers[i];
         for (size_t j = 0; j < b->nchunks; j++) {
-            if ((rc = load_chunk(s, b, &b->chunks[j], bad, bad_len)) < 0) return rc;
-            done += b->chunks[j].bytes;
-            if (progress && progress(ctx, done, total)) return -ECANCELED;
+            w[n++] = (work){b, &b->chunks[j], NULL, 0, 0};
+            int last = i + 1 == s->nbuffers && j + 1 == b->nchunks;
+            if (n < cap && !last) continue;
+            if ((rc = run_batch(s, w, n, bad, bad_len)) < 0) return rc;
+            for (size_t q = 0; q < n; q++) { /* reported chunk by chunk, in order */
+                done += w[q].k->bytes;
+                if (progress && progress(ctx, done, total)) return -ECANCELED;
+            }
+            n = 0;
         }
     }
     return 0;
@@ -500,13 +639,14 @@ int ckpt_snapshot_open(ckpt_snapshot **out, const char *path, char *why, size_t 
     json_t *m = NULL;
     ckpt_snapshot *s = calloc(1, sizeof *s);
     if (!s) return -ENOMEM;
+    s->threads = 2;
     snprintf(s->path, sizeof s->path, "%s", path);
     ckpt_path_join(mpath, sizeof mpath, path, CKPT_MANIFEST_NAME); /* length checked above */
     int rc = store_read_file(mpath, CKPT_MANIFEST_MAX, &text, &len);
     if (rc < 0) {
         if (rc == -ENOENT) set_bad(why, why_len, "no %s", CKPT_MANIFEST_NAME);
         else set_bad(why, why_len, "cannot read %s: %s", CKPT_MANIFEST_NAME, strerror(-rc));
-        rc = rc == -ENOMEM ? rc : -EBADMSG;
+        if (rc != -ENOMEM && rc != -ENOENT) rc = -EBADMSG;
         goto out;
     }
     if ((rc = check_manifest_sum(text, len, why, why_len)) < 0) goto out;
@@ -589,6 +729,7 @@ int ckpt_list(const char *dir, ckpt_entry **entries, size_t *n)
         if (rc == 0) {
             en->status = CKPT_STATUS_COMMITTED;
             en->created = s->created;
+            snprintf(en->run_id, sizeof en->run_id, "%s", s->run_id);
             ckpt_snapshot_sizes(s, &en->raw_bytes, &en->stored_bytes);
             if (s->step != step) {
                 en->status = CKPT_STATUS_CORRUPT;

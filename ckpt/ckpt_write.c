@@ -7,9 +7,11 @@
 #include <dirent.h>
 #include <errno.h>
 #include <jansson.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -64,61 +66,6 @@ static int check_buffers(const ckpt_buffer *bufs, size_t nbufs)
     return 0;
 }
 
-/* Per-save scratch: one zstd context and the bounded buffers it needs. */
-typedef struct save_ctx {
-    ZSTD_CCtx *cctx;
-    uint8_t *filtered; /* chunk_bytes, for the shuffle filter */
-    uint8_t *frame;    /* ZSTD_compressBound(chunk_bytes) */
-    size_t frame_cap;
-    uint64_t step;
-    uint64_t raw_done, raw_total; /* bytes handed to the writer so far, and in all */
-    int half_reported;
-} save_ctx;
-
-/* Write one shard as chunks; append the chunk records to `chunks`. */
-static int write_shard(save_ctx *sc, store_writer *w, const ckpt_save_opts *o,
-                       const ckpt_buffer *b, json_t *chunks, uint64_t *stored_total)
-{
-    const uint8_t *src = b->data;
-    for (uint64_t done = 0; done < b->bytes;) {
-        size_t n = (size_t)(b->bytes - done < o->chunk_bytes ? b->bytes - done : o->chunk_bytes);
-        const uint8_t *raw = src + done;
-        const uint8_t *in = raw;
-        if (o->filter == CKPT_FILTER_SHUFFLE) {
-            ckpt_shuffle(sc->filtered, raw, n, b->elem_bytes);
-            in = sc->filtered;
-        }
-        size_t z = ZSTD_compressCCtx(sc->cctx, sc->frame, sc->frame_cap, in, n, o->zstd_level);
-        if (ZSTD_isError(z)) {
-            LOG_E(TAG, "zstd compression of %s chunk at %llu failed: %s", b->name,
-                  (unsigned long long)(b->offset + done), ZSTD_getErrorName(z));
-            return -EIO;
-        }
-        uint64_t file_off = store_writer_offset(w);
-        if (sc->raw_done == 0) ckpt_fault_point("before-chunk-write", sc->step);
-        int rc = store_writer_append(w, sc->frame, z);
-        if (rc < 0) return rc;
-        sc->raw_done += n;
-        if (!sc->half_reported && sc->raw_done * 2 >= sc->raw_total) {
-            sc->half_reported = 1;
-            ckpt_fault_point("mid-data", sc->step);
-        }
-        char hraw[17], hst[17];
-        ckpt_hex64(XXH3_64bits(raw, n), hraw);
-        ckpt_hex64(XXH3_64bits(sc->frame, z), hst);
-        json_t *c = json_pack("{s:I, s:I, s:I, s:I, s:s, s:s, s:s, s:s}",
-                              "offset", (json_int_t)(b->offset + done), "bytes", (json_int_t)n,
-                              "file_offset", (json_int_t)file_off, "stored_bytes", (json_int_t)z,
-                              "codec", "zstd", "filter",
-                              o->filter == CKPT_FILTER_SHUFFLE ? "shuffle" : "none",
-                              "xxh3_raw", hraw, "xxh3_stored", hst);
-        if (!c || json_array_append_new(chunks, c) != 0) return -ENOMEM;
-        *stored_total += z;
-        done += n;
-    }
-    return 0;
-}
-
 /* The manifest file: the body's compact JSON without its final '}', then the checksum
  * member over exactly those bytes, then "}\n" (docs/FORMAT.md). */
 static int write_manifest(const char *path, json_t *body)
@@ -149,15 +96,333 @@ out:
     return rc;
 }
 
-int ckpt_save(const ckpt_save_opts *opts, uint64_t step, const char *run_id,
-              const char *config_hash, const ckpt_buffer *bufs, size_t nbufs,
-              const char *trainer_json, ckpt_save_stats *stats)
+/* ------------------------------------------------------------------ compression pool
+ *
+ * Chunks are numbered in file order. Workers take the next chunk number, wait until its
+ * ring slot (number % nslots) is free, compress (or just checksum) into the slot and mark it
+ * ready; the writer consumes slots strictly in chunk order, appends the stored bytes to the
+ * data file and frees the slot. Output bytes therefore depend only on the input, never on
+ * which worker did what. Memory is bounded by the slots, allocated once. */
+
+typedef struct chunk_job {
+    uint32_t buf;  /* index into the job's buffers */
+    uint64_t off;  /* offset within that buffer's shard, bytes */
+    size_t len;
+} chunk_job;
+
+typedef struct slot {
+    uint8_t *frame;    /* ZSTD_compressBound(chunk_bytes) */
+    uint8_t *filtered; /* chunk_bytes when the shuffle filter may be used */
+    int64_t chunk;     /* chunk held, -1 when free */
+    int ready;
+    int err;
+    int codec_zstd;
+    const uint8_t *stored; /* frame, or the raw bytes when stored raw */
+    size_t stored_len;
+    uint64_t xxh_raw, xxh_stored;
+} slot;
+
+struct ckpt_pool {
+    pthread_mutex_t mu;
+    pthread_cond_t cv_work, cv_ready, cv_free;
+    unsigned nthreads, nslots, started;
+    pthread_t *threads;
+    slot *slots;
+    uint64_t chunk_bytes;
+    int shuffle; /* slots have shuffle scratch */
+    void *wmem;  /* io_uring write buffers, reused by every save (flat memory, case C21) */
+    size_t wmem_bytes;
+    int stop;
+    /* the job in progress */
+    int have_job, abort, busy;
+    const ckpt_buffer *bufs;
+    const chunk_job *chunks;
+    size_t nchunks, next;
+    int compress, level, filter;
+};
+
+/* Seconds a pipeline wait may last before the save fails (DESIGN I4: no unbounded wait). */
+#define POOL_WAIT_S 600
+
+static void deadline_in(struct timespec *ts, double s)
+{
+    clock_gettime(CLOCK_REALTIME, ts);
+    ts->tv_sec += (time_t)s;
+    ts->tv_nsec += (long)((s - (double)(time_t)s) * 1e9);
+    if (ts->tv_nsec >= 1000000000L) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000L;
+    }
+}
+
+static void compress_chunk(ckpt_pool *p, ZSTD_CCtx *cctx, slot *s, const chunk_job *c)
+{
+    const ckpt_buffer *b = &p->bufs[c->buf];
+    const uint8_t *raw = (const uint8_t *)b->data + c->off;
+    s->err = 0;
+    s->xxh_raw = XXH3_64bits(raw, c->len);
+    if (p->compress) {
+        const uint8_t *in = raw;
+        if (p->filter == CKPT_FILTER_SHUFFLE && b->elem_bytes > 1) {
+            ckpt_shuffle(s->filtered, raw, c->len, b->elem_bytes);
+            in = s->filtered;
+        }
+        size_t z = ZSTD_compressCCtx(cctx, s->frame, ZSTD_compressBound((size_t)p->chunk_bytes), in,
+                                     c->len, p->level);
+        if (ZSTD_isError(z)) {
+            LOG_E(TAG, "zstd compression of %s at %llu failed: %s", b->name,
+                  (unsigned long long)(b->offset + c->off), ZSTD_getErrorName(z));
+            s->err = -EIO;
+            return;
+        }
+        if (z < c->len) { /* a chunk that does not shrink is stored raw */
+            s->codec_zstd = 1;
+            s->stored = s->frame;
+            s->stored_len = z;
+            s->xxh_stored = XXH3_64bits(s->frame, z);
+            return;
+        }
+    }
+    s->codec_zstd = 0;
+    s->stored = raw;
+    s->stored_len = c->len;
+    s->xxh_stored = s->xxh_raw;
+}
+
+typedef struct worker_arg {
+    ckpt_pool *p;
+    ZSTD_CCtx *cctx;
+} worker_arg;
+
+static void *worker_main(void *arg)
+{
+    worker_arg *wa = arg;
+    ckpt_pool *p = wa->p;
+    struct timespec ts;
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        while (!p->stop && !(p->have_job && !p->abort && p->next < p->nchunks)) {
+            deadline_in(&ts, 1.0); /* idle: re-check once a second */
+            pthread_cond_timedwait(&p->cv_work, &p->mu, &ts);
+        }
+        if (p->stop) break;
+        size_t i = p->next++;
+        slot *s = &p->slots[i % p->nslots];
+        while (s->chunk != -1 && !p->abort && !p->stop) {
+            deadline_in(&ts, 1.0);
+            pthread_cond_timedwait(&p->cv_free, &p->mu, &ts);
+        }
+        if (p->abort || p->stop) continue;
+        s->chunk = (int64_t)i;
+        s->ready = 0;
+        p->busy++;
+        const chunk_job c = p->chunks[i];
+        pthread_mutex_unlock(&p->mu);
+        compress_chunk(p, wa->cctx, s, &c);
+        pthread_mutex_lock(&p->mu);
+        s->ready = 1;
+        p->busy--;
+        pthread_cond_broadcast(&p->cv_ready);
+    }
+    pthread_mutex_unlock(&p->mu);
+    ZSTD_freeCCtx(wa->cctx);
+    free(wa);
+    return NULL;
+}
+
+void ckpt_pool_destroy(ckpt_pool *p)
+{
+    if (!p) return;
+    pthread_mutex_lock(&p->mu);
+    p->stop = 1;
+    pthread_cond_broadcast(&p->cv_work);
+    pthread_cond_broadcast(&p->cv_free);
+    pthread_mutex_unlock(&p->mu);
+    for (unsigned i = 0; i < p->started; i++) pthread_join(p->threads[i], NULL);
+    for (unsigned i = 0; p->slots && i < p->nslots; i++) {
+        free(p->slots[i].frame);
+        free(p->slots[i].filtered);
+    }
+    free(p->slots);
+    free(p->threads);
+    if (p->wmem) munmap(p->wmem, p->wmem_bytes);
+    pthread_cond_destroy(&p->cv_work);
+    pthread_cond_destroy(&p->cv_ready);
+    pthread_cond_destroy(&p->cv_free);
+    pthread_mutex_destroy(&p->mu);
+    free(p);
+}
+
+int ckpt_pool_create(ckpt_pool **out, unsigned threads, uint64_t chunk_bytes, int shuffle)
+{
+    *out = NULL;
+    if (threads < 1 || threads > 64 || chunk_bytes < 4096 || chunk_bytes > (1ull << 30)) return -EINVAL;
+    ckpt_pool *p = calloc(1, sizeof *p);
+    if (!p) return -ENOMEM;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv_work, NULL);
+    pthread_cond_init(&p->cv_ready, NULL);
+    pthread_cond_init(&p->cv_free, NULL);
+    p->nthreads = threads;
+    p->nslots = 2 * threads;
+    p->chunk_bytes = chunk_bytes;
+    p->shuffle = shuffle != 0;
+    p->threads = calloc(threads, sizeof *p->threads);
+    p->slots = calloc(p->nslots, sizeof *p->slots);
+    if (!p->threads || !p->slots) goto fail;
+    for (unsigned i = 0; i < p->nslots; i++) {
+        p->slots[i].chunk = -1;
+        p->slots[i].frame = malloc(ZSTD_compressBound((size_t)chunk_bytes));
+        if (!p->slots[i].frame) goto fail;
+        if (shuffle && !(p->slots[i].filtered = malloc((size_t)chunk_bytes))) goto fail;
+    }
+    for (unsigned i = 0; i < threads; i++) {
+        worker_arg *wa = malloc(sizeof *wa);
+        if (!wa) goto fail;
+        wa->p = p;
+        wa->cctx = ZSTD_createCCtx();
+        if (!wa->cctx || pthread_create(&p->threads[i], NULL, worker_main, wa) != 0) {
+            ZSTD_freeCCtx(wa->cctx);
+            free(wa);
+            goto fail;
+        }
+        p->started++;
+    }
+    *out = p;
+    return 0;
+fail:
+    ckpt_pool_destroy(p);
+    return -ENOMEM;
+}
+
+/* Build the chunk list of a save: every shard cut into chunk_bytes pieces, in order. */
+static int plan_chunks(const ckpt_buffer *bufs, size_t nbufs, uint64_t chunk_bytes,
+                       chunk_job **out, size_t *n)
+{
+    size_t cnt = 0;
+    for (size_t i = 0; i < nbufs; i++) cnt += (size_t)((bufs[i].bytes + chunk_bytes - 1) / chunk_bytes);
+    chunk_job *c = calloc(cnt ? cnt : 1, sizeof *c);
+    if (!c) return -ENOMEM;
+    size_t k = 0;
+    for (size_t i = 0; i < nbufs; i++)
+        for (uint64_t off = 0; off < bufs[i].bytes; off += chunk_bytes) {
+            c[k].buf = (uint32_t)i;
+            c[k].off = off;
+            c[k].len = (size_t)(bufs[i].bytes - off < chunk_bytes ? bufs[i].bytes - off : chunk_bytes);
+            k++;
+        }
+    *out = c;
+    *n = cnt;
+    return 0;
+}
+
+/* Write every chunk of the job through w, in order; chunk records go to jchunks[buf]. */
+static int run_pipeline(ckpt_pool *p, store_writer *w, const ckpt_save_opts *o, int compress,
+                        uint64_t step, const ckpt_buffer *bufs, const chunk_job *chunks,
+                        size_t nchunks, json_t **jchunks, uint64_t *stored_total)
+{
+    int rc = 0;
+    uint64_t raw_total = 0, raw_done = 0;
+    int half_reported = 0;
+    for (size_t i = 0; i < nchunks; i++) raw_total += chunks[i].len;
+    pthread_mutex_lock(&p->mu);
+    p->bufs = bufs;
+    p->chunks = chunks;
+    p->nchunks = nchunks;
+    p->next = 0;
+    p->compress = compress;
+    p->level = o->zstd_level;
+    p->filter = o->filter;
+    p->abort = 0;
+    p->have_job = 1;
+    for (unsigned s = 0; s < p->nslots; s++) {
+        p->slots[s].chunk = -1;
+        p->slots[s].ready = 0;
+    }
+    pthread_cond_broadcast(&p->cv_work);
+    pthread_mutex_unlock(&p->mu);
+
+    for (size_t i = 0; i < nchunks && rc == 0; i++) {
+        slot *s = &p->slots[i % p->nslots];
+        struct timespec ts;
+        deadline_in(&ts, POOL_WAIT_S);
+        pthread_mutex_lock(&p->mu);
+        while (!(s->chunk == (int64_t)i && s->ready) && rc == 0)
+            if (pthread_cond_timedwait(&p->cv_ready, &p->mu, &ts) == ETIMEDOUT) rc = -ETIMEDOUT;
+        pthread_mutex_unlock(&p->mu);
+        if (rc < 0) {
+            LOG_E(TAG, "step %llu: chunk %zu was not compressed within %d s", (unsigned long long)step,
+                  i, POOL_WAIT_S);
+            break;
+        }
+        if (s->err) {
+            rc = s->err;
+            break;
+        }
+        const chunk_job *c = &chunks[i];
+        const ckpt_buffer *b = &bufs[c->buf];
+        uint64_t file_off = store_writer_offset(w);
+        if (raw_done == 0) ckpt_fault_point("before-chunk-write", step);
+        if ((rc = store_writer_append(w, s->stored, s->stored_len)) < 0) break;
+        raw_done += c->len;
+        if (!half_reported && raw_done * 2 >= raw_total) {
+            half_reported = 1;
+            ckpt_fault_point("mid-data", step);
+        }
+        char hraw[17], hst[17];
+        ckpt_hex64(s->xxh_raw, hraw);
+        ckpt_hex64(s->xxh_stored, hst);
+        int shuffled = s->codec_zstd && o->filter == CKPT_FILTER_SHUFFLE && b->elem_bytes > 1;
+        json_t *jc = json_pack("{s:I, s:I, s:I, s:I, s:s, s:s, s:s, s:s}", "offset",
+                               (json_int_t)(b->offset + c->off), "bytes", (json_int_t)c->len,
+                               "file_offset", (json_int_t)file_off, "stored_bytes",
+                               (json_int_t)s->stored_len, "codec", s->codec_zstd ? "zstd" : "none",
+                               "filter", shuffled ? "shuffle" : "none", "xxh3_raw", hraw,
+                               "xxh3_stored", hst);
+        if (!jc || json_array_append_new(jchunks[c->buf], jc) != 0) rc = -ENOMEM;
+        *stored_total += s->stored_len;
+        pthread_mutex_lock(&p->mu);
+        s->chunk = -1;
+        s->ready = 0;
+        pthread_cond_broadcast(&p->cv_free);
+        pthread_mutex_unlock(&p->mu);
+    }
+    /* end the job: workers stop taking chunks; wait for those still compressing, since they
+     * read the caller's buffers and write the slots */
+    struct timespec ts;
+    deadline_in(&ts, POOL_WAIT_S);
+    pthread_mutex_lock(&p->mu);
+    p->abort = 1;
+    p->have_job = 0;
+    pthread_cond_broadcast(&p->cv_free);
+    while (p->busy > 0)
+        if (pthread_cond_timedwait(&p->cv_ready, &p->mu, &ts) == ETIMEDOUT) {
+            LOG_E(TAG, "step %llu: compression workers did not stop within %d s",
+                  (unsigned long long)step, POOL_WAIT_S);
+            if (rc == 0) rc = -ETIMEDOUT;
+            break;
+        }
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+int ckpt_check_save(const ckpt_save_opts *opts, const char *run_id, const char *config_hash,
+                    const ckpt_buffer *bufs, size_t nbufs)
 {
     int rc = check_opts(opts);
     if (rc < 0) return rc;
-    if (!ckpt_valid_name(run_id) || !ckpt_valid_name(config_hash) || (nbufs && !bufs))
+    if (!ckpt_valid_name(run_id) || !ckpt_valid_name(config_hash) || (nbufs && !bufs)) return -EINVAL;
+    return check_buffers(bufs, nbufs);
+}
+
+int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint64_t step,
+                 const char *run_id, const char *config_hash, const ckpt_buffer *bufs,
+                 size_t nbufs, const char *trainer_json, ckpt_save_stats *stats)
+{
+    int rc = ckpt_check_save(opts, run_id, config_hash, bufs, nbufs);
+    if (rc < 0) return rc;
+    if (pool->chunk_bytes < opts->chunk_bytes || (opts->filter == CKPT_FILTER_SHUFFLE && !pool->shuffle))
         return -EINVAL;
-    if ((rc = check_buffers(bufs, nbufs)) < 0) return rc;
 
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -172,9 +437,10 @@ int ckpt_save(const ckpt_save_opts *opts, uint64_t step, const char *run_id,
     }
 
     char final_dir[CKPT_PATH_MAX], tmp_dir[CKPT_PATH_MAX], path[CKPT_PATH_MAX], name[32];
-    json_t *body = NULL, *jbufs = NULL;
+    json_t *body = NULL, *jbufs = NULL, **jchunks = NULL;
+    chunk_job *chunks = NULL;
+    size_t nchunks = 0;
     store_writer *w = NULL;
-    save_ctx sc = {0};
     uint64_t raw_total = 0, stored_total = 0;
     int tmp_made = 0;
 
@@ -200,45 +466,53 @@ int ckpt_save(const ckpt_save_opts *opts, uint64_t step, const char *run_id,
     }
     tmp_made = 1;
 
-    sc.cctx = ZSTD_createCCtx();
-    sc.frame_cap = ZSTD_compressBound((size_t)opts->chunk_bytes);
-    sc.frame = malloc(sc.frame_cap);
-    sc.filtered = opts->filter == CKPT_FILTER_SHUFFLE ? malloc((size_t)opts->chunk_bytes) : NULL;
     jbufs = json_array();
-    if (!sc.cctx || !sc.frame || (opts->filter == CKPT_FILTER_SHUFFLE && !sc.filtered) || !jbufs) {
+    jchunks = calloc(nbufs ? nbufs : 1, sizeof *jchunks);
+    if (!jbufs || !jchunks || (rc = plan_chunks(bufs, nbufs, opts->chunk_bytes, &chunks, &nchunks)) < 0) {
         rc = -ENOMEM;
         goto out;
     }
-
-    sc.step = step;
-    for (size_t i = 0; i < nbufs; i++) sc.raw_total += bufs[i].bytes;
     const char *file_name = "rank-00000.bin";
+    for (size_t i = 0; i < nbufs; i++) {
+        const ckpt_buffer *b = &bufs[i];
+        jchunks[i] = json_array();
+        json_t *jb = json_pack("{s:s, s:s, s:i, s:I, s:[{s:i, s:s, s:I, s:I, s:O}]}", "name", b->name,
+                               "dtype", b->dtype, "elem_bytes", (int)b->elem_bytes, "total_bytes",
+                               (json_int_t)b->total_bytes, "shards", "rank", 0, "file", file_name,
+                               "offset", (json_int_t)b->offset, "bytes", (json_int_t)b->bytes,
+                               "chunks", jchunks[i]);
+        if (!jchunks[i] || !jb || json_array_append_new(jbufs, jb) != 0) {
+            rc = -ENOMEM;
+            goto out;
+        }
+        raw_total += b->bytes;
+    }
+
     if ((rc = ckpt_path_join(path, sizeof path, tmp_dir, file_name)) < 0) goto out;
     store_writer_opts wo = STORE_WRITER_OPTS_INIT;
     wo.queue_depth = opts->queue_depth;
     wo.direct = opts->direct_io;
+    size_t need = (size_t)wo.queue_depth * wo.buffer_bytes;
+    if (pool->wmem_bytes < need) {
+        void *m = mmap(NULL, need, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) {
+            rc = -ENOMEM;
+            goto out;
+        }
+        memset(m, 0, need); /* fault in now */
+        if (pool->wmem) munmap(pool->wmem, pool->wmem_bytes);
+        pool->wmem = m;
+        pool->wmem_bytes = need;
+    }
+    wo.memory = pool->wmem;
     if ((rc = store_writer_open(&w, path, &wo)) < 0) {
         LOG_E(TAG, "cannot create %s: %s", path, strerror(-rc));
         goto out;
     }
-    for (size_t i = 0; i < nbufs; i++) {
-        const ckpt_buffer *b = &bufs[i];
-        json_t *chunks = json_array();
-        json_t *jb = json_pack("{s:s, s:s, s:i, s:I, s:[{s:i, s:s, s:I, s:I, s:o}]}", "name", b->name,
-                               "dtype", b->dtype, "elem_bytes", (int)b->elem_bytes, "total_bytes",
-                               (json_int_t)b->total_bytes, "shards", "rank", 0, "file", file_name,
-                               "offset", (json_int_t)b->offset, "bytes", (json_int_t)b->bytes,
-                               "chunks", chunks);
-        if (!jb || json_array_append_new(jbufs, jb) != 0) {
-            rc = -ENOMEM;
-            goto out;
-        }
-        if ((rc = write_shard(&sc, w, opts, b, chunks, &stored_total)) < 0) {
-            LOG_E(TAG, "writing %s of step %llu to %s failed: %s", b->name,
-                  (unsigned long long)step, path, strerror(-rc));
-            goto out;
-        }
-        raw_total += b->bytes;
+    rc = run_pipeline(pool, w, opts, compress, step, bufs, chunks, nchunks, jchunks, &stored_total);
+    if (rc < 0) {
+        LOG_E(TAG, "writing step %llu to %s failed: %s", (unsigned long long)step, path, strerror(-rc));
+        goto out;
     }
     uint64_t file_bytes = store_writer_offset(w);
     rc = store_writer_close(w, 1);
@@ -293,12 +567,26 @@ int ckpt_save(const ckpt_save_opts *opts, uint64_t step, const char *run_id,
 out:
     store_writer_abort(w);
     if (tmp_made) store_remove_tree(tmp_dir);
-    ZSTD_freeCCtx(sc.cctx);
-    free(sc.frame);
-    free(sc.filtered);
+    for (size_t i = 0; jchunks && i < nbufs; i++) json_decref(jchunks[i]);
+    free(jchunks);
+    free(chunks);
     json_decref(body);
     json_decref(jbufs);
     json_decref(trainer);
+    return rc;
+}
+
+int ckpt_save(const ckpt_save_opts *opts, uint64_t step, const char *run_id,
+              const char *config_hash, const ckpt_buffer *bufs, size_t nbufs,
+              const char *trainer_json, ckpt_save_stats *stats)
+{
+    int rc = ckpt_check_save(opts, run_id, config_hash, bufs, nbufs);
+    if (rc < 0) return rc;
+    ckpt_pool *pool;
+    if ((rc = ckpt_pool_create(&pool, 1, opts->chunk_bytes, opts->filter == CKPT_FILTER_SHUFFLE)) < 0)
+        return rc;
+    rc = ckpt_persist(pool, opts, 1, step, run_id, config_hash, bufs, nbufs, trainer_json, stats);
+    ckpt_pool_destroy(pool);
     return rc;
 }
 
@@ -348,4 +636,46 @@ int ckpt_remove_temp(const char *dir)
         if (r < 0 && !rc) rc = r;
     }
     return rc < 0 ? rc : removed;
+}
+
+int ckpt_retain(const char *dir, unsigned keep_last, uint64_t keep_every, const char *run_id)
+{
+    ckpt_entry *e;
+    size_t n;
+    int rc = ckpt_list(dir, &e, &n);
+    if (rc < 0) return rc;
+    /* committed snapshots of the lineage, oldest first (ckpt_list sorts by step) */
+    size_t ncommitted = 0;
+    for (size_t i = 0; i < n; i++)
+        if (e[i].status == CKPT_STATUS_COMMITTED && (!run_id || !strcmp(e[i].run_id, run_id)))
+            e[ncommitted++] = e[i];
+    int removed = 0, first_err = 0;
+    for (size_t i = 0; i + 1 < ncommitted; i++) { /* never the newest */
+        int keep = (keep_last == 0) || (ncommitted - i <= keep_last) ||
+                   (keep_every > 0 && e[i].step % keep_every == 0);
+        if (keep) continue;
+        char from[CKPT_PATH_MAX], to[CKPT_PATH_MAX], tmp_name[64];
+        snprintf(tmp_name, sizeof tmp_name, ".tmp-step-%09llu-retired", (unsigned long long)e[i].step);
+        int r = ckpt_path_join(from, sizeof from, dir, e[i].name);
+        if (r == 0) r = ckpt_path_join(to, sizeof to, dir, tmp_name);
+        if (r == 0 && rename(from, to) != 0) r = -errno;
+        if (r == 0) r = store_fsync_dir(dir);
+        if (r == 0) {
+            ckpt_fault_point("during-retention", e[i].step);
+            r = store_remove_tree(to);
+        }
+        if (r < 0) {
+            LOG_W(TAG, "retention: cannot remove %s: %s", from, strerror(-r));
+            if (!first_err) first_err = r;
+            continue;
+        }
+        LOG_I(TAG, "retention: removed %s", from);
+        removed++;
+    }
+    if (removed) {
+        int r = store_fsync_dir(dir);
+        if (r < 0 && !first_err) first_err = r;
+    }
+    free(e);
+    return first_err ? first_err : removed;
 }

@@ -1,0 +1,320 @@
+/* Asynchronous two-phase snapshots: stage (copy, on the caller's thread) and persist (one
+ * background thread driving the compression pool, then retention). See ckpt.h. */
+#include "ckpt.h"
+#include "ckpt_internal.h"
+#include "log.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#define TAG "ckpt"
+
+/* The staging area: one allocation reused for every snapshot. The interface is this small
+ * so that a shared-memory segment kept by the agent across restarts can replace it
+ * (DESIGN section 3, planned next tier). */
+typedef struct staging {
+    uint8_t *base;
+    size_t cap;
+} staging;
+
+static int staging_reserve(staging *s, size_t bytes)
+{
+    if (bytes <= s->cap) return 0;
+    size_t cap = (bytes + 4095) & ~(size_t)4095;
+    void *p = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return -ENOMEM;
+    memset(p, 0, cap); /* fault the pages in now, not during the first stall */
+    if (s->base) munmap(s->base, s->cap);
+    s->base = p;
+    s->cap = cap;
+    return 0;
+}
+
+static void staging_release(staging *s)
+{
+    if (s->base) munmap(s->base, s->cap);
+    s->base = NULL;
+    s->cap = 0;
+}
+
+enum { MAX_BUFFERS = 64 };
+
+struct ckpt_engine {
+    ckpt_engine_opts o;
+    char dir[CKPT_PATH_MAX];
+    staging stage;
+    ckpt_pool *pool;
+    pthread_t thread;
+    int thread_started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int pending;  /* a staged snapshot waits for or is in persist */
+    int stop;
+    /* the staged job */
+    uint64_t step;
+    char run_id[64], config_hash[64];
+    char *trainer_json;
+    size_t nbufs;
+    ckpt_buffer bufs[MAX_BUFFERS];
+    char names[MAX_BUFFERS][64], dtypes[MAX_BUFFERS][64];
+    double stage_seconds;
+    struct timespec staged_at;
+    /* results */
+    int have_last;
+    ckpt_persist_stats last;
+    uint64_t completed, skipped;
+};
+
+static double since(const struct timespec *a)
+{
+    struct timespec b;
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    return (double)(b.tv_sec - a->tv_sec) + 1e-9 * (double)(b.tv_nsec - a->tv_nsec);
+}
+
+static void deadline_after(struct timespec *ts, double s)
+{
+    clock_gettime(CLOCK_REALTIME, ts);
+    time_t whole = (time_t)s;
+    ts->tv_sec += whole;
+    ts->tv_nsec += (long)((s - (double)whole) * 1e9);
+    if (ts->tv_nsec >= 1000000000L) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000L;
+    }
+}
+
+static void *persist_main(void *arg)
+{
+    ckpt_engine *e = arg;
+    struct timespec ts;
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        while (!e->pending && !e->stop) {
+            deadline_after(&ts, 1.0); /* idle: re-check once a second */
+            pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+        }
+        if (!e->pending && e->stop) break;
+        pthread_mutex_unlock(&e->mu);
+
+        ckpt_save_stats st = {0};
+        int rc = ckpt_persist(e->pool, &e->o.save, e->o.compress, e->step, e->run_id,
+                              e->config_hash, e->bufs, e->nbufs, e->trainer_json, &st);
+        double persist_s = since(&e->staged_at);
+        int removed = 0;
+        if (rc == 0) {
+            LOG_I(TAG, "snapshot step %llu committed: %.2f MiB raw -> %.2f MiB stored (ratio %.3f), "
+                  "persist %.0f ms, %.1f MiB/s", (unsigned long long)e->step,
+                  (double)st.raw_bytes / 1048576.0, (double)st.stored_bytes / 1048576.0,
+                  st.stored_bytes ? (double)st.raw_bytes / (double)st.stored_bytes : 0.0,
+                  persist_s * 1e3, persist_s > 0 ? (double)st.raw_bytes / 1048576.0 / persist_s : 0.0);
+            if (e->o.keep_last > 0 || e->o.keep_every > 0) {
+                removed = ckpt_retain(e->o.save.dir, e->o.keep_last, e->o.keep_every, e->run_id);
+                if (removed < 0) {
+                    LOG_W(TAG, "retention in %s failed: %s", e->o.save.dir, strerror(-removed));
+                    removed = 0;
+                }
+            }
+        } else {
+            LOG_E(TAG, "snapshot step %llu failed: %s; it is not committed", (unsigned long long)e->step,
+                  strerror(-rc));
+        }
+
+        pthread_mutex_lock(&e->mu);
+        e->last.step = e->step;
+        e->last.result = rc;
+        e->last.raw_bytes = st.raw_bytes;
+        e->last.stored_bytes = st.stored_bytes;
+        e->last.stage_seconds = e->stage_seconds;
+        e->last.persist_seconds = persist_s;
+        e->last.removed = (unsigned)removed;
+        e->have_last = 1;
+        e->completed++;
+        e->pending = 0;
+        pthread_cond_broadcast(&e->cv);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return NULL;
+}
+
+int ckpt_engine_create(ckpt_engine **out, const ckpt_engine_opts *opts)
+{
+    *out = NULL;
+    if (!opts || !opts->save.dir || strlen(opts->save.dir) >= CKPT_PATH_MAX - 128) return -EINVAL;
+    if (opts->threads < 1 || opts->threads > 64 || (opts->policy != CKPT_POLICY_WAIT &&
+        opts->policy != CKPT_POLICY_SKIP) || !(opts->wait_timeout_s > 0))
+        return -EINVAL;
+    ckpt_buffer probe = {"probe", "u8", 1, 0, 0, 0, NULL};
+    if (ckpt_check_save(&opts->save, "probe", "probe", &probe, 1) < 0) return -EINVAL;
+    ckpt_engine *e = calloc(1, sizeof *e);
+    if (!e) return -ENOMEM;
+    e->o = *opts;
+    snprintf(e->dir, sizeof e->dir, "%s", opts->save.dir);
+    e->o.save.dir = e->dir;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_cond_init(&e->cv, NULL);
+    int rc = ckpt_pool_create(&e->pool, opts->threads, opts->save.chunk_bytes,
+                              opts->save.filter == CKPT_FILTER_SHUFFLE);
+    if (rc == 0 && pthread_create(&e->thread, NULL, persist_main, e) != 0) rc = -ENOMEM;
+    if (rc < 0) {
+        ckpt_pool_destroy(e->pool);
+        pthread_cond_destroy(&e->cv);
+        pthread_mutex_destroy(&e->mu);
+        free(e);
+        return rc;
+    }
+    e->thread_started = 1;
+    *out = e;
+    return 0;
+}
+
+/* Wait (mutex held) until no persist is pending, at most timeout_s. */
+static int wait_idle_locked(ckpt_engine *e, double timeout_s)
+{
+    struct timespec ts;
+    deadline_after(&ts, timeout_s);
+    while (e->pending)
+        if (pthread_cond_timedwait(&e->cv, &e->mu, &ts) == ETIMEDOUT && e->pending) return -ETIMEDOUT;
+    return 0;
+}
+
+int ckpt_engine_stage(ckpt_engine *e, uint64_t step, const char *run_id, const char *config_hash,
+                      const ckpt_buffer *bufs, size_t nbufs, const char *trainer_json,
+                      double *stall_s)
+{
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    if (!e || nbufs > MAX_BUFFERS) return -EINVAL;
+    int rc = ckpt_check_save(&e->o.save, run_id, config_hash, bufs, nbufs);
+    if (rc < 0) return rc;
+    char *json_copy = strdup(trainer_json ? trainer_json : "{}");
+    if (!json_copy) return -ENOMEM;
+
+    pthread_mutex_lock(&e->mu);
+    if (e->pending) {
+        if (e->o.policy == CKPT_POLICY_SKIP) {
+            e->skipped++;
+            uint64_t busy_step = e->step;
+            pthread_mutex_unlock(&e->mu);
+            free(json_copy);
+            LOG_W(TAG, "snapshot of step %llu skipped: step %llu is still persisting (policy skip; "
+                  "%llu skipped so far)", (unsigned long long)step, (unsigned long long)busy_step,
+                  (unsigned long long)e->skipped);
+            if (stall_s) *stall_s = since(&t0);
+            return 1;
+        }
+        if ((rc = wait_idle_locked(e, e->o.wait_timeout_s)) < 0) {
+            pthread_mutex_unlock(&e->mu);
+            free(json_copy);
+            LOG_E(TAG, "snapshot of step %llu not taken: step %llu did not finish persisting within "
+                  "%.0f s", (unsigned long long)step, (unsigned long long)e->step, e->o.wait_timeout_s);
+            return rc;
+        }
+    }
+    /* no persist runs now: the staging area and job fields are ours */
+    pthread_mutex_unlock(&e->mu);
+    size_t total = 0;
+    for (size_t i = 0; i < nbufs; i++) total += (size_t)bufs[i].bytes;
+    if ((rc = staging_reserve(&e->stage, total)) < 0) {
+        free(json_copy);
+        return rc;
+    }
+    size_t off = 0;
+    for (size_t i = 0; i < nbufs; i++) {
+        snprintf(e->names[i], sizeof e->names[i], "%s", bufs[i].name);
+        snprintf(e->dtypes[i], sizeof e->dtypes[i], "%s", bufs[i].dtype);
+        e->bufs[i] = bufs[i];
+        e->bufs[i].name = e->names[i];
+        e->bufs[i].dtype = e->dtypes[i];
+        e->bufs[i].data = e->stage.base + off;
+        if (bufs[i].bytes) memcpy(e->stage.base + off, bufs[i].data, (size_t)bufs[i].bytes);
+        off += (size_t)bufs[i].bytes;
+    }
+    e->nbufs = nbufs;
+    e->step = step;
+    snprintf(e->run_id, sizeof e->run_id, "%s", run_id);
+    snprintf(e->config_hash, sizeof e->config_hash, "%s", config_hash);
+    free(e->trainer_json);
+    e->trainer_json = json_copy;
+    e->stage_seconds = since(&t0);
+    clock_gettime(CLOCK_MONOTONIC, &e->staged_at);
+
+    pthread_mutex_lock(&e->mu);
+    e->pending = 1;
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+    if (stall_s) *stall_s = since(&t0);
+    return 0;
+}
+
+int ckpt_engine_wait(ckpt_engine *e, double timeout_s)
+{
+    if (!e) return -EINVAL;
+    pthread_mutex_lock(&e->mu);
+    int rc = wait_idle_locked(e, timeout_s);
+    if (rc == 0) rc = e->have_last ? e->last.result : 0;
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
+
+int ckpt_engine_busy(ckpt_engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    int b = e->pending;
+    pthread_mutex_unlock(&e->mu);
+    return b;
+}
+
+int ckpt_engine_last(ckpt_engine *e, ckpt_persist_stats *st)
+{
+    pthread_mutex_lock(&e->mu);
+    int rc = e->have_last ? 0 : -ENOENT;
+    if (rc == 0 && st) *st = e->last;
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
+
+uint64_t ckpt_engine_completed(ckpt_engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    uint64_t n = e->completed;
+    pthread_mutex_unlock(&e->mu);
+    return n;
+}
+
+uint64_t ckpt_engine_skipped(ckpt_engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    uint64_t n = e->skipped;
+    pthread_mutex_unlock(&e->mu);
+    return n;
+}
+
+int ckpt_engine_destroy(ckpt_engine *e)
+{
+    if (!e) return 0;
+    int rc = ckpt_engine_wait(e, e->o.wait_timeout_s);
+    if (rc == -ETIMEDOUT) {
+        /* the persist thread still reads the staging area: leak it rather than free it */
+        LOG_E(TAG, "snapshot of step %llu still persisting after %.0f s; abandoning it",
+              (unsigned long long)e->step, e->o.wait_timeout_s);
+        return rc;
+    }
+    pthread_mutex_lock(&e->mu);
+    e->stop = 1;
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+    if (e->thread_started) pthread_join(e->thread, NULL);
+    ckpt_pool_destroy(e->pool);
+    staging_release(&e->stage);
+    free(e->trainer_json);
+    pthread_cond_destroy(&e->cv);
+    pthread_mutex_destroy(&e->mu);
+    free(e);
+    return rc;
+}
