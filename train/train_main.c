@@ -33,7 +33,9 @@ typedef struct options {
     int micro_batch, grad_accum, steps, eval_every, ckpt_every, val_samples, log_every;
     uint64_t seed;
     train_adamw_config adam;
-    int zstd_level, filter, direct_io;
+    int zstd_level, filter, direct_io, compress, snapshot_threads, policy;
+    unsigned keep_last;
+    int keep_every;
     uint64_t chunk_bytes;
 } options;
 
@@ -65,11 +67,19 @@ static const char usage_text[] =
     "  --log-every N         one log line every N steps (default 1)\n"
     "Snapshots:\n"
     "  --ckpt-dir DIR        snapshot folder\n"
-    "  --ckpt-every N        snapshot every N steps, and at the last step (default 0: none)\n"
+    "  --ckpt-every N        snapshot every N steps, and at the last step (default 0: none);\n"
+    "                        taken asynchronously: training waits only for a copy\n"
     "  --resume MODE         none (default), auto (newest verified snapshot in --ckpt-dir,\n"
     "                        fresh start when there is none), or a snapshot folder PATH\n"
-    "  --run-id ID           lineage id recorded in snapshots (default: random, kept on resume)\n"
+    "  --run-id ID           lineage id recorded in snapshots (default: random, kept on resume);\n"
+    "                        given, --resume auto skips snapshots of other run ids\n"
+    "  --keep-last K         keep the newest K snapshots of this run, 0 = all (default 0)\n"
+    "  --keep-every N        also keep snapshots whose step is a multiple of N (default 0)\n"
+    "  --snapshot-policy P   when a snapshot is due while the previous one still persists:\n"
+    "                        wait (default) or skip (counted and logged)\n"
+    "  --snapshot-threads N  compression threads of the background persist (default 2)\n"
     "  --zstd-level N        compression level (default 1)\n"
+    "  --no-compress         store chunks raw\n"
     "  --shuffle             byte-shuffle filter before compression\n"
     "  --chunk-mib N         raw MiB per chunk (default 4)\n"
     "  --no-direct-io        buffered writes instead of O_DIRECT\n"
@@ -109,7 +119,8 @@ static int parse_args(int argc, char **argv, options *o)
     enum {
         O_DATA = 256, O_VAL, O_VOCAB, O_NLAYER, O_NEMBD, O_NHEAD, O_SEQ, O_MB, O_GA, O_STEPS,
         O_LR, O_MINLR, O_WARM, O_WD, O_CLIP, O_SEED, O_EVAL, O_VALS, O_LOG, O_CKDIR, O_CKEVERY,
-        O_RESUME, O_RUNID, O_ZLEVEL, O_SHUFFLE, O_CHUNK, O_NODIRECT
+        O_RESUME, O_RUNID, O_ZLEVEL, O_SHUFFLE, O_CHUNK, O_NODIRECT, O_NOCOMP, O_SNTHREADS,
+        O_POLICY, O_KEEPLAST, O_KEEPEVERY
     };
     static const struct option lo[] = {
         {"data", required_argument, 0, O_DATA}, {"val-data", required_argument, 0, O_VAL},
@@ -125,7 +136,11 @@ static int parse_args(int argc, char **argv, options *o)
         {"ckpt-every", required_argument, 0, O_CKEVERY}, {"resume", required_argument, 0, O_RESUME},
         {"run-id", required_argument, 0, O_RUNID}, {"zstd-level", required_argument, 0, O_ZLEVEL},
         {"shuffle", no_argument, 0, O_SHUFFLE}, {"chunk-mib", required_argument, 0, O_CHUNK},
-        {"no-direct-io", no_argument, 0, O_NODIRECT}, {"help", no_argument, 0, 'h'},
+        {"no-direct-io", no_argument, 0, O_NODIRECT}, {"no-compress", no_argument, 0, O_NOCOMP},
+        {"snapshot-threads", required_argument, 0, O_SNTHREADS},
+        {"snapshot-policy", required_argument, 0, O_POLICY},
+        {"keep-last", required_argument, 0, O_KEEPLAST},
+        {"keep-every", required_argument, 0, O_KEEPEVERY}, {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     int c, v, chunk_mib = 4;
     while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -161,6 +176,21 @@ static int parse_args(int argc, char **argv, options *o)
         case O_SHUFFLE: o->filter = CKPT_FILTER_SHUFFLE; break;
         case O_CHUNK: bad = parse_int("--chunk-mib", optarg, 1, 1024, &chunk_mib); break;
         case O_NODIRECT: o->direct_io = 0; break;
+        case O_NOCOMP: o->compress = 0; break;
+        case O_SNTHREADS: bad = parse_int("--snapshot-threads", optarg, 1, 64, &o->snapshot_threads); break;
+        case O_POLICY:
+            if (!strcmp(optarg, "wait")) o->policy = CKPT_POLICY_WAIT;
+            else if (!strcmp(optarg, "skip")) o->policy = CKPT_POLICY_SKIP;
+            else {
+                fprintf(stderr, "train: --snapshot-policy: '%s' is not wait or skip\n", optarg);
+                bad = 1;
+            }
+            break;
+        case O_KEEPLAST:
+            bad = parse_int("--keep-last", optarg, 0, INT_MAX, &v);
+            o->keep_last = (unsigned)v;
+            break;
+        case O_KEEPEVERY: bad = parse_int("--keep-every", optarg, 0, INT_MAX, &o->keep_every); break;
         case 'h': fputs(usage_text, stdout); exit(0);
         default: bad = 1; fputs("train: see --help\n", stderr); break;
         }
@@ -210,6 +240,7 @@ typedef struct state {
     int32_t *inputs, *targets;
     int64_t step;             /* completed optimizer steps */
     uint64_t samples;         /* samples consumed */
+    ckpt_engine *engine;
     char run_id[64];
     char config_hash[17];
     double last_loss, last_val;
@@ -320,9 +351,25 @@ static json_t *trainer_record(state *s)
         "params_digest", digest, "loss", s->last_loss);
 }
 
-static int save_snapshot(state *s)
+/* Resident memory of this process in KiB (VmRSS), or -1. */
+static long rss_kib(void)
 {
-    const options *o = s->o;
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return -1;
+    char line[256];
+    long kib = -1;
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, "VmRSS:", 6)) {
+            kib = strtol(line + 6, NULL, 10);
+            break;
+        }
+    fclose(f);
+    return kib;
+}
+
+/* Stage a snapshot of the current state; the engine persists it in the background. */
+static int take_snapshot(state *s)
+{
     size_t np = train_model_num_params(s->model), bytes = np * sizeof(float);
     ckpt_buffer bufs[3] = {
         {"params", "f32", 4, bytes, 0, bytes, train_model_params(s->model)},
@@ -333,27 +380,38 @@ static int save_snapshot(state *s)
     char *text = rec ? json_dumps(rec, JSON_COMPACT | JSON_REAL_PRECISION(17)) : NULL;
     json_decref(rec);
     if (!text) return -ENOMEM;
-    ckpt_save_opts so = CKPT_SAVE_OPTS_INIT;
-    so.dir = o->ckpt_dir;
-    so.zstd_level = o->zstd_level;
-    so.filter = o->filter;
-    so.direct_io = o->direct_io;
-    so.chunk_bytes = o->chunk_bytes;
-    ckpt_save_stats st;
-    double t0 = now_s();
-    int rc = ckpt_save(&so, (uint64_t)s->step, s->run_id, s->config_hash, bufs, 3, text, &st);
+    double stall = 0;
+    int rc = ckpt_engine_stage(s->engine, (uint64_t)s->step, s->run_id, s->config_hash, bufs, 3,
+                               text, &stall);
     free(text);
     if (rc < 0) {
-        LOG_E(TAG, "snapshot of step %" PRId64 " to %s failed: %s", s->step, o->ckpt_dir, strerror(-rc));
+        LOG_E(TAG, "snapshot of step %" PRId64 " to %s not taken: %s", s->step, s->o->ckpt_dir,
+              strerror(-rc));
         return rc;
     }
-    double dt = now_s() - t0;
-    LOG_I(TAG, "snapshot step %" PRId64 ": stall %.1f ms, %.2f MiB raw -> %.2f MiB stored "
-          "(ratio %.3f), %.1f MiB/s", s->step, dt * 1e3, (double)st.raw_bytes / 1048576.0,
-          (double)st.stored_bytes / 1048576.0,
-          st.stored_bytes ? (double)st.raw_bytes / (double)st.stored_bytes : 0.0,
-          dt > 0 ? (double)st.raw_bytes / 1048576.0 / dt : 0.0);
+    if (rc == 0)
+        LOG_I(TAG, "snapshot step %" PRId64 " staged: stall %.1f ms for %.2f MiB; rss %.1f MiB",
+              s->step, stall * 1e3, 3.0 * (double)bytes / 1048576.0, (double)rss_kib() / 1024.0);
     return 0;
+}
+
+static int make_engine(state *s)
+{
+    const options *o = s->o;
+    ckpt_engine_opts eo = CKPT_ENGINE_OPTS_INIT;
+    eo.save.dir = o->ckpt_dir;
+    eo.save.zstd_level = o->zstd_level;
+    eo.save.filter = o->filter;
+    eo.save.direct_io = o->direct_io;
+    eo.save.chunk_bytes = o->chunk_bytes;
+    eo.compress = o->compress;
+    eo.threads = (unsigned)o->snapshot_threads;
+    eo.policy = o->policy;
+    eo.keep_last = o->keep_last;
+    eo.keep_every = (uint64_t)o->keep_every;
+    int rc = ckpt_engine_create(&s->engine, &eo);
+    if (rc < 0) LOG_E(TAG, "cannot start the snapshot engine for %s: %s", o->ckpt_dir, strerror(-rc));
+    return rc;
 }
 
 /* Compare the snapshot's model config with ours; list the differing fields in diff. */
@@ -509,6 +567,11 @@ static int resume(state *s)
             result = 2;
             break;
         }
+        if (e[i].status == CKPT_STATUS_COMMITTED && o->run_id && strcmp(e[i].run_id, o->run_id) != 0) {
+            LOG_W(TAG, "skipping %s: it belongs to run %s, another lineage (this run is %s)", path,
+                  e[i].run_id, o->run_id);
+            continue;
+        }
         if (e[i].status == CKPT_STATUS_COMMITTED) {
             rc = load_snapshot(s, path, why, sizeof why);
             if (rc == 0) {
@@ -604,6 +667,9 @@ int main(int argc, char **argv)
     o.adam = (train_adamw_config)TRAIN_ADAMW_CONFIG_INIT;
     o.zstd_level = 1;
     o.direct_io = 1;
+    o.compress = 1;
+    o.snapshot_threads = 2;
+    o.policy = CKPT_POLICY_WAIT;
     if (parse_args(argc, argv, &o) < 0) return 2;
     openblas_set_num_threads(1);
 
@@ -652,6 +718,7 @@ int main(int argc, char **argv)
         status = r;
         goto out;
     }
+    if (o.ckpt_every > 0 && make_engine(&s) < 0) goto out;
     if (s.step >= o.steps)
         LOG_I(TAG, "already at step %" PRId64 " of %d: nothing to train", s.step, o.steps);
     while (s.step < o.steps) {
@@ -676,11 +743,28 @@ int main(int argc, char **argv)
             LOG_I(TAG, "step %" PRId64 " val_loss %.4f", s.step, s.last_val);
         }
         if (o.ckpt_every > 0 && (s.step % o.ckpt_every == 0 || s.step == o.steps)) {
-            if (save_snapshot(&s) < 0) goto out;
+            if (take_snapshot(&s) < 0) goto out;
         }
     }
     if (s.val && !(o.eval_every > 0 && s.step % o.eval_every == 0 && !isnan(s.last_val)))
         s.last_val = eval_val(&s);
+    if (s.engine) {
+        /* the last snapshot must be durable before we report success */
+        rc = ckpt_engine_wait(s.engine, 3600.0);
+        ckpt_persist_stats ps;
+        if (ckpt_engine_last(s.engine, &ps) == 0 && ps.step == (uint64_t)s.step && ps.result < 0) {
+            LOG_E(TAG, "the snapshot of the last step %" PRId64 " failed: %s", s.step,
+                  strerror(-ps.result));
+            goto out;
+        }
+        if (rc == -ETIMEDOUT) {
+            LOG_E(TAG, "the snapshot of step %" PRId64 " did not finish within an hour", s.step);
+            goto out;
+        }
+        if (ckpt_engine_skipped(s.engine))
+            LOG_W(TAG, "%llu snapshots were skipped (policy skip)",
+                  (unsigned long long)ckpt_engine_skipped(s.engine));
+    }
     char digest[33];
     digest_hex(train_model_params(s.model), np, digest);
     printf("final step=%" PRId64 " loss=%.6f val_loss=%.6f params_digest=%s\n", s.step, s.last_loss,
@@ -688,6 +772,7 @@ int main(int argc, char **argv)
     fflush(stdout);
     status = 0;
 out:
+    ckpt_engine_destroy(s.engine);
     train_tree_free(s.tree);
     free(s.m);
     free(s.v);

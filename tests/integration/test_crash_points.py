@@ -61,21 +61,32 @@ class CrashPoints(h.TempDirTest):
         self.crash_then_resume("after-rename", True)
 
     def test_c02_enospc_during_save(self):
-        ref = h.reference()
+        """A snapshot whose write fails is not committed, leaves nothing behind, and training
+        goes on; the next snapshot commits; a resume never sees the failed step."""
         ckpt = os.path.join(self.tmp, "enospc")
         args = ["--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume", "auto"]
         # each save of the small model is two 1 MiB writes: write 3 is the first of step 40
-        p = h.train(args, extra_env={"CKPT_FAULT_STORE": "enospc:3"}, check=False)
-        self.assertEqual(p.returncode, 1, p.stderr[-1500:])
-        self.assertRegex(p.stderr, r"snapshot of step 40 to \S+ failed: No space left on device")
-        self.assertEqual(h.snapshot_dirs(ckpt), ["step-000000020"])
+        p = h.train(args, extra_env={"CKPT_FAULT_STORE": "enospc:3"})
+        self.assertRegex(p.stderr, r"snapshot step 40 failed: No space left on device; it is not committed")
+        self.assertRegex(p.stderr, r"snapshot step 60 committed")
+        self.assertEqual(h.final(p)["digest"], h.reference()["digest"])
+        self.assertEqual(h.snapshot_dirs(ckpt), ["step-000000020", "step-000000060"])
         self.assertEqual(h.temp_dirs(ckpt), [], "a failed save removes its temp folder")
         for root, _, files in os.walk(ckpt):
             for f in files:
                 self.assertGreater(os.path.getsize(os.path.join(root, f)), 0, f"zero-length {f}")
+
+    def test_c02_enospc_on_last_snapshot_fails_the_run(self):
+        ckpt = os.path.join(self.tmp, "enospc-last")
+        args = ["--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume", "auto"]
+        p = h.train(args, extra_env={"CKPT_FAULT_STORE": "eio:5"}, check=False)
+        self.assertEqual(p.returncode, 1, p.stderr[-1500:])
+        self.assertIn("the snapshot of the last step 60 failed: Input/output error", p.stderr)
+        self.assertEqual(h.snapshot_dirs(ckpt), ["step-000000020", "step-000000040"])
+        self.assertEqual(h.temp_dirs(ckpt), [])
         r = h.train(args)
-        self.assertRegex(r.stderr, r"resumed from \S+step-000000020 at step 20")
-        self.assertEqual(h.final(r)["digest"], ref["digest"])
+        self.assertRegex(r.stderr, r"resumed from \S+step-000000040 at step 40")
+        self.assertEqual(h.final(r)["digest"], h.reference()["digest"])
 
 
 if __name__ == "__main__":
