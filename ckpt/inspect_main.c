@@ -1,5 +1,6 @@
-/* ckpt-inspect: list, show and verify snapshots. Exit 0 success, 1 failure, 2 usage. */
+/* ckpt-inspect: list, show, verify and export snapshots. Exit 0 success, 1 failure, 2 usage. */
 #include "ckpt.h"
+#include "ckpt_export.h"
 #include "log.h"
 
 #include <errno.h>
@@ -9,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 static const char usage_text[] =
     "usage: ckpt-inspect [--json] COMMAND ARGS\n"
@@ -18,9 +20,16 @@ static const char usage_text[] =
     "  show SNAPSHOT      buffers, tensors and trainer state of one snapshot folder\n"
     "  verify SNAPSHOT    read every chunk and check its checksums; exit 1 naming the first\n"
     "                     bad file and chunk\n"
+    "  export SNAPSHOT OUT\n"
+    "                     write the tensors of the trainer record (fp32 weights) to OUT in\n"
+    "                     the safetensors layout, durably (temp file, fsync, rename); refuses\n"
+    "                     an existing OUT without --force; exit 1 naming a bad file and chunk\n"
     "\n"
     "Options:\n"
-    "  --json             machine-readable output (list, show, verify)\n"
+    "  --json             machine-readable output (list, show, verify, export)\n"
+    "  -f, --force        export: replace an existing OUT\n"
+    "  --window-mib N     export: MiB of the buffer read at a time (memory), 1..4096;\n"
+    "                     default 64\n"
     "  -q, --quiet        no progress lines\n"
     "  -h, --help         this text\n"
     "\n"
@@ -270,17 +279,77 @@ static int cmd_verify(const char *path, int json, int quiet)
     return rc < 0 ? 1 : 0;
 }
 
+static int cmd_export(const char *path, const char *out, int json, const ckpt_export_opts *eo)
+{
+    const int force = eo->force;
+    ckpt_snapshot *s;
+    if (open_or_report(&s, path, json)) return 1;
+    char why[768] = "";
+    ckpt_export_stats st = {0};
+    int rc = ckpt_export_safetensors(s, out, eo, &st, why, sizeof why);
+    ckpt_snapshot_close(s);
+    const char *msg = why[0] ? why : strerror(-rc);
+    if (json) {
+        json_t *o = json_pack("{s:s, s:s, s:b}", "snapshot", path, "output", out, "ok", rc == 0);
+        if (rc < 0) {
+            json_object_set_new(o, "error", json_string(msg));
+        } else {
+            json_object_set_new(o, "tensors", json_integer((json_int_t)st.tensors));
+            json_object_set_new(o, "data_bytes", json_integer((json_int_t)st.data_bytes));
+            json_object_set_new(o, "file_bytes", json_integer((json_int_t)st.file_bytes));
+            json_object_set_new(o, "seconds", json_real(st.seconds));
+        }
+        char *t = json_dumps(o, JSON_INDENT(2));
+        printf("%s\n", t);
+        free(t);
+        json_decref(o);
+    }
+    if (rc < 0) {
+        fprintf(stderr, "ckpt-inspect: export %s failed: %s%s\n", path, msg,
+                rc == -EEXIST && !force && access(out, F_OK) == 0 ? " (--force replaces it)" : "");
+        return 1;
+    }
+    if (!json)
+        printf("exported %zu tensors (%llu bytes of data, %llu bytes in all) from %s to %s in "
+               "%.2f s\n",
+               st.tensors, (unsigned long long)st.data_bytes, (unsigned long long)st.file_bytes,
+               path, out, st.seconds);
+    return 0;
+}
+
+/* --window-mib N: 1..4096 MiB into *bytes; 0 or -1 (bad value, reported). */
+static int parse_window(const char *v, uint64_t *bytes)
+{
+    char *end;
+    errno = 0;
+    unsigned long long n = v ? strtoull(v, &end, 10) : 0;
+    if (!v || !*v || *end || errno || n < 1 || n > 4096) {
+        fprintf(stderr, "ckpt-inspect: --window-mib wants 1..4096, got '%s'\n", v ? v : "");
+        return -1;
+    }
+    *bytes = (uint64_t)n << 20;
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
+    enum { O_WINDOW = 256 };
     static const struct option opts[] = {{"json", no_argument, 0, 'j'},
                                          {"quiet", no_argument, 0, 'q'},
+                                         {"force", no_argument, 0, 'f'},
+                                         {"window-mib", required_argument, 0, O_WINDOW},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
+    ckpt_export_opts eo = CKPT_EXPORT_OPTS_INIT;
     int json = 0, quiet = 0, c;
-    while ((c = getopt_long(argc, argv, "+jqh", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, "+jqfh", opts, NULL)) != -1) {
         switch (c) {
         case 'j': json = 1; break;
         case 'q': quiet = 1; break;
+        case 'f': eo.force = 1; break;
+        case O_WINDOW:
+            if (parse_window(optarg, &eo.window_bytes)) return 2;
+            break;
         case 'h': fputs(usage_text, stdout); return 0;
         default: fputs(usage_text, stderr); return 2;
         }
@@ -291,6 +360,12 @@ int main(int argc, char **argv)
     for (int i = optind; i < argc; i++) {
         if (!strcmp(argv[i], "--json")) json = 1;
         else if (!strcmp(argv[i], "-q") || !strcmp(argv[i], "--quiet")) quiet = 1;
+        else if (!strcmp(argv[i], "-f") || !strcmp(argv[i], "--force")) eo.force = 1;
+        else if (!strcmp(argv[i], "--window-mib")) {
+            if (parse_window(i + 1 < argc ? argv[++i] : NULL, &eo.window_bytes)) return 2;
+        } else if (!strncmp(argv[i], "--window-mib=", 13)) {
+            if (parse_window(argv[i] + 13, &eo.window_bytes)) return 2;
+        }
         else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             fputs(usage_text, stdout);
             return 0;
@@ -303,8 +378,11 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    if (nargs != 2) {
-        fprintf(stderr, "ckpt-inspect: %s\n%s", nargs == 0 ? "missing command" : "missing argument",
+    int want = nargs > 0 && !strcmp(args[0], "export") ? 3 : 2;
+    if (nargs != want) {
+        fprintf(stderr, "ckpt-inspect: %s\n%s",
+                nargs == 0 ? "missing command" : nargs < want ? "missing argument"
+                                                              : "too many arguments",
                 usage_text);
         return 2;
     }
@@ -312,6 +390,7 @@ int main(int argc, char **argv)
     if (!strcmp(args[0], "list")) return cmd_list(args[1], json);
     if (!strcmp(args[0], "show")) return cmd_show(args[1], json);
     if (!strcmp(args[0], "verify")) return cmd_verify(args[1], json, quiet);
-    fprintf(stderr, "ckpt-inspect: unknown command '%s' (list, show, verify)\n", args[0]);
+    if (!strcmp(args[0], "export")) return cmd_export(args[1], args[2], json, &eo);
+    fprintf(stderr, "ckpt-inspect: unknown command '%s' (list, show, verify, export)\n", args[0]);
     return 2;
 }
