@@ -743,6 +743,8 @@ int main(int argc, char **argv)
             LOG_I(TAG, "step %" PRId64 " val_loss %.4f", s.step, s.last_val);
         }
         if (o.ckpt_every > 0 && (s.step % o.ckpt_every == 0 || s.step == o.steps)) {
+            /* the last step's snapshot is never skipped: let the one in flight finish first */
+            if (s.step == o.steps) ckpt_engine_wait(s.engine, 3600.0);
             if (take_snapshot(&s) < 0) goto out;
         }
     }
