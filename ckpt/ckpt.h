@@ -57,8 +57,10 @@ typedef struct ckpt_buffer {
     const char *dtype;    /* element type for readers: "f32", "u16", "u8", ... */
     uint32_t elem_bytes;  /* bytes per element: 1, 2, 4 or 8 */
     uint64_t total_bytes; /* bytes of the whole buffer across all ranks */
-    uint64_t offset;      /* where this rank's shard starts in the whole buffer, bytes */
-    uint64_t bytes;       /* bytes of this rank's shard (may be 0) */
+    uint64_t offset;      /* where this rank's shard starts in the whole buffer, bytes; 0 in
+                             a world of one rank */
+    uint64_t bytes;       /* bytes of this rank's shard (may be 0); total_bytes in a world
+                             of one rank */
     const void *data;     /* the shard's bytes; NULL only when bytes == 0 */
 } ckpt_buffer;
 
@@ -71,8 +73,8 @@ typedef struct ckpt_save_stats {
 
 /* Save one snapshot of `step` synchronously, for a world of one rank: writes
  * rank-00000.bin with every buffer, then commits with the manifest. It runs the same
- * pipeline as the asynchronous engine below (compressing on one thread, zstd always) and
- * writes the same bytes. `trainer_json` must be
+ * pipeline as the asynchronous engine below (compressing on one thread; a chunk that zstd
+ * does not shrink is stored raw) and writes the same bytes. `trainer_json` must be
  * a JSON object (text); it is stored verbatim under "trainer". `run_id` and `config_hash`
  * are free-form identifiers ([A-Za-z0-9_.-]{1,63}) recorded for lineage checks.
  * On any error nothing is committed and the temp folder is removed; an existing committed

@@ -60,6 +60,8 @@ static int check_buffers(const ckpt_buffer *bufs, size_t nbufs)
         if (b->bytes && !b->data) return -EINVAL;
         if (b->offset > b->total_bytes || b->bytes > b->total_bytes - b->offset) return -EINVAL;
         if (b->total_bytes % b->elem_bytes || b->offset % b->elem_bytes) return -EINVAL;
+        /* a world of one rank saves whole buffers: a partial one could never be restored */
+        if (b->offset != 0 || b->bytes != b->total_bytes) return -EINVAL;
         for (size_t j = 0; j < i; j++)
             if (!strcmp(bufs[j].name, b->name)) return -EINVAL;
     }

@@ -122,7 +122,7 @@ int train_dataset_open(train_dataset **out, const char *glob_pattern, int seq_le
     *out = NULL;
     if (!glob_pattern || seq_len < 1 || vocab < 2 || vocab > 65536) return -EINVAL;
     glob_t g;
-    int grc = glob(glob_pattern, GLOB_ERR, NULL, &g);
+    int grc = glob(glob_pattern, 0, NULL, &g);
     if (grc == GLOB_NOMATCH || (grc == 0 && g.gl_pathc == 0)) {
         say(why, why_len, "%s: no file matches", glob_pattern);
         globfree(&g);
@@ -355,10 +355,23 @@ int train_prepare(const char *out_dir, const char *const *files, size_t nfiles,
         say(why, why_len, "validation fraction %g is outside [0, 0.5]", val_fraction);
         return -EINVAL;
     }
-    if (mkdir(out_dir, 0755) != 0 && errno != EEXIST) {
-        int e = errno;
-        say(why, why_len, "%s: cannot create: %s", out_dir, strerror(e));
-        return -e;
+    char tmp[4096];
+    if (strlen(out_dir) >= sizeof tmp) {
+        say(why, why_len, "output folder name too long");
+        return -EINVAL;
+    }
+    snprintf(tmp, sizeof tmp, "%s", out_dir);
+    for (char *p = tmp + 1;; p++) { /* like mkdir -p */
+        char c = *p;
+        if (c != '/' && c != '\0') continue;
+        *p = '\0';
+        if (mkdir(tmp, 0755) != 0 && errno != EEXIST) {
+            int e = errno;
+            say(why, why_len, "%s: cannot create: %s", tmp, strerror(e));
+            return -e;
+        }
+        *p = c;
+        if (c == '\0') break;
     }
     shard_writer tw = {out_dir, "train", 0, NULL, 0, 0, 0};
     shard_writer vw = {out_dir, "val", 0, NULL, 0, 0, 0};
@@ -398,6 +411,17 @@ int train_prepare(const char *out_dir, const char *const *files, size_t nfiles,
     }
     if (rc == 0) rc = flush_shard(&tw, why, why_len);
     if (rc == 0) rc = flush_shard(&vw, why, why_len);
+    /* shards of an earlier, larger prepare into the same folder would be picked up by the
+     * same glob: remove the numbers past the ones just written */
+    for (int k = 0; rc == 0 && k < 2; k++) {
+        shard_writer *w = k ? &vw : &tw;
+        for (int i = w->index;; i++) {
+            char path[4096];
+            snprintf(path, sizeof path, "%s/%s_%06d.bin", out_dir, w->kind, i);
+            if (unlink(path) != 0) break;
+            LOG_I(TAG, "removed stale shard %s from an earlier prepare", path);
+        }
+    }
     if (rc == 0) {
         if (train_tokens) *train_tokens = tw.total;
         if (val_tokens) *val_tokens = vw.total;

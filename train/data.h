@@ -62,15 +62,17 @@ int64_t train_dataset_order(train_dataset *d, uint64_t seed, uint64_t k);
 
 enum train_text_format {
     TRAIN_TEXT_PLAIN = 0, /* bytes as they are */
-    TRAIN_TEXT_BROWN = 1  /* Brown corpus "word/tag" files: tags stripped, one paragraph a line */
+    TRAIN_TEXT_BROWN = 1  /* Brown corpus "word/tag" files: tags stripped, one output line per
+                             input line (a sentence in the Brown files) */
 };
 
 /* Turn text files into byte-level shards DIR/train_000000.bin ... and DIR/val_000000.bin ...
  * (at most 100M tokens per shard). Documents are joined with a blank line. Validation
  * split: with several files, file i (0-based, in the order given) goes to validation when
  * floor((i+1)*val_fraction) > floor(i*val_fraction), so the split is spread evenly; with one
- * file, its last val_fraction of bytes. val_fraction in [0, 0.5]. Shards are written to a
- * temp name, fsynced and renamed.
+ * file, its last val_fraction of bytes. val_fraction in [0, 0.5]. out_dir and its parents
+ * are created. Shards are written to a temp name, fsynced and renamed; shards with higher
+ * numbers left by an earlier prepare into the same folder are removed.
  * *train_tokens and *val_tokens (may be NULL) get the counts.
  * Errors: -EINVAL (no files, bad fraction, empty input after conversion, a split that
  * leaves no training or validation data), -errno of file operations; why names the file. */

@@ -67,6 +67,7 @@ struct train_tree {
     size_t n;
     int levels;
     int depth;     /* partial sums on the stack */
+    int max_items, pushed;
     int *size;     /* items in each stacked partial sum */
     float **slot;  /* (levels) buffers of n floats */
 };
@@ -78,6 +79,7 @@ int train_tree_create(train_tree **out, size_t n, int max_items)
     train_tree *t = calloc(1, sizeof *t);
     if (!t) return -ENOMEM;
     t->n = n;
+    t->max_items = max_items;
     int levels = 1;
     while ((1 << (levels - 1)) < max_items) levels++;
     t->levels = levels + 1;
@@ -102,15 +104,21 @@ void train_tree_free(train_tree *t)
     free(t);
 }
 
-void train_tree_reset(train_tree *t) { t->depth = 0; }
+void train_tree_reset(train_tree *t)
+{
+    t->depth = 0;
+    t->pushed = 0;
+}
 
 static void add_into(float *left, const float *right, size_t n)
 {
     for (size_t i = 0; i < n; i++) left[i] = left[i] + right[i];
 }
 
-void train_tree_push(train_tree *t, const float *x)
+int train_tree_push(train_tree *t, const float *x)
 {
+    if (t->pushed >= t->max_items) return -ENOSPC;
+    t->pushed++;
     /* the stack never holds two partial sums of equal size, so depth <= levels - 1 here */
     memcpy(t->slot[t->depth], x, t->n * sizeof(float));
     t->size[t->depth] = 1;
@@ -120,6 +128,7 @@ void train_tree_push(train_tree *t, const float *x)
         t->size[t->depth - 2] *= 2;
         t->depth--;
     }
+    return 0;
 }
 
 void train_tree_result(train_tree *t, float *out)
@@ -135,4 +144,5 @@ void train_tree_result(train_tree *t, float *out)
     }
     memcpy(out, t->slot[0], t->n * sizeof(float));
     t->depth = 0;
+    t->pushed = 0;
 }

@@ -63,9 +63,11 @@ int train_tree_create(train_tree **out, size_t n, int max_items);
 void train_tree_free(train_tree *t); /* accepts NULL */
 /* Start a new sum. */
 void train_tree_reset(train_tree *t);
-/* Add the next item (n floats, copied). */
-void train_tree_push(train_tree *t, const float *x);
-/* Finish: write the total into out (n floats). With no item pushed, out is zeroed. */
+/* Add the next item (n floats, copied). Errors: -ENOSPC when max_items were already pushed
+ * since the last reset or result (nothing is changed). */
+int train_tree_push(train_tree *t, const float *x);
+/* Finish: write the total into out (n floats) and start a new sum. With no item pushed, out
+ * is zeroed. */
 void train_tree_result(train_tree *t, float *out);
 
 #endif /* TRAIN_OPTIM_H */

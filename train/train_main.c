@@ -632,7 +632,11 @@ static int train_step(state *s, double *loss_out, double *norm_out, float *lr_ou
         }
         losses[j] = train_model_forward(s->model, s->inputs, s->targets, b);
         train_model_backward(s->model, loss_scale);
-        train_tree_push(s->tree, train_model_grads(s->model));
+        int pr = train_tree_push(s->tree, train_model_grads(s->model));
+        if (pr < 0) {
+            free(losses);
+            return pr;
+        }
     }
     train_tree_result(s->tree, s->gsum);
     double loss = train_tree_sum(losses, (size_t)M) / M;

@@ -82,7 +82,11 @@ class Retention(h.TempDirTest):
         rss = [float(x) for x in re.findall(r"snapshot step \d+ staged: .* rss ([0-9.]+) MiB", p.stderr)]
         self.assertEqual(len(rss), 20)
         print(f"rss after snapshot 2: {rss[1]} MiB, after 20: {rss[19]} MiB")
-        self.assertLessEqual(abs(rss[19] - rss[1]), 0.5, rss)
+        if os.environ.get("CKPT_SANITIZED") == "1":
+            # sanitizers quarantine freed memory: RSS says nothing there; the plain build asserts it
+            print("sanitizer build: resident memory not compared")
+        else:
+            self.assertLessEqual(abs(rss[19] - rss[1]), 0.5, rss)
 
 
 if __name__ == "__main__":

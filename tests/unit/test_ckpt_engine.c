@@ -168,8 +168,14 @@ static void test_c21_memory_bounded(const char *root)
         if (getenv("C21_ROUNDS") && i % 10 == 0) printf("c21: after %d: %ld KiB\n", i, rss_kib());
     }
     printf("c21: rss after 2nd snapshot %ld KiB, after 20th %ld KiB\n", rss2, rss20);
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+    /* sanitizers keep freed memory in quarantine and shadow it: RSS says nothing here; the
+     * plain build asserts it */
+    printf("c21: sanitizer build, resident memory not compared\n");
+#else
     T_CHECK(rss2 > 0 && rss20 - rss2 <= 512, "resident memory grew by %ld KiB over 18 snapshots",
             rss20 - rss2);
+#endif
     T_CHECK(ckpt_engine_destroy(e) == 0, "destroy");
     ckpt_entry *en;
     size_t n;

@@ -130,6 +130,20 @@ static int split_equal(size_t m, size_t w)
     return eq;
 }
 
+static void tree_overflow(void)
+{
+    train_tree *t;
+    float x[4] = {1, 2, 3, 4}, out[4];
+    T_REQUIRE(train_tree_create(&t, 4, 3) == 0, "create");
+    for (int round = 0; round < 2; round++) {
+        for (int i = 0; i < 3; i++) T_CHECK(train_tree_push(t, x) == 0, "push %d", i);
+        T_CHECK(train_tree_push(t, x) == -ENOSPC, "a push past max_items is refused");
+        train_tree_result(t, out);
+        T_CHECK(out[0] == 3 && out[3] == 12, "result of three pushes (%g, %g)", out[0], out[3]);
+    }
+    train_tree_free(t);
+}
+
 static void tree_world_sizes(void)
 {
     static const size_t mw[][2] = {{8, 1}, {8, 2}, {8, 4}, {8, 8}, {16, 2}, {16, 4}, {16, 8},
@@ -339,6 +353,7 @@ static void block_norms(void)
 
 int main(void)
 {
+    tree_overflow();
     for (int i = 0; i < MAXM; i++) {
         items[i] = malloc(NEL * sizeof(float));
         T_REQUIRE(items[i] != NULL, "malloc");
