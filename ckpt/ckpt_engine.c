@@ -77,17 +77,6 @@ static double since(const struct timespec *a)
     return (double)(b.tv_sec - a->tv_sec) + 1e-9 * (double)(b.tv_nsec - a->tv_nsec);
 }
 
-static void deadline_after(struct timespec *ts, double s)
-{
-    clock_gettime(CLOCK_REALTIME, ts);
-    time_t whole = (time_t)s;
-    ts->tv_sec += whole;
-    ts->tv_nsec += (long)((s - (double)whole) * 1e9);
-    if (ts->tv_nsec >= 1000000000L) {
-        ts->tv_sec++;
-        ts->tv_nsec -= 1000000000L;
-    }
-}
 
 static void *persist_main(void *arg)
 {
@@ -96,7 +85,7 @@ static void *persist_main(void *arg)
     pthread_mutex_lock(&e->mu);
     for (;;) {
         while (!e->pending && !e->stop) {
-            deadline_after(&ts, 1.0); /* idle: re-check once a second */
+            ckpt_deadline(&ts, 1.0); /* idle: re-check once a second */
             pthread_cond_timedwait(&e->cv, &e->mu, &ts);
         }
         if (!e->pending && e->stop) break;
@@ -177,7 +166,7 @@ int ckpt_engine_create(ckpt_engine **out, const ckpt_engine_opts *opts)
 static int wait_idle_locked(ckpt_engine *e, double timeout_s)
 {
     struct timespec ts;
-    deadline_after(&ts, timeout_s);
+    ckpt_deadline(&ts, timeout_s);
     while (e->pending)
         if (pthread_cond_timedwait(&e->cv, &e->mu, &ts) == ETIMEDOUT && e->pending) return -ETIMEDOUT;
     return 0;

@@ -34,6 +34,10 @@ int ckpt_parse_aside_dirname(const char *name, uint64_t *step);
 /* Parse ".tmp-step-<digits>-<id>": 0 and *step, or -1. */
 int ckpt_parse_temp_dirname(const char *name, uint64_t *step);
 
+/* Absolute CLOCK_REALTIME time `seconds` from now, for pthread_cond_timedwait. */
+struct timespec;
+void ckpt_deadline(struct timespec *ts, double seconds);
+
 /* out = dir + "/" + name; -ENAMETOOLONG when it does not fit in len bytes. */
 int ckpt_path_join(char *out, size_t len, const char *dir, const char *name);
 

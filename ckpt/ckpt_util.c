@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 void ckpt_shuffle(uint8_t *dst, const uint8_t *src, size_t n, uint32_t elem_bytes)
 {
@@ -165,4 +166,16 @@ void ckpt_fault_point(const char *name, uint64_t step)
     LOG_W("ckpt", "fault point %s reached at step %llu: killing this process (CKPT_FAULT_POINT)",
           name, (unsigned long long)step);
     raise(SIGKILL);
+}
+
+void ckpt_deadline(struct timespec *ts, double seconds)
+{
+    clock_gettime(CLOCK_REALTIME, ts);
+    time_t whole = (time_t)seconds;
+    ts->tv_sec += whole;
+    ts->tv_nsec += (long)((seconds - (double)whole) * 1e9);
+    if (ts->tv_nsec >= 1000000000L) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000L;
+    }
 }

@@ -146,16 +146,6 @@ struct ckpt_pool {
 /* Seconds a pipeline wait may last before the save fails (DESIGN I4: no unbounded wait). */
 #define POOL_WAIT_S 600
 
-static void deadline_in(struct timespec *ts, double s)
-{
-    clock_gettime(CLOCK_REALTIME, ts);
-    ts->tv_sec += (time_t)s;
-    ts->tv_nsec += (long)((s - (double)(time_t)s) * 1e9);
-    if (ts->tv_nsec >= 1000000000L) {
-        ts->tv_sec++;
-        ts->tv_nsec -= 1000000000L;
-    }
-}
 
 static void compress_chunk(ckpt_pool *p, ZSTD_CCtx *cctx, slot *s, const chunk_job *c)
 {
@@ -204,14 +194,14 @@ static void *worker_main(void *arg)
     pthread_mutex_lock(&p->mu);
     for (;;) {
         while (!p->stop && !(p->have_job && !p->abort && p->next < p->nchunks)) {
-            deadline_in(&ts, 1.0); /* idle: re-check once a second */
+            ckpt_deadline(&ts, 1.0); /* idle: re-check once a second */
             pthread_cond_timedwait(&p->cv_work, &p->mu, &ts);
         }
         if (p->stop) break;
         size_t i = p->next++;
         slot *s = &p->slots[i % p->nslots];
         while (s->chunk != -1 && !p->abort && !p->stop) {
-            deadline_in(&ts, 1.0);
+            ckpt_deadline(&ts, 1.0);
             pthread_cond_timedwait(&p->cv_free, &p->mu, &ts);
         }
         if (p->abort || p->stop) continue;
@@ -347,7 +337,7 @@ static int run_pipeline(ckpt_pool *p, store_writer *w, const ckpt_save_opts *o, 
     for (size_t i = 0; i < nchunks && rc == 0; i++) {
         slot *s = &p->slots[i % p->nslots];
         struct timespec ts;
-        deadline_in(&ts, POOL_WAIT_S);
+        ckpt_deadline(&ts, POOL_WAIT_S);
         pthread_mutex_lock(&p->mu);
         while (!(s->chunk == (int64_t)i && s->ready) && rc == 0)
             if (pthread_cond_timedwait(&p->cv_ready, &p->mu, &ts) == ETIMEDOUT) rc = -ETIMEDOUT;
@@ -392,7 +382,7 @@ static int run_pipeline(ckpt_pool *p, store_writer *w, const ckpt_save_opts *o, 
     /* end the job: workers stop taking chunks; wait for those still compressing, since they
      * read the caller's buffers and write the slots */
     struct timespec ts;
-    deadline_in(&ts, POOL_WAIT_S);
+    ckpt_deadline(&ts, POOL_WAIT_S);
     pthread_mutex_lock(&p->mu);
     p->abort = 1;
     p->have_job = 0;
