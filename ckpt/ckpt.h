@@ -183,6 +183,23 @@ int ckpt_engine_destroy(ckpt_engine *e);
  * with the others). */
 int ckpt_retain(const char *dir, unsigned keep_last, uint64_t keep_every, const char *run_id);
 
+/* ------------------------------------------------------------------ folder lock */
+
+typedef struct ckpt_dir_lock ckpt_dir_lock;
+
+/* Create dir (and its parents) when missing, and take an exclusive advisory lock (flock) on
+ * dir/.lock for the caller's lifetime, so that two runs never write the same snapshot
+ * folder (they would remove each other's temp folders and collide on step names). The
+ * lock file holds the owner's pid; the kernel drops the lock when the process dies, so a
+ * crash never leaves the folder locked. Readers (ckpt-inspect) take no lock.
+ * Errors: -EBUSY another process holds it (*holder_pid, when not NULL, gets its pid or 0),
+ * -ENOTDIR / -EACCES / -EROFS / other -errno of mkdir or open (the folder is unusable),
+ * -ENOMEM. */
+int ckpt_dir_lock_acquire(const char *dir, ckpt_dir_lock **out, long *holder_pid);
+
+/* Release the lock and free the handle; accepts NULL. */
+void ckpt_dir_lock_release(ckpt_dir_lock *l);
+
 /* Set a corrupt snapshot folder aside so that its step can be saved again while the bad
  * bytes stay for inspection: renames dir/name to dir/name.corrupt-<unix seconds> (a name
  * that readers never take for a snapshot) and fsyncs dir. The new name goes into newname

@@ -1,5 +1,6 @@
 /* ckpt_export.c - safetensors export of a snapshot's tensor table (see ckpt_export.h). */
 #include "ckpt_export.h"
+#include "ckpt_internal.h"
 
 #include "config.h"
 #include "storage.h"
@@ -217,6 +218,24 @@ int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_e
     if (!force && lstat(out_path, &st) == 0) {
         set_why(why, why_len, "%s: exists", out_path);
         return -EEXIST;
+    }
+    {
+        /* never write into a snapshot folder (or a temp one): even with --force that would
+         * damage a committed snapshot */
+        char parent[CKPT_PATH_MAX], mpath[CKPT_PATH_MAX + 32];
+        snprintf(parent, sizeof parent, "%s", out_path);
+        char *slash = strrchr(parent, '/');
+        if (slash) *slash = '\0';
+        else snprintf(parent, sizeof parent, ".");
+        snprintf(mpath, sizeof mpath, "%s/manifest.json", parent);
+        const char *base = strrchr(parent, '/');
+        base = base ? base + 1 : parent;
+        uint64_t step;
+        if (lstat(mpath, &st) == 0 || ckpt_parse_step_dirname(base, &step) == 0 ||
+            ckpt_parse_temp_dirname(base, &step) == 0) {
+            set_why(why, why_len, "%s: refusing to write inside a snapshot folder", out_path);
+            return -EINVAL;
+        }
     }
 
     json_error_t jerr;

@@ -62,6 +62,7 @@ struct ckpt_snapshot {
     file *files;
     buffer *buffers;
     uint64_t max_stored, max_raw;
+    uint64_t chunk_max; /* the manifest's chunk_bytes */
     unsigned threads; /* reading threads; default 2 */
     rctx *ctx;        /* (threads) decode states, allocated on first read */
 };
@@ -205,6 +206,11 @@ static int parse_chunks(ckpt_snapshot *s, buffer *b, const json_t *jshards, char
                         j, fname, filter);
                 return -EBADMSG;
             }
+            if ((uint64_t)bytes > s->chunk_max) {
+                set_bad(why, why_len, "buffer %s: chunk %zu of %s has %lld bytes, more than "
+                        "chunk_bytes", b->name, j, fname, (long long)bytes);
+                return -EBADMSG;
+            }
             if ((uint64_t)off != expect || (!k->codec_zstd && sb != bytes)) {
                 set_bad(why, why_len, "buffer %s: chunk %zu of %s does not follow its predecessor",
                         b->name, j, fname);
@@ -263,12 +269,31 @@ static int parse_manifest(ckpt_snapshot *s, const json_t *m, char *why, size_t w
     const char *run_id = get_s(m, "run_id"), *chash = get_s(m, "config_hash");
     json_t *jfiles = json_object_get(m, "files"), *jbufs = json_object_get(m, "buffers");
     json_t *trainer = json_object_get(m, "trainer");
+    int64_t chunk_max = get_u(m, "chunk_bytes");
     if (step < 0 || ws < 1 || ws > 1 << 20 || !run_id || !chash || !json_is_array(jfiles) ||
         !json_is_array(jbufs) || !json_is_object(trainer)) {
         set_bad(why, why_len, "manifest lacks step, world_size, run_id, config_hash, files, "
                               "buffers or trainer");
         return -EBADMSG;
     }
+    if (!ckpt_valid_name(run_id) || !ckpt_valid_name(chash)) {
+        set_bad(why, why_len, "run_id or config_hash is not 1-63 characters of [A-Za-z0-9_.-]");
+        return -EBADMSG;
+    }
+    if (chunk_max < 4096 || chunk_max > (1ll << 30)) {
+        set_bad(why, why_len, "chunk_bytes %lld is outside [4096, 2^30]", (long long)chunk_max);
+        return -EBADMSG;
+    }
+    /* the folder's name, when it names a step, must name this one */
+    const char *base = strrchr(s->path, '/');
+    base = base ? base + 1 : s->path;
+    uint64_t named;
+    if ((ckpt_parse_step_dirname(base, &named) == 0 || ckpt_parse_aside_dirname(base, &named) == 0) &&
+        named != (uint64_t)step) {
+        set_bad(why, why_len, "manifest says step %lld but the folder is %s", (long long)step, base);
+        return -EBADMSG;
+    }
+    s->chunk_max = (uint64_t)chunk_max;
     s->step = (uint64_t)step;
     s->world_size = (uint32_t)ws;
     s->created = created < 0 ? 0 : created;
@@ -285,10 +310,17 @@ static int parse_manifest(ckpt_snapshot *s, const json_t *m, char *why, size_t w
     json_array_foreach(jfiles, i, jf) {
         const char *name = get_s(jf, "name");
         int64_t bytes = get_u(jf, "bytes");
-        if (!name || !ckpt_valid_name(name) || bytes < 0) {
-            set_bad(why, why_len, "file entry %zu is malformed", i);
+        int64_t frank = get_u(jf, "rank");
+        if (!name || !ckpt_valid_name(name) || bytes < 0 || frank < 0 || frank >= ws) {
+            set_bad(why, why_len, "file entry %zu is malformed (name, bytes, or rank in [0, %lld))",
+                    i, (long long)ws);
             return -EBADMSG;
         }
+        for (size_t k = 0; k < i; k++)
+            if (!strcmp(s->files[k].name, name)) {
+                set_bad(why, why_len, "data file %s is listed twice", name);
+                return -EBADMSG;
+            }
         char p[CKPT_PATH_MAX];
         struct stat st;
         if (ckpt_path_join(p, sizeof p, s->path, name) < 0 || stat(p, &st) != 0) {
@@ -715,7 +747,11 @@ int ckpt_list(const char *dir, ckpt_entry **entries, size_t *n)
         snprintf(en->name, sizeof en->name, "%s", e->d_name);
         if (temp) {
             en->status = CKPT_STATUS_INCOMPLETE;
-            snprintf(en->reason, sizeof en->reason, "temp folder: save in progress or interrupted");
+            size_t nl = strlen(e->d_name);
+            int retired = nl > 8 && !strcmp(e->d_name + nl - 8, "-retired");
+            snprintf(en->reason, sizeof en->reason, "%s",
+                     retired ? "temp folder: removal by retention in progress or interrupted"
+                             : "temp folder: save in progress or interrupted");
             continue;
         }
         if (aside) {

@@ -101,7 +101,10 @@ int ckpt_parse_step_dirname(const char *name, uint64_t *step)
     const char *end;
     if (strncmp(name, "step-", 5) != 0) return -1;
     if (parse_digits(name + 5, step, &end) != 0 || *end != '\0') return -1;
-    return 0;
+    /* only the canonical spelling: step-0000000020 is not a second name for step 20 */
+    char canon[40];
+    ckpt_step_dirname(*step, canon, sizeof canon);
+    return strcmp(canon, name) == 0 ? 0 : -1;
 }
 
 int ckpt_parse_aside_dirname(const char *name, uint64_t *step)

@@ -11,6 +11,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -618,8 +620,10 @@ int ckpt_remove_temp(const char *dir)
             if (!rc) rc = r;
             continue;
         }
-        LOG_I(TAG, "removed leftover temp folder %s (interrupted save of step %llu)", path,
-              (unsigned long long)step);
+        size_t nl = strlen(e->d_name);
+        int retired = nl > 8 && !strcmp(e->d_name + nl - 8, "-retired");
+        LOG_I(TAG, "removed leftover temp folder %s (interrupted %s of step %llu)", path,
+              retired ? "removal by retention" : "save", (unsigned long long)step);
         removed++;
     }
     closedir(d);
@@ -670,4 +674,52 @@ int ckpt_retain(const char *dir, unsigned keep_last, uint64_t keep_every, const 
     }
     free(e);
     return first_err ? first_err : removed;
+}
+
+struct ckpt_dir_lock {
+    int fd;
+};
+
+int ckpt_dir_lock_acquire(const char *dir, ckpt_dir_lock **out, long *holder_pid)
+{
+    *out = NULL;
+    if (holder_pid) *holder_pid = 0;
+    int rc = mkdir_p(dir);
+    if (rc < 0) return rc;
+    char path[CKPT_PATH_MAX];
+    if ((rc = ckpt_path_join(path, sizeof path, dir, ".lock")) < 0) return rc;
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) return -errno;
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        rc = errno == EWOULDBLOCK ? -EBUSY : -errno;
+        if (holder_pid) {
+            char buf[32] = "";
+            ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+            if (n > 0) *holder_pid = strtol(buf, NULL, 10);
+        }
+        close(fd);
+        return rc;
+    }
+    char buf[32];
+    int n = snprintf(buf, sizeof buf, "%ld\n", (long)getpid());
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, buf, (size_t)n, 0) != n) {
+        rc = -errno;
+        close(fd);
+        return rc;
+    }
+    ckpt_dir_lock *l = malloc(sizeof *l);
+    if (!l) {
+        close(fd);
+        return -ENOMEM;
+    }
+    l->fd = fd;
+    *out = l;
+    return 0;
+}
+
+void ckpt_dir_lock_release(ckpt_dir_lock *l)
+{
+    if (!l) return;
+    close(l->fd); /* drops the flock */
+    free(l);
 }

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -64,6 +65,15 @@ static int cmd_list(const char *dir, int json)
 {
     ckpt_entry *e;
     size_t n;
+    struct stat st;
+    if (stat(dir, &st) != 0) {
+        fprintf(stderr, "ckpt-inspect: cannot list %s: %s\n", dir, strerror(errno));
+        return 1;
+    }
+    if (!S_ISDIR(st.st_mode)) {
+        fprintf(stderr, "ckpt-inspect: cannot list %s: not a folder\n", dir);
+        return 1;
+    }
     int rc = ckpt_list(dir, &e, &n);
     if (rc < 0) {
         fprintf(stderr, "ckpt-inspect: cannot list %s: %s\n", dir, strerror(-rc));
@@ -261,7 +271,7 @@ static int cmd_verify(const char *path, int json, int quiet)
     if (json) {
         json_t *o = json_pack("{s:s, s:b, s:I, s:I, s:f}", "snapshot", path, "ok", rc == 0,
                               "raw_bytes", (json_int_t)raw, "stored_bytes", (json_int_t)stored,
-                              "seconds", el);
+                              "seconds", (double)(int64_t)(el * 1e6) / 1e6);
         if (rc < 0) json_object_set_new(o, "error", json_string(bad[0] ? bad : strerror(-rc)));
         char *t = json_dumps(o, JSON_INDENT(2));
         printf("%s\n", t);

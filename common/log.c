@@ -19,6 +19,13 @@ static int level_from_env(void)
     if (!strcasecmp(s, "error")) return LOG_ERROR;
     if (!strcasecmp(s, "warn")) return LOG_WARN;
     if (!strcasecmp(s, "debug")) return LOG_DEBUG;
+    if (strcasecmp(s, "info") != 0) {
+        char msg[160];
+        int n = snprintf(msg, sizeof msg, "warning: CKPT_LOG_LEVEL=\"%.60s\" is not error, warn, info "
+                         "or debug; using info\n", s);
+        ssize_t w = write(STDERR_FILENO, msg, n > 0 ? (size_t)n : 0);
+        (void)w;
+    }
     return LOG_INFO;
 }
 

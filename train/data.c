@@ -12,7 +12,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -21,12 +20,10 @@
 
 typedef struct shard {
     char *path;
-    const uint16_t *tokens;
+    int fd;
     uint64_t ntokens;
     uint64_t nsamples;
     uint64_t first_sample; /* global number of the shard's first sample */
-    void *map;
-    size_t map_len;
 } shard;
 
 struct train_dataset {
@@ -50,7 +47,10 @@ static void say(char *why, size_t why_len, const char *fmt, ...)
     va_end(ap);
 }
 
-static int map_shard(shard *s, int seq_len, int vocab, char *why, size_t why_len)
+/* Open a shard, check its header and size, stream every token once (range check against
+ * vocab, hash). Tokens are read with pread when sampled, not mapped: a file truncated or
+ * rewritten under a running job then gives an error, not a SIGBUS. */
+static int open_shard(shard *s, int seq_len, int vocab, XXH3_state_t *hs, char *why, size_t why_len)
 {
     int fd = open(s->path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
@@ -58,31 +58,28 @@ static int map_shard(shard *s, int seq_len, int vocab, char *why, size_t why_len
         say(why, why_len, "%s: cannot open: %s", s->path, strerror(e));
         return -e;
     }
+    s->fd = fd;
     struct stat st;
     if (fstat(fd, &st) != 0) {
         int e = errno;
-        close(fd);
         say(why, why_len, "%s: cannot stat: %s", s->path, strerror(e));
         return -e;
     }
-    size_t hdr = TRAIN_SHARD_HEADER_INTS * sizeof(int32_t);
+    if (!S_ISREG(st.st_mode)) {
+        say(why, why_len, "%s: not a regular file", s->path);
+        return -EBADMSG;
+    }
+    const size_t hdr = TRAIN_SHARD_HEADER_INTS * sizeof(int32_t);
     if ((size_t)st.st_size < hdr) {
-        close(fd);
         say(why, why_len, "%s: %lld bytes, shorter than the %zu-byte header", s->path,
             (long long)st.st_size, hdr);
         return -EBADMSG;
     }
-    void *map = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
-    int e = errno;
-    close(fd);
-    if (map == MAP_FAILED) {
-        say(why, why_len, "%s: mmap failed: %s", s->path, strerror(e));
-        return -e;
-    }
-    s->map = map;
-    s->map_len = (size_t)st.st_size;
     int32_t h[3];
-    memcpy(h, map, sizeof h); /* little-endian hosts only (x86-64, arm64) */
+    if (pread(fd, h, sizeof h, 0) != (ssize_t)sizeof h) { /* little-endian hosts only */
+        say(why, why_len, "%s: cannot read the header", s->path);
+        return -EIO;
+    }
     if (h[0] != TRAIN_SHARD_MAGIC) {
         say(why, why_len, "%s: bad magic %d (expected %d): not an llm.c token shard", s->path, h[0],
             TRAIN_SHARD_MAGIC);
@@ -93,20 +90,39 @@ static int map_shard(shard *s, int seq_len, int vocab, char *why, size_t why_len
             h[1], TRAIN_SHARD_VERSION);
         return -EBADMSG;
     }
-    if (h[2] < 0 || (uint64_t)s->map_len != hdr + 2ull * (uint64_t)h[2]) {
-        say(why, why_len, "%s: header says %d tokens (%llu bytes) but the file has %zu bytes",
-            s->path, h[2], (unsigned long long)(hdr + 2ull * (uint64_t)(h[2] < 0 ? 0 : h[2])),
-            s->map_len);
+    if (h[2] < 0) {
+        say(why, why_len, "%s: header says %d tokens, a negative count", s->path, h[2]);
         return -EBADMSG;
     }
-    s->tokens = (const uint16_t *)((const char *)map + hdr);
+    if ((uint64_t)st.st_size != hdr + 2ull * (uint64_t)h[2]) {
+        say(why, why_len, "%s: header says %d tokens (%llu bytes) but the file has %lld bytes",
+            s->path, h[2], (unsigned long long)(hdr + 2ull * (uint64_t)h[2]), (long long)st.st_size);
+        return -EBADMSG;
+    }
     s->ntokens = (uint64_t)h[2];
-    for (uint64_t i = 0; i < s->ntokens; i++)
-        if (s->tokens[i] >= vocab) {
-            say(why, why_len, "%s: token %u at position %llu is outside the vocabulary (%d)",
-                s->path, s->tokens[i], (unsigned long long)i, vocab);
-            return -EBADMSG;
+    uint16_t *buf = malloc(1u << 20);
+    if (!buf) return -ENOMEM;
+    int rc = 0;
+    for (uint64_t done = 0; done < s->ntokens && rc == 0;) {
+        size_t n = (size_t)(s->ntokens - done < (1u << 19) ? s->ntokens - done : (1u << 19));
+        ssize_t got = pread(fd, buf, n * 2, (off_t)(hdr + done * 2));
+        if (got != (ssize_t)(n * 2)) {
+            say(why, why_len, "%s: short read at token %llu", s->path, (unsigned long long)done);
+            rc = -EIO;
+            break;
         }
+        for (size_t i = 0; i < n; i++)
+            if (buf[i] >= vocab) {
+                say(why, why_len, "%s: token %u at position %llu is outside the vocabulary (%d)",
+                    s->path, buf[i], (unsigned long long)(done + i), vocab);
+                rc = -EBADMSG;
+                break;
+            }
+        XXH3_64bits_update(hs, buf, n * 2);
+        done += n;
+    }
+    free(buf);
+    if (rc < 0) return rc;
     s->nsamples = s->ntokens > 0 ? (s->ntokens - 1) / (uint64_t)seq_len : 0;
     if (s->nsamples == 0) {
         say(why, why_len, "%s: %llu tokens, too few for one sample of %d+1 tokens", s->path,
@@ -145,16 +161,16 @@ int train_dataset_open(train_dataset **out, const char *glob_pattern, int seq_le
     XXH3_64bits_reset(hs);
     for (size_t i = 0; i < g.gl_pathc; i++) {
         shard *s = &d->shards[d->nshards++];
+        s->fd = -1;
         s->path = strdup(g.gl_pathv[i]);
         if (!s->path) {
             rc = -ENOMEM;
             break;
         }
-        if ((rc = map_shard(s, seq_len, vocab, why, why_len)) < 0) break;
+        if ((rc = open_shard(s, seq_len, vocab, hs, why, why_len)) < 0) break;
         s->first_sample = d->nsamples;
         d->nsamples += s->nsamples;
         d->ntokens += s->ntokens;
-        XXH3_64bits_update(hs, s->tokens, s->ntokens * sizeof(uint16_t));
     }
     d->hash = XXH3_64bits_digest(hs);
     XXH3_freeState(hs);
@@ -177,7 +193,7 @@ void train_dataset_close(train_dataset *d)
 {
     if (!d) return;
     for (size_t i = 0; i < d->nshards; i++) {
-        if (d->shards[i].map) munmap(d->shards[i].map, d->shards[i].map_len);
+        if (d->shards[i].fd >= 0) close(d->shards[i].fd);
         free(d->shards[i].path);
     }
     free(d->shards);
@@ -190,8 +206,10 @@ uint64_t train_dataset_num_tokens(const train_dataset *d) { return d->ntokens; }
 size_t train_dataset_num_files(const train_dataset *d) { return d->nshards; }
 uint64_t train_dataset_hash(const train_dataset *d) { return d->hash; }
 
-void train_dataset_sample(const train_dataset *d, uint64_t index, int32_t *inputs, int32_t *targets)
+int train_dataset_sample(const train_dataset *d, uint64_t index, int32_t *inputs, int32_t *targets,
+                         char *why, size_t why_len)
 {
+    if (index >= d->nsamples) return -EINVAL;
     size_t lo = 0, hi = d->nshards;
     while (hi - lo > 1) { /* last shard whose first sample <= index */
         size_t mid = (lo + hi) / 2;
@@ -199,11 +217,26 @@ void train_dataset_sample(const train_dataset *d, uint64_t index, int32_t *input
         else hi = mid;
     }
     const shard *s = &d->shards[lo];
-    const uint16_t *t = s->tokens + (index - s->first_sample) * (uint64_t)d->seq_len;
-    for (int i = 0; i < d->seq_len; i++) {
-        inputs[i] = t[i];
-        targets[i] = t[i + 1];
+    const int T = d->seq_len;
+    uint16_t buf[1024];
+    uint16_t *t = (size_t)T + 1 <= sizeof buf / sizeof buf[0] ? buf : malloc(((size_t)T + 1) * 2);
+    if (!t) return -ENOMEM;
+    off_t off = (off_t)(TRAIN_SHARD_HEADER_INTS * sizeof(int32_t) +
+                        (index - s->first_sample) * (uint64_t)T * 2);
+    ssize_t got = pread(s->fd, t, ((size_t)T + 1) * 2, off);
+    int rc = 0;
+    if (got != (ssize_t)(((size_t)T + 1) * 2)) {
+        say(why, why_len, "%s: %s reading sample %llu: the file changed while training",
+            s->path, got < 0 ? strerror(errno) : "short read", (unsigned long long)index);
+        rc = -EIO;
+    } else {
+        for (int i = 0; i < T; i++) {
+            inputs[i] = t[i];
+            targets[i] = t[i + 1];
+        }
     }
+    if (t != buf) free(t);
+    return rc;
 }
 
 int64_t train_dataset_order(train_dataset *d, uint64_t seed, uint64_t k)

@@ -15,7 +15,8 @@
  * seed and the count consumed only, never on the world size.
  *
  * Thread-safety: a dataset is read-only after open (its permutation cache is not: use one
- * per thread).
+ * per thread). Tokens are read with pread, never mapped, so a shard rewritten under a running
+ * job is an error, not a crash.
  */
 #ifndef TRAIN_DATA_H
 #define TRAIN_DATA_H
@@ -29,8 +30,8 @@
 
 typedef struct train_dataset train_dataset;
 
-/* Open every file matching `glob_pattern` (sorted), map it read-only and check its header
- * and size. `seq_len` fixes the sample length; `vocab` bounds the tokens (every token is
+/* Open every file matching `glob_pattern` (sorted) read-only, check its header and size and
+ * read every token once (range check and hash); the files stay open. `seq_len` fixes the sample length; `vocab` bounds the tokens (every token is
  * checked < vocab). On error a one-line reason naming the file goes into why.
  * Errors: -ENOENT (no file matches), -EBADMSG (bad magic/version, short or long file,
  * token >= vocab, a shard too small for one sample), -EINVAL, -ENOMEM, -errno of open/mmap. */
@@ -49,9 +50,12 @@ size_t train_dataset_num_files(const train_dataset *d);
  * resume checks (case C15). */
 uint64_t train_dataset_hash(const train_dataset *d);
 
-/* Copy sample `index` (0 <= index < num_samples): inputs (seq_len) = tokens [0, T),
- * targets (seq_len) = tokens [1, T+1). */
-void train_dataset_sample(const train_dataset *d, uint64_t index, int32_t *inputs, int32_t *targets);
+/* Read sample `index` (0 <= index < num_samples) with pread: inputs (seq_len) = tokens
+ * [0, T), targets (seq_len) = tokens [1, T+1). Thread-safe (no shared state).
+ * Errors: -EINVAL index out of range, -EIO the file cannot be read or got shorter since open
+ * (why names the file), -ENOMEM. */
+int train_dataset_sample(const train_dataset *d, uint64_t index, int32_t *inputs, int32_t *targets,
+                         char *why, size_t why_len);
 
 /* The sample index that is consumed k-th overall (k counts from 0 across epochs) for the
  * given seed. Caches one epoch's permutation inside d (not thread-safe).

@@ -58,7 +58,9 @@ int train_model_config_check(const train_model_config *c, char *why, size_t why_
     else if (c->n_head < 1 || c->n_head > 256) bad = "n_head must be in [1, 256]";
     else if (c->n_embd < c->n_head || c->n_embd > 65536 || c->n_embd % c->n_head)
         bad = "n_embd must be a multiple of n_head, at most 65536";
-    if (bad && why) snprintf(why, why_len, "%s", bad);
+    if (bad && why)
+        snprintf(why, why_len, "%s (vocab %d, seq_len %d, n_layer %d, n_embd %d, n_head %d)", bad,
+                 c->vocab, c->seq_len, c->n_layer, c->n_embd, c->n_head);
     return bad ? -EINVAL : 0;
 }
 

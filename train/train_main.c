@@ -15,9 +15,11 @@
 #include <jansson.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -228,6 +230,24 @@ static int parse_args(int argc, char **argv, options *o)
     return 0;
 }
 
+/* ------------------------------------------------------------------ signals */
+
+/* SIGTERM/SIGINT (a scheduler's preemption notice, Ctrl-C): finish the step in progress, take
+ * a final snapshot, print the final line and exit 128 + signal. */
+static volatile sig_atomic_t g_stop_signal;
+
+static void on_stop_signal(int sig) { g_stop_signal = sig; }
+
+static void install_stop_handlers(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+}
+
 /* ------------------------------------------------------------------ state */
 
 typedef struct state {
@@ -241,6 +261,7 @@ typedef struct state {
     int64_t step;             /* completed optimizer steps */
     uint64_t samples;         /* samples consumed */
     ckpt_engine *engine;
+    ckpt_dir_lock *lock;
     char run_id[64];
     char config_hash[17];
     double last_loss, last_val;
@@ -293,9 +314,14 @@ static double eval_val(state *s)
     double sum = 0.0;
     for (uint64_t i = 0; i < total; i += (uint64_t)b) {
         int n = (int)(total - i < (uint64_t)b ? total - i : (uint64_t)b);
-        for (int k = 0; k < n; k++)
-            train_dataset_sample(s->val, i + (uint64_t)k, s->inputs + (size_t)k * T,
-                                 s->targets + (size_t)k * T);
+        for (int k = 0; k < n; k++) {
+            char why[512];
+            if (train_dataset_sample(s->val, i + (uint64_t)k, s->inputs + (size_t)k * T,
+                                     s->targets + (size_t)k * T, why, sizeof why) < 0) {
+                LOG_E(TAG, "validation data: %s", why);
+                return NAN;
+            }
+        }
         sum += train_model_forward(s->model, s->inputs, s->targets, n) * n;
     }
     return sum / (double)total;
@@ -470,15 +496,33 @@ static int load_snapshot(state *s, const char *path, char *why, size_t why_len)
     json_t *data = json_object_get(tr, "data");
     size_t np = train_model_num_params(s->model), bytes = np * sizeof(float);
     char diff[400];
-    int64_t step = json_integer_value(json_object_get(tr, "step"));
-    int64_t samples = json_integer_value(json_object_get(data, "samples_consumed"));
+    json_t *opt = json_object_get(tr, "optimizer");
+    json_t *jstep = json_object_get(tr, "step"), *jsamples = json_object_get(data, "samples_consumed");
+    json_t *jt = json_object_get(opt, "t");
+    int64_t step = json_is_integer(jstep) ? json_integer_value(jstep) : -1;
+    int64_t samples = json_is_integer(jsamples) ? json_integer_value(jsamples) : -1;
+    int64_t t = json_is_integer(jt) ? json_integer_value(jt) : -1;
     const char *dh = json_string_value(json_object_get(data, "data_hash"));
+    const char *digest = json_string_value(json_object_get(tr, "params_digest"));
     int64_t gb = json_integer_value(json_object_get(json_object_get(tr, "batch"), "global_batch"));
     int64_t seed = json_integer_value(json_object_get(data, "seed"));
-    char mydh[17];
+    char mydh[17], got_digest[33];
     snprintf(mydh, sizeof mydh, "%016" PRIx64, train_dataset_hash(s->train));
-    if (!json_is_object(tr) || !json_is_object(data) || step < 0 || samples < 0 || !dh) {
-        snprintf(why, why_len, "trainer record lacks step or data position");
+    int dtypes_ok = 1;
+    for (size_t i = 0; i < ckpt_snapshot_nbuffers(snap); i++) {
+        ckpt_buffer_info bi;
+        ckpt_snapshot_buffer_info(snap, i, &bi);
+        if ((!strcmp(bi.name, "params") || !strcmp(bi.name, "adam_m") || !strcmp(bi.name, "adam_v")) &&
+            (strcmp(bi.dtype, "f32") != 0 || bi.elem_bytes != 4))
+            dtypes_ok = 0;
+    }
+    if (!json_is_object(tr) || !json_is_object(data) || !json_is_object(opt) || !dh || !digest) {
+        snprintf(why, why_len, "trainer record lacks its data position, optimizer or params_digest");
+        rc = -EBADMSG;
+    } else if (step != (int64_t)ckpt_snapshot_step(snap) || t != step) {
+        snprintf(why, why_len, "trainer record is inconsistent: step %lld and Adam step %lld in a "
+                 "snapshot of step %llu", (long long)step, (long long)t,
+                 (unsigned long long)ckpt_snapshot_step(snap));
         rc = -EBADMSG;
     } else if (!same_model(json_object_get(tr, "model"), &s->o->model, diff, sizeof diff)) {
         snprintf(why, why_len, "model configuration differs: %s", diff);
@@ -492,21 +536,34 @@ static int load_snapshot(state *s, const char *path, char *why, size_t why_len)
                  "now %d, %" PRIu64 ")", (long long)gb, (long long)seed,
                  s->o->micro_batch * s->o->grad_accum, s->o->seed);
         rc = -EINVAL;
+    } else if (samples != step * gb) {
+        snprintf(why, why_len, "trainer record is inconsistent: %lld samples consumed after %lld "
+                 "steps of %lld", (long long)samples, (long long)step, (long long)gb);
+        rc = -EBADMSG;
     } else if (ckpt_snapshot_buffer_bytes(snap, "params") != (int64_t)bytes ||
                ckpt_snapshot_buffer_bytes(snap, "adam_m") != (int64_t)bytes ||
                ckpt_snapshot_buffer_bytes(snap, "adam_v") != (int64_t)bytes) {
         snprintf(why, why_len, "state buffers have the wrong size for this model");
         rc = -EINVAL;
+    } else if (!dtypes_ok) {
+        snprintf(why, why_len, "state buffers are not f32");
+        rc = -EBADMSG;
     } else if ((rc = ckpt_snapshot_read(snap, "params", 0, bytes, train_model_params(s->model), why,
                                         why_len)) == 0 &&
                (rc = ckpt_snapshot_read(snap, "adam_m", 0, bytes, s->m, why, why_len)) == 0 &&
                (rc = ckpt_snapshot_read(snap, "adam_v", 0, bytes, s->v, why, why_len)) == 0) {
-        warn_changed_hparams(tr, s->o);
-        s->step = step;
-        s->samples = (uint64_t)samples;
-        snprintf(s->run_id, sizeof s->run_id, "%s", ckpt_snapshot_run_id(snap));
-        json_t *loss = json_object_get(tr, "loss");
-        s->last_loss = json_is_number(loss) ? json_number_value(loss) : NAN;
+        digest_hex(train_model_params(s->model), np, got_digest);
+        if (strcmp(got_digest, digest) != 0) {
+            snprintf(why, why_len, "params digest %s differs from the recorded %s", got_digest, digest);
+            rc = -EBADMSG;
+        } else {
+            warn_changed_hparams(tr, s->o);
+            s->step = step;
+            s->samples = (uint64_t)samples;
+            snprintf(s->run_id, sizeof s->run_id, "%s", ckpt_snapshot_run_id(snap));
+            json_t *loss = json_object_get(tr, "loss");
+            s->last_loss = json_is_number(loss) ? json_number_value(loss) : NAN;
+        }
     }
     json_decref(tr);
     ckpt_snapshot_close(snap);
@@ -525,6 +582,29 @@ static void fresh_start(state *s)
     else make_run_id(s->run_id);
 }
 
+/* Snapshot names already in the folder after the step we start from would collide with the
+ * ones this run is about to save (and a later --resume auto would continue the other run).
+ * Returns 0, or 2 with one line naming the newest one. */
+static int check_no_later_snapshots(state *s)
+{
+    ckpt_entry *e;
+    size_t n;
+    if (ckpt_list(s->o->ckpt_dir, &e, &n) < 0) return 0; /* unreadable: the first save reports it */
+    int rc = 0;
+    for (size_t i = n; i-- > 0;) {
+        if (e[i].status == CKPT_STATUS_INCOMPLETE || e[i].status == CKPT_STATUS_SET_ASIDE) continue;
+        if (e[i].step <= (uint64_t)s->step) break;
+        LOG_E(TAG, "refusing to start at step %" PRId64 ": %s already holds %s (run %s, %s), whose "
+              "steps this run would save again; continue that run with --resume auto, or use "
+              "another --ckpt-dir", s->step, s->o->ckpt_dir, e[i].name,
+              e[i].run_id[0] ? e[i].run_id : "?", ckpt_status_name(e[i].status));
+        rc = 2;
+        break;
+    }
+    free(e);
+    return rc;
+}
+
 /* Returns 0 (resumed or fresh), 1 runtime failure, 2 configuration error. */
 static int resume(state *s)
 {
@@ -536,6 +616,23 @@ static int resume(state *s)
         return 0;
     }
     if (strcmp(o->resume, "auto") != 0) {
+        struct stat st;
+        char mpath[CKPT_PATH_MAX + 16];
+        if (stat(o->resume, &st) != 0 || !S_ISDIR(st.st_mode)) {
+            LOG_E(TAG, "--resume %s: no such snapshot folder", o->resume);
+            return 2;
+        }
+        snprintf(mpath, sizeof mpath, "%s/manifest.json", o->resume);
+        ckpt_entry *inner;
+        size_t ninner = 0;
+        if (stat(mpath, &st) != 0 && ckpt_list(o->resume, &inner, &ninner) == 0) {
+            free(inner);
+            if (ninner > 0) {
+                LOG_E(TAG, "--resume %s: this holds snapshots, it is not one; use --ckpt-dir %s "
+                      "--resume auto, or name one of its step-* folders", o->resume, o->resume);
+                return 2;
+            }
+        }
         int rc = load_snapshot(s, o->resume, why, sizeof why);
         if (rc < 0) {
             LOG_E(TAG, "cannot resume from %s: %s", o->resume, why);
@@ -627,8 +724,14 @@ static int train_step(state *s, double *loss_out, double *norm_out, float *lr_ou
                 free(losses);
                 return (int)idx;
             }
-            train_dataset_sample(s->train, (uint64_t)idx, s->inputs + (size_t)k * T,
-                                 s->targets + (size_t)k * T);
+            char why[512];
+            int sr = train_dataset_sample(s->train, (uint64_t)idx, s->inputs + (size_t)k * T,
+                                          s->targets + (size_t)k * T, why, sizeof why);
+            if (sr < 0) {
+                LOG_E(TAG, "training data: %s", why);
+                free(losses);
+                return sr;
+            }
         }
         losses[j] = train_model_forward(s->model, s->inputs, s->targets, b);
         train_model_backward(s->model, loss_scale);
@@ -694,6 +797,26 @@ int main(int argc, char **argv)
         }
     }
     make_config_hash(&o, s.config_hash);
+    if (o.ckpt_dir) {
+        struct stat st;
+        int existed = stat(o.ckpt_dir, &st) == 0;
+        long holder = 0;
+        rc = ckpt_dir_lock_acquire(o.ckpt_dir, &s.lock, &holder);
+        if (rc == -EBUSY) {
+            fprintf(stderr, "train: snapshot folder %s is in use by another run (pid %ld); two runs "
+                    "must not share a --ckpt-dir\n", o.ckpt_dir, holder);
+            status = 2;
+            goto out;
+        }
+        if (rc < 0) {
+            fprintf(stderr, "train: cannot use %s as the snapshot folder: %s\n", o.ckpt_dir,
+                    strerror(-rc));
+            status = 2;
+            goto out;
+        }
+        if (!existed && o.resume && !strcmp(o.resume, "auto"))
+            LOG_W(TAG, "snapshot folder %s did not exist (created it): nothing to resume", o.ckpt_dir);
+    }
     size_t T = (size_t)o.model.seq_len, b = (size_t)o.micro_batch;
     if ((rc = train_model_create(&s.model, &o.model, o.micro_batch)) < 0) {
         fprintf(stderr, "train: cannot create the model: %s\n", strerror(-rc));
@@ -722,9 +845,15 @@ int main(int argc, char **argv)
         status = r;
         goto out;
     }
+    if (o.ckpt_every > 0 && (r = check_no_later_snapshots(&s)) != 0) {
+        status = r;
+        goto out;
+    }
     if (o.ckpt_every > 0 && make_engine(&s) < 0) goto out;
+    install_stop_handlers();
     if (s.step >= o.steps)
         LOG_I(TAG, "already at step %" PRId64 " of %d: nothing to train", s.step, o.steps);
+    int stopped_by = 0;
     while (s.step < o.steps) {
         double t0 = now_s(), loss = 0, norm = 0;
         float lr = 0;
@@ -746,14 +875,21 @@ int main(int argc, char **argv)
             s.last_val = eval_val(&s);
             LOG_I(TAG, "step %" PRId64 " val_loss %.4f", s.step, s.last_val);
         }
-        if (o.ckpt_every > 0 && (s.step % o.ckpt_every == 0 || s.step == o.steps)) {
+        stopped_by = g_stop_signal;
+        if (stopped_by)
+            LOG_W(TAG, "received %s: stopping after step %" PRId64 "%s", strsignal(stopped_by), s.step,
+                  s.engine ? " with a final snapshot" : "");
+        int last = s.step == o.steps || stopped_by;
+        if (o.ckpt_every > 0 && (s.step % o.ckpt_every == 0 || last)) {
             /* the last step's snapshot is never skipped: let the one in flight finish first */
-            if (s.step == o.steps) ckpt_engine_wait(s.engine, 3600.0);
+            if (last) ckpt_engine_wait(s.engine, 3600.0);
             if (take_snapshot(&s) < 0) goto out;
         }
+        if (stopped_by) break;
     }
     if (s.val && !(o.eval_every > 0 && s.step % o.eval_every == 0 && !isnan(s.last_val)))
         s.last_val = eval_val(&s);
+    int final_status = stopped_by ? 128 + stopped_by : 0;
     if (s.engine) {
         /* the last snapshot must be durable before we report success */
         rc = ckpt_engine_wait(s.engine, 3600.0);
@@ -761,11 +897,11 @@ int main(int argc, char **argv)
         if (ckpt_engine_last(s.engine, &ps) == 0 && ps.step == (uint64_t)s.step && ps.result < 0) {
             LOG_E(TAG, "the snapshot of the last step %" PRId64 " failed: %s", s.step,
                   strerror(-ps.result));
-            goto out;
+            final_status = 1;
         }
         if (rc == -ETIMEDOUT) {
             LOG_E(TAG, "the snapshot of step %" PRId64 " did not finish within an hour", s.step);
-            goto out;
+            final_status = 1;
         }
         if (ckpt_engine_skipped(s.engine))
             LOG_W(TAG, "%llu snapshots were skipped (policy skip)",
@@ -776,9 +912,10 @@ int main(int argc, char **argv)
     printf("final step=%" PRId64 " loss=%.6f val_loss=%.6f params_digest=%s\n", s.step, s.last_loss,
            s.last_val, digest);
     fflush(stdout);
-    status = 0;
+    status = final_status;
 out:
     ckpt_engine_destroy(s.engine);
+    ckpt_dir_lock_release(s.lock);
     train_tree_free(s.tree);
     free(s.m);
     free(s.v);

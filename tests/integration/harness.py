@@ -22,6 +22,7 @@ DATA = os.environ.get("CKPT_DATA", os.path.join(os.path.dirname(__file__), "../.
 TRAIN = os.path.join(BUILD, "train")
 INSPECT = os.path.join(BUILD, "ckpt-inspect")
 PREPARE = os.path.join(BUILD, "train-prepare")
+RESEAL = os.environ.get("CKPT_RESEAL", os.path.join(BUILD, "tests", "reseal_manifest"))
 
 # A small model that trains 60 steps in a few seconds on one core.
 SMALL = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--seq-len", "64",
@@ -30,6 +31,11 @@ SMALL = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--seq-len", "64",
 
 FINAL_RE = re.compile(r"^final step=(\d+) loss=(\S+) val_loss=(\S+) params_digest=([0-9a-f]{32})$",
                       re.M)
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
 
 
 def require_data(test):

@@ -425,7 +425,7 @@ static void samples_and_order(const char *base)
     int samples_ok = 1;
     for (uint64_t i = 0; i < n; i++) {
         int32_t in[T], tg[T];
-        train_dataset_sample(d, i, in, tg);
+        T_CHECK(train_dataset_sample(d, i, in, tg, NULL, 0) == 0, "sample %llu", (unsigned long long)i);
         int s = i < 20 ? 0 : 1;
         uint64_t j = s ? i - 20 : i;
         for (int t = 0; t < T; t++) {
@@ -492,6 +492,30 @@ static void samples_and_order(const char *base)
     free(dir);
 }
 
+/* A shard truncated under a running job: sampling reports it (no SIGBUS, no stale bytes). */
+static void truncated_while_open(const char *base)
+{
+    char *p = path_in(base, "trunc_000000.bin");
+    uint16_t tok[200];
+    for (int i = 0; i < 200; i++) tok[i] = (uint16_t)(i % 50);
+    T_REQUIRE(write_shard(p, 20240520, 1, 200, tok, 200) == 0, "write shard");
+    train_dataset *d;
+    char why[512] = "";
+    T_REQUIRE(train_dataset_open(&d, p, 8, 256, why, sizeof why) == 0, "open: %s", why);
+    int32_t in[8], tg[8];
+    T_CHECK(train_dataset_sample(d, 20, in, tg, why, sizeof why) == 0 && in[0] == 160 % 50,
+            "sample before truncation");
+    T_REQUIRE(truncate(p, 1024 + 100) == 0, "truncate");
+    why[0] = '\0';
+    int rc = train_dataset_sample(d, 20, in, tg, why, sizeof why);
+    T_CHECK(rc == -EIO && strstr(why, "trunc_000000.bin") && strstr(why, "changed while training"),
+            "sample after truncation: %d %s", rc, why);
+    T_CHECK(train_dataset_sample(d, 1, in, tg, why, sizeof why) == 0, "samples still inside work");
+    T_CHECK(train_dataset_sample(d, 10000, in, tg, why, sizeof why) == -EINVAL, "index out of range");
+    train_dataset_close(d);
+    free(p);
+}
+
 int main(void)
 {
     char *base = t_tmpdir("train-data");
@@ -501,6 +525,7 @@ int main(void)
     brown_prepare(base);
     open_errors(base);
     samples_and_order(base);
+    truncated_while_open(base);
     t_rmrf(base);
     free(base);
     return t_done("test_train_data");
