@@ -139,6 +139,9 @@ struct ckpt_pool {
     int stop;
     /* the job in progress */
     int have_job, abort, busy;
+    uint64_t gen;   /* job number: a worker that took a chunk of an earlier job drops it */
+    size_t written; /* chunks the writer has consumed; chunk i may use its slot once
+                       chunk i - nslots is written, i.e. i < written + nslots */
     const ckpt_buffer *bufs;
     const chunk_job *chunks;
     size_t nchunks, next;
@@ -201,12 +204,15 @@ static void *worker_main(void *arg)
         }
         if (p->stop) break;
         size_t i = p->next++;
+        uint64_t gen = p->gen;
         slot *s = &p->slots[i % p->nslots];
-        while (s->chunk != -1 && !p->abort && !p->stop) {
+        /* wait for this chunk's own turn at the slot, not just a free slot: a worker holding
+         * chunk i + nslots must not take the slot that chunk i needs (that deadlocks) */
+        while (!(i < p->written + p->nslots) && !p->abort && !p->stop && p->gen == gen) {
             ckpt_deadline(&ts, 1.0);
             pthread_cond_timedwait(&p->cv_free, &p->mu, &ts);
         }
-        if (p->abort || p->stop) continue;
+        if (p->abort || p->stop || p->gen != gen) continue;
         s->chunk = (int64_t)i;
         s->ready = 0;
         p->busy++;
@@ -328,6 +334,8 @@ static int run_pipeline(ckpt_pool *p, store_writer *w, const ckpt_save_opts *o, 
     p->level = o->zstd_level;
     p->filter = o->filter;
     p->abort = 0;
+    p->written = 0;
+    p->gen++;
     p->have_job = 1;
     for (unsigned s = 0; s < p->nslots; s++) {
         p->slots[s].chunk = -1;
@@ -378,6 +386,7 @@ static int run_pipeline(ckpt_pool *p, store_writer *w, const ckpt_save_opts *o, 
         pthread_mutex_lock(&p->mu);
         s->chunk = -1;
         s->ready = 0;
+        p->written = i + 1;
         pthread_cond_broadcast(&p->cv_free);
         pthread_mutex_unlock(&p->mu);
     }

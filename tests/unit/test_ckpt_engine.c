@@ -346,6 +346,36 @@ static void test_raw_chunks(const char *root)
     free(back);
 }
 
+/* Many small chunks, more workers than cores, back-to-back saves: the pool must never wedge
+ * (a worker holding chunk i + nslots once took the slot chunk i needed and every save hung
+ * until the pool's timeout). Each save must finish well within the wait. */
+static void test_pool_no_deadlock(const char *root)
+{
+    size_t n = 6u << 20;
+    float *a = malloc(n);
+    fill(a, n / 4, 0.02f);
+    ckpt_buffer bufs[1] = {{"params", "f32", 4, n, 0, n, a}};
+    char dir[4200];
+    snprintf(dir, sizeof dir, "%s/stress", root);
+    ckpt_engine_opts eo = CKPT_ENGINE_OPTS_INIT;
+    eo.save.dir = dir;
+    eo.save.chunk_bytes = 4096; /* 1536 chunks a save */
+    eo.threads = 8;
+    eo.keep_last = 1;
+    ckpt_engine *e;
+    T_REQUIRE(ckpt_engine_create(&e, &eo) == 0, "engine create");
+    int ok = 1;
+    for (int i = 1; i <= 12 && ok; i++) {
+        a[i] = (float)i;
+        ok &= ckpt_engine_stage(e, (uint64_t)i, "run", "cfg", bufs, 1, "{}", NULL) == 0;
+        int rc = ckpt_engine_wait(e, 30.0);
+        T_CHECK(rc == 0, "save %d finished (rc %d)", i, rc);
+        ok &= rc == 0;
+    }
+    T_CHECK(ckpt_engine_destroy(e) == 0, "destroy");
+    free(a);
+}
+
 int main(void)
 {
     char *root = t_tmpdir("ckpt-engine");
@@ -355,6 +385,7 @@ int main(void)
     test_c06_load_right_after_save(root);
     test_c22_retention_waits_for_successor(root);
     test_raw_chunks(root);
+    test_pool_no_deadlock(root);
     t_rmrf(root);
     free(root);
     return t_done("test_ckpt_engine");
