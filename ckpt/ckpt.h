@@ -90,6 +90,7 @@ int ckpt_save(const ckpt_save_opts *opts, uint64_t step, const char *run_id,
  * Two-phase snapshots (DESIGN section 3; CheckFreq, Mohan et al., FAST 2021):
  *   stage   - ckpt_engine_stage() copies the buffers and the trainer record into a staging
  *             area that is allocated once and reused (the only part that stalls training);
+ *             the persist starts with the copy and follows it chunk by chunk;
  *   persist - a background thread splits the staged bytes into chunks, compresses them on
  *             `threads` worker threads (each chunk an independent zstd frame, or stored raw
  *             when compression does not shrink it), checksums them, writes them in order
@@ -124,17 +125,20 @@ typedef struct ckpt_engine_opts {
     unsigned keep_last;     /* retention: keep the newest K committed snapshots; 0 = keep all */
     uint64_t keep_every;    /* retention: also keep every snapshot whose step is a multiple
                                of N; 0 = none */
+    size_t reserve_bytes;   /* staging bytes to allocate (and fault in) at create, so that
+                               the first stage does not pay for it; 0 = at the first stage */
 } ckpt_engine_opts;
 
-#define CKPT_ENGINE_OPTS_INIT {CKPT_SAVE_OPTS_INIT, 1, 2u, CKPT_POLICY_WAIT, 3600.0, 0u, 0u}
+#define CKPT_ENGINE_OPTS_INIT {CKPT_SAVE_OPTS_INIT, 1, 2u, CKPT_POLICY_WAIT, 3600.0, 0u, 0u, 0u}
 
 /* Figures of the last finished persist. */
 typedef struct ckpt_persist_stats {
     uint64_t step;
     int result;            /* 0 committed, or the negative errno of the failure */
     uint64_t raw_bytes, stored_bytes;
-    double stage_seconds;  /* the stall of its stage */
-    double persist_seconds;/* from the end of the stage to the end of the commit */
+    double stage_seconds;  /* the stall of its stage (the copy) */
+    double persist_seconds;/* from the start of the stage to the end of the commit (the
+                              persist starts with the copy): the whole save */
     unsigned removed;      /* snapshots removed by retention after it committed */
 } ckpt_persist_stats;
 

@@ -65,6 +65,11 @@ int ckpt_pool_create(ckpt_pool **out, unsigned threads, uint64_t chunk_bytes, in
 /* Stop the workers and free; accepts NULL. No job may be running. */
 void ckpt_pool_destroy(ckpt_pool *p);
 
+/* Let workers wait, before reading a chunk, until wait_ready(ctx, end) says the bytes before
+ * `end` are in place; used by the engine to overlap its stage copy with the persist. The hook
+ * must return within a bounded time (0, or a negative errno that fails the save). */
+void ckpt_pool_set_ready_hook(ckpt_pool *p, int (*wait_ready)(void *ctx, const void *end), void *ctx);
+
 /* Validate the arguments of a save: 0 or -EINVAL. */
 int ckpt_check_save(const ckpt_save_opts *opts, const char *run_id, const char *config_hash,
                     const ckpt_buffer *bufs, size_t nbufs);

@@ -146,6 +146,10 @@ struct ckpt_pool {
     const chunk_job *chunks;
     size_t nchunks, next;
     int compress, level, filter;
+    /* optional: blocks until the bytes before `end` are in place (the engine's stage may still
+     * be copying while the persist starts); returns 0 or a negative errno */
+    int (*wait_ready)(void *ctx, const void *end);
+    void *ready_ctx;
 };
 
 /* Seconds a pipeline wait may last before the save fails (DESIGN I4: no unbounded wait). */
@@ -157,6 +161,7 @@ static void compress_chunk(ckpt_pool *p, ZSTD_CCtx *cctx, slot *s, const chunk_j
     const ckpt_buffer *b = &p->bufs[c->buf];
     const uint8_t *raw = (const uint8_t *)b->data + c->off;
     s->err = 0;
+    if (p->wait_ready && (s->err = p->wait_ready(p->ready_ctx, raw + c->len)) < 0) return;
     s->xxh_raw = XXH3_64bits(raw, c->len);
     if (p->compress) {
         const uint8_t *in = raw;
@@ -416,6 +421,14 @@ int ckpt_check_save(const ckpt_save_opts *opts, const char *run_id, const char *
     if (rc < 0) return rc;
     if (!ckpt_valid_name(run_id) || !ckpt_valid_name(config_hash) || (nbufs && !bufs)) return -EINVAL;
     return check_buffers(bufs, nbufs);
+}
+
+void ckpt_pool_set_ready_hook(ckpt_pool *p, int (*wait_ready)(void *ctx, const void *end), void *ctx)
+{
+    pthread_mutex_lock(&p->mu);
+    p->wait_ready = wait_ready;
+    p->ready_ctx = ctx;
+    pthread_mutex_unlock(&p->mu);
 }
 
 int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint64_t step,

@@ -435,6 +435,7 @@ static int make_engine(state *s)
     eo.policy = o->policy;
     eo.keep_last = o->keep_last;
     eo.keep_every = (uint64_t)o->keep_every;
+    eo.reserve_bytes = 3 * train_model_num_params(s->model) * sizeof(float);
     int rc = ckpt_engine_create(&s->engine, &eo);
     if (rc < 0) LOG_E(TAG, "cannot start the snapshot engine for %s: %s", o->ckpt_dir, strerror(-rc));
     return rc;
