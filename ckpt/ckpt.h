@@ -90,7 +90,9 @@ int ckpt_save(const ckpt_save_opts *opts, uint64_t step, const char *run_id,
  * Two-phase snapshots (DESIGN section 3; CheckFreq, Mohan et al., FAST 2021):
  *   stage   - ckpt_engine_stage() copies the buffers and the trainer record into a staging
  *             area that is allocated once and reused (the only part that stalls training);
- *             the persist starts with the copy and follows it chunk by chunk;
+ *             with `overlap`, the persist starts with the copy and follows it chunk by chunk
+ *             (the save is durable sooner; the copy, sharing cores and memory bandwidth,
+ *             takes longer);
  *   persist - a background thread splits the staged bytes into chunks, compresses them on
  *             `threads` worker threads (each chunk an independent zstd frame, or stored raw
  *             when compression does not shrink it), checksums them, writes them in order
@@ -127,9 +129,11 @@ typedef struct ckpt_engine_opts {
                                of N; 0 = none */
     size_t reserve_bytes;   /* staging bytes to allocate (and fault in) at create, so that
                                the first stage does not pay for it; 0 = at the first stage */
+    int overlap;            /* 0 (default): the persist starts after the copy (smallest stall);
+                               1: it starts with the copy (shortest time to durable) */
 } ckpt_engine_opts;
 
-#define CKPT_ENGINE_OPTS_INIT {CKPT_SAVE_OPTS_INIT, 1, 2u, CKPT_POLICY_WAIT, 3600.0, 0u, 0u, 0u}
+#define CKPT_ENGINE_OPTS_INIT {CKPT_SAVE_OPTS_INIT, 1, 2u, CKPT_POLICY_WAIT, 3600.0, 0u, 0u, 0u, 0}
 
 /* Figures of the last finished persist. */
 typedef struct ckpt_persist_stats {
@@ -137,8 +141,8 @@ typedef struct ckpt_persist_stats {
     int result;            /* 0 committed, or the negative errno of the failure */
     uint64_t raw_bytes, stored_bytes;
     double stage_seconds;  /* the stall of its stage (the copy) */
-    double persist_seconds;/* from the start of the stage to the end of the commit (the
-                              persist starts with the copy): the whole save */
+    double persist_seconds;/* from the start of the stage to the end of the commit: the
+                              whole save, stall included */
     unsigned removed;      /* snapshots removed by retention after it committed */
 } ckpt_persist_stats;
 

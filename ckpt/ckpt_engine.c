@@ -104,6 +104,7 @@ static int ready_hook(void *ctx, const void *end)
 static void *persist_main(void *arg)
 {
     ckpt_engine *e = arg;
+    ckpt_thread_background();
     struct timespec ts;
     pthread_mutex_lock(&e->mu);
     for (;;) {
@@ -246,8 +247,8 @@ int ckpt_engine_stage(ckpt_engine *e, uint64_t step, const char *run_id, const c
         free(json_copy);
         return rc;
     }
-    /* lay the job out, start the persist, then copy: the persist's workers follow the copy
-     * chunk by chunk (ready_hook), so copying and persisting overlap */
+    /* lay the job out; then either copy and start the persist, or (overlap) start the persist
+     * and copy, its workers following the copy chunk by chunk (ready_hook) */
     size_t off = 0;
     for (size_t i = 0; i < nbufs; i++) {
         snprintf(e->names[i], sizeof e->names[i], "%s", bufs[i].name);
@@ -266,34 +267,44 @@ int ckpt_engine_stage(ckpt_engine *e, uint64_t step, const char *run_id, const c
     e->trainer_json = json_copy;
     clock_gettime(CLOCK_MONOTONIC, &e->staged_at);
 
+    const size_t piece = 8u << 20;
+    if (!e->o.overlap) { /* copy first, then start the persist */
+        off = 0;
+        for (size_t i = 0; i < nbufs; i++) {
+            if (bufs[i].bytes) memcpy(e->stage.base + off, bufs[i].data, (size_t)bufs[i].bytes);
+            off += (size_t)bufs[i].bytes;
+        }
+    }
     pthread_mutex_lock(&e->mu);
-    e->staged_upto = 0;
+    e->staged_upto = e->o.overlap ? 0 : total;
     e->staged_total = total;
-    e->stage_done = 0;
+    e->stage_done = !e->o.overlap;
+    if (!e->o.overlap) e->stage_seconds = since(&t0);
     e->pending = 1;
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->mu);
 
-    const size_t piece = 8u << 20;
-    off = 0;
-    for (size_t i = 0; i < nbufs; i++) {
-        const uint8_t *src = bufs[i].data;
-        for (size_t done = 0; done < (size_t)bufs[i].bytes;) {
-            size_t n = (size_t)bufs[i].bytes - done < piece ? (size_t)bufs[i].bytes - done : piece;
-            memcpy(e->stage.base + off, src + done, n);
-            done += n;
-            off += n;
-            pthread_mutex_lock(&e->mu);
-            e->staged_upto = off;
-            pthread_cond_broadcast(&e->cv_staged);
-            pthread_mutex_unlock(&e->mu);
+    if (e->o.overlap) { /* the persist's workers follow this copy chunk by chunk */
+        off = 0;
+        for (size_t i = 0; i < nbufs; i++) {
+            const uint8_t *src = bufs[i].data;
+            for (size_t done = 0; done < (size_t)bufs[i].bytes;) {
+                size_t n = (size_t)bufs[i].bytes - done < piece ? (size_t)bufs[i].bytes - done : piece;
+                memcpy(e->stage.base + off, src + done, n);
+                done += n;
+                off += n;
+                pthread_mutex_lock(&e->mu);
+                e->staged_upto = off;
+                pthread_cond_broadcast(&e->cv_staged);
+                pthread_mutex_unlock(&e->mu);
+            }
         }
+        pthread_mutex_lock(&e->mu);
+        e->stage_seconds = since(&t0);
+        e->stage_done = 1;
+        pthread_cond_broadcast(&e->cv_staged);
+        pthread_mutex_unlock(&e->mu);
     }
-    pthread_mutex_lock(&e->mu);
-    e->stage_seconds = since(&t0);
-    e->stage_done = 1;
-    pthread_cond_broadcast(&e->cv_staged);
-    pthread_mutex_unlock(&e->mu);
     if (stall_s) *stall_s = since(&t0);
     return 0;
 }

@@ -70,6 +70,10 @@ void ckpt_pool_destroy(ckpt_pool *p);
  * must return within a bounded time (0, or a negative errno that fails the save). */
 void ckpt_pool_set_ready_hook(ckpt_pool *p, int (*wait_ready)(void *ctx, const void *end), void *ctx);
 
+/* Lower the calling thread's scheduling priority (nice 10): for the engine's and the pool's
+ * threads, so that training and the stage copy win busy cores. */
+void ckpt_thread_background(void);
+
 /* Validate the arguments of a save: 0 or -EINVAL. */
 int ckpt_check_save(const ckpt_save_opts *opts, const char *run_id, const char *config_hash,
                     const ckpt_buffer *bufs, size_t nbufs);

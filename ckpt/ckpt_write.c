@@ -14,6 +14,8 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -196,9 +198,18 @@ typedef struct worker_arg {
     ZSTD_CCtx *cctx;
 } worker_arg;
 
+/* Background threads of the snapshot path run at a lower priority than training: when the
+ * cores are busy, the stage copy (which training waits for) and the training step win. */
+void ckpt_thread_background(void)
+{
+    if (setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 10) != 0)
+        LOG_D(TAG, "setpriority of a background thread failed: %s", strerror(errno));
+}
+
 static void *worker_main(void *arg)
 {
     worker_arg *wa = arg;
+    ckpt_thread_background();
     ckpt_pool *p = wa->p;
     struct timespec ts;
     pthread_mutex_lock(&p->mu);

@@ -35,7 +35,7 @@ typedef struct options {
     int micro_batch, grad_accum, steps, eval_every, ckpt_every, val_samples, log_every;
     uint64_t seed;
     train_adamw_config adam;
-    int zstd_level, filter, direct_io, compress, snapshot_threads, policy;
+    int zstd_level, filter, direct_io, compress, snapshot_threads, policy, overlap;
     unsigned keep_last;
     int keep_every;
     uint64_t chunk_bytes;
@@ -80,6 +80,8 @@ static const char usage_text[] =
     "  --snapshot-policy P   when a snapshot is due while the previous one still persists:\n"
     "                        wait (default) or skip (counted and logged)\n"
     "  --snapshot-threads N  compression threads of the background persist (default 2)\n"
+    "  --snapshot-overlap    start persisting while the state is still being copied: durable\n"
+    "                        sooner, but the copy that training waits for takes longer\n"
     "  --zstd-level N        compression level (default 1)\n"
     "  --no-compress         store chunks raw\n"
     "  --shuffle             byte-shuffle filter before compression\n"
@@ -122,7 +124,7 @@ static int parse_args(int argc, char **argv, options *o)
         O_DATA = 256, O_VAL, O_VOCAB, O_NLAYER, O_NEMBD, O_NHEAD, O_SEQ, O_MB, O_GA, O_STEPS,
         O_LR, O_MINLR, O_WARM, O_WD, O_CLIP, O_SEED, O_EVAL, O_VALS, O_LOG, O_CKDIR, O_CKEVERY,
         O_RESUME, O_RUNID, O_ZLEVEL, O_SHUFFLE, O_CHUNK, O_NODIRECT, O_NOCOMP, O_SNTHREADS,
-        O_POLICY, O_KEEPLAST, O_KEEPEVERY
+        O_POLICY, O_KEEPLAST, O_KEEPEVERY, O_OVERLAP
     };
     static const struct option lo[] = {
         {"data", required_argument, 0, O_DATA}, {"val-data", required_argument, 0, O_VAL},
@@ -142,7 +144,8 @@ static int parse_args(int argc, char **argv, options *o)
         {"snapshot-threads", required_argument, 0, O_SNTHREADS},
         {"snapshot-policy", required_argument, 0, O_POLICY},
         {"keep-last", required_argument, 0, O_KEEPLAST},
-        {"keep-every", required_argument, 0, O_KEEPEVERY}, {"help", no_argument, 0, 'h'},
+        {"keep-every", required_argument, 0, O_KEEPEVERY},
+        {"snapshot-overlap", no_argument, 0, O_OVERLAP}, {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     int c, v, chunk_mib = 4;
     while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -193,6 +196,7 @@ static int parse_args(int argc, char **argv, options *o)
             o->keep_last = (unsigned)v;
             break;
         case O_KEEPEVERY: bad = parse_int("--keep-every", optarg, 0, INT_MAX, &o->keep_every); break;
+        case O_OVERLAP: o->overlap = 1; break;
         case 'h': fputs(usage_text, stdout); exit(0);
         default: bad = 1; fputs("train: see --help\n", stderr); break;
         }
@@ -436,6 +440,7 @@ static int make_engine(state *s)
     eo.keep_last = o->keep_last;
     eo.keep_every = (uint64_t)o->keep_every;
     eo.reserve_bytes = 3 * train_model_num_params(s->model) * sizeof(float);
+    eo.overlap = o->overlap;
     int rc = ckpt_engine_create(&s->engine, &eo);
     if (rc < 0) LOG_E(TAG, "cannot start the snapshot engine for %s: %s", o->ckpt_dir, strerror(-rc));
     return rc;

@@ -92,6 +92,7 @@ static void test_async_equals_sync(const char *root)
     eo.save = so;
     eo.save.dir = async_dir;
     eo.threads = 3;
+    eo.overlap = 1; /* the persist follows the copy: the bytes must still be the staged ones */
     ckpt_engine *e;
     T_REQUIRE(ckpt_engine_create(&e, &eo) == 0, "engine create");
     double stall = -1;
@@ -362,6 +363,7 @@ static void test_pool_no_deadlock(const char *root)
     eo.save.chunk_bytes = 4096; /* 1536 chunks a save */
     eo.threads = 8;
     eo.keep_last = 1;
+    eo.overlap = 1;
     ckpt_engine *e;
     T_REQUIRE(ckpt_engine_create(&e, &eo) == 0, "engine create");
     int ok = 1;
