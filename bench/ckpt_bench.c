@@ -358,6 +358,7 @@ static int measure_mode(const bench_opts *bo, const state *st, uint8_t *dst, con
     o.compress = compress;
     o.threads = bo->threads;
     o.overlap = bo->overlap;
+    o.reserve_bytes = (size_t)(3 * st->n * sizeof(float)); /* as train does: faulted in at create */
     if ((rc = ckpt_engine_create(&e, &o)) < 0) {
         LOG_E(TAG, "ckpt_engine_create: %s", strerror(-rc));
         goto out;

@@ -84,7 +84,9 @@ static const char usage_text[] =
     "                        sooner, but the copy that training waits for takes longer\n"
     "  --zstd-level N        compression level (default 1)\n"
     "  --no-compress         store chunks raw\n"
-    "  --shuffle             byte-shuffle filter before compression\n"
+    "  --no-shuffle          no byte-shuffle filter before compression (by default the bytes\n"
+    "                        of each float are grouped: about 1.2x instead of 1.09x on Adam\n"
+    "                        state)\n"
     "  --chunk-mib N         raw MiB per chunk (default 4)\n"
     "  --no-direct-io        buffered writes instead of O_DIRECT\n"
     "  -h, --help            this text\n"
@@ -123,7 +125,7 @@ static int parse_args(int argc, char **argv, options *o)
     enum {
         O_DATA = 256, O_VAL, O_VOCAB, O_NLAYER, O_NEMBD, O_NHEAD, O_SEQ, O_MB, O_GA, O_STEPS,
         O_LR, O_MINLR, O_WARM, O_WD, O_CLIP, O_SEED, O_EVAL, O_VALS, O_LOG, O_CKDIR, O_CKEVERY,
-        O_RESUME, O_RUNID, O_ZLEVEL, O_SHUFFLE, O_CHUNK, O_NODIRECT, O_NOCOMP, O_SNTHREADS,
+        O_RESUME, O_RUNID, O_ZLEVEL, O_SHUFFLE, O_NOSHUFFLE, O_CHUNK, O_NODIRECT, O_NOCOMP, O_SNTHREADS,
         O_POLICY, O_KEEPLAST, O_KEEPEVERY, O_OVERLAP
     };
     static const struct option lo[] = {
@@ -139,7 +141,8 @@ static int parse_args(int argc, char **argv, options *o)
         {"log-every", required_argument, 0, O_LOG}, {"ckpt-dir", required_argument, 0, O_CKDIR},
         {"ckpt-every", required_argument, 0, O_CKEVERY}, {"resume", required_argument, 0, O_RESUME},
         {"run-id", required_argument, 0, O_RUNID}, {"zstd-level", required_argument, 0, O_ZLEVEL},
-        {"shuffle", no_argument, 0, O_SHUFFLE}, {"chunk-mib", required_argument, 0, O_CHUNK},
+        {"shuffle", no_argument, 0, O_SHUFFLE}, {"no-shuffle", no_argument, 0, O_NOSHUFFLE},
+        {"chunk-mib", required_argument, 0, O_CHUNK},
         {"no-direct-io", no_argument, 0, O_NODIRECT}, {"no-compress", no_argument, 0, O_NOCOMP},
         {"snapshot-threads", required_argument, 0, O_SNTHREADS},
         {"snapshot-policy", required_argument, 0, O_POLICY},
@@ -178,7 +181,8 @@ static int parse_args(int argc, char **argv, options *o)
         case O_RESUME: o->resume = optarg; break;
         case O_RUNID: o->run_id = optarg; break;
         case O_ZLEVEL: bad = parse_int("--zstd-level", optarg, -7, 19, &o->zstd_level); break;
-        case O_SHUFFLE: o->filter = CKPT_FILTER_SHUFFLE; break;
+        case O_SHUFFLE: o->filter = CKPT_FILTER_SHUFFLE; break; /* the default; kept for scripts */
+        case O_NOSHUFFLE: o->filter = CKPT_FILTER_NONE; break;
         case O_CHUNK: bad = parse_int("--chunk-mib", optarg, 1, 1024, &chunk_mib); break;
         case O_NODIRECT: o->direct_io = 0; break;
         case O_NOCOMP: o->compress = 0; break;
@@ -781,6 +785,7 @@ int main(int argc, char **argv)
     o.zstd_level = 1;
     o.direct_io = 1;
     o.compress = 1;
+    o.filter = CKPT_FILTER_SHUFFLE;
     o.snapshot_threads = 2;
     o.policy = CKPT_POLICY_WAIT;
     if (parse_args(argc, argv, &o) < 0) return 2;
