@@ -45,6 +45,7 @@ int ckpt_path_join(char *out, size_t len, const char *dir, const char *name);
  * variable CKPT_FAULT_POINT is "<name>" or "<name>@<step>" and matches, the process kills
  * itself with SIGKILL here, as a crash at that instant would. Names along the save path:
  *   before-chunk-write  before the first chunk of the snapshot is handed to the writer
+ *   mid-chunk           half of the middle chunk's stored bytes handed to the writer
  *   mid-data            after half of the snapshot's raw bytes were handed to the writer
  *   after-data-fsync    data file written and fsynced, no manifest yet
  *   after-manifest      manifest written and fsynced in the temp folder, not renamed

@@ -381,7 +381,13 @@ static int run_pipeline(ckpt_pool *p, store_writer *w, const ckpt_save_opts *o, 
         const ckpt_buffer *b = &bufs[c->buf];
         uint64_t file_off = store_writer_offset(w);
         if (raw_done == 0) ckpt_fault_point("before-chunk-write", step);
-        if ((rc = store_writer_append(w, s->stored, s->stored_len)) < 0) break;
+        /* the middle chunk goes in two halves, with a fault point between them */
+        size_t first = i == nchunks / 2 ? s->stored_len / 2 : s->stored_len;
+        if ((rc = store_writer_append(w, s->stored, first)) < 0) break;
+        if (first < s->stored_len) {
+            ckpt_fault_point("mid-chunk", step);
+            if ((rc = store_writer_append(w, s->stored + first, s->stored_len - first)) < 0) break;
+        }
         raw_done += c->len;
         if (!half_reported && raw_done * 2 >= raw_total) {
             half_reported = 1;

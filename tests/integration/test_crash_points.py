@@ -11,6 +11,7 @@ import harness as h
 # fault point -> whether step 40 is committed after the crash
 POINTS = {
     "before-chunk-write": False,
+    "mid-chunk": False,
     "mid-data": False,
     "after-data-fsync": False,
     "after-manifest": False,
@@ -47,6 +48,16 @@ class CrashPoints(h.TempDirTest):
 
     def test_c01_kill_with_half_the_bytes_written(self):
         self.crash_then_resume("mid-data", False)
+
+    def test_kill_in_the_middle_of_a_chunk(self):
+        self.crash_then_resume("mid-chunk", False)
+
+    def test_every_point_is_tested(self):
+        """The list above names every fault point of the save path (ckpt/ckpt_internal.h)."""
+        header = h.read(os.path.join(os.path.dirname(__file__), "../../ckpt/ckpt_internal.h"))
+        block = header[header.index("Names along the save path"):header.index("void ckpt_fault_point")]
+        names = set(re.findall(r"^ \*   ([a-z-]+) ", block, re.M))
+        self.assertEqual(names - {"during-retention"}, set(POINTS))  # retention: test_retention.py
 
     def test_kill_before_first_chunk(self):
         self.crash_then_resume("before-chunk-write", False)
