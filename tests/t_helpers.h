@@ -69,6 +69,58 @@ static inline void t_rmrf(const char *path)
     if (system(cmd) != 0) fprintf(stderr, "warning: could not remove %s\n", path);
 }
 
+/* dir + "/" + name in malloc'ed memory (the caller frees). */
+static inline char *t_path_in(const char *dir, const char *name)
+{
+    size_t n = strlen(dir) + strlen(name) + 2;
+    char *p = malloc(n);
+    if (!p) exit(1);
+    snprintf(p, n, "%s/%s", dir, name);
+    return p;
+}
+
+/* A whole file into malloc'ed memory with a trailing NUL (*out; the caller frees); its size,
+ * or -1. */
+static inline long long t_slurp(const char *path, unsigned char **out)
+{
+    *out = NULL;
+    FILE *f = fopen(path, "rb");
+    if (!f) return -1;
+    if (fseek(f, 0, SEEK_END) != 0) {
+        fclose(f);
+        return -1;
+    }
+    long n = ftell(f);
+    rewind(f);
+    unsigned char *b = n >= 0 ? malloc((size_t)n + 1) : NULL;
+    size_t got = b ? fread(b, 1, (size_t)n, f) : 0;
+    fclose(f);
+    if (!b || got != (size_t)n) {
+        free(b);
+        return -1;
+    }
+    b[got] = 0;
+    *out = b;
+    return n;
+}
+
+/* Write len bytes to path (created or truncated): 0 or -1. */
+static inline int t_spit(const char *path, const void *data, size_t len)
+{
+    FILE *f = fopen(path, "wb");
+    if (!f) return -1;
+    size_t put = len ? fwrite(data, 1, len, f) : 0;
+    int rc = fclose(f);
+    return put == len && rc == 0 ? 0 : -1;
+}
+
+static inline int t_exists(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (f) fclose(f);
+    return f != NULL || errno == EACCES || errno == EISDIR;
+}
+
 static inline int t_done(const char *name)
 {
     if (t_failures) {

@@ -31,57 +31,11 @@ static uint64_t rnd(void)
 
 static uint64_t rnd_below(uint64_t n) { return n ? rnd() % n : 0; }
 
-static char *path_in(const char *dir, const char *name)
-{
-    char *p = malloc(CKPT_PATH_MAX);
-    T_REQUIRE(p != NULL, "malloc");
-    snprintf(p, CKPT_PATH_MAX, "%s/%s", dir, name);
-    return p;
-}
-
 static char *step_path(const char *root, uint64_t step)
 {
     char name[32];
     ckpt_step_dirname(step, name, sizeof name);
-    return path_in(root, name);
-}
-
-/* Whole file into malloc'ed memory; size or -1. */
-static long long slurp(const char *path, unsigned char **out)
-{
-    *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return -1;
-    struct stat st;
-    if (fstat(fileno(f), &st) != 0) {
-        fclose(f);
-        return -1;
-    }
-    unsigned char *buf = malloc((size_t)st.st_size + 1);
-    size_t got = buf ? fread(buf, 1, (size_t)st.st_size, f) : 0;
-    fclose(f);
-    if (!buf || got != (size_t)st.st_size) {
-        free(buf);
-        return -1;
-    }
-    buf[got] = 0;
-    *out = buf;
-    return (long long)got;
-}
-
-static int spit(const char *path, const void *data, size_t len)
-{
-    FILE *f = fopen(path, "wb");
-    if (!f) return -1;
-    size_t put = len ? fwrite(data, 1, len, f) : 0;
-    int rc = fclose(f);
-    return put == len && rc == 0 ? 0 : -1;
-}
-
-static int exists(const char *path)
-{
-    struct stat st;
-    return stat(path, &st) == 0;
+    return t_path_in(root, name);
 }
 
 static long long file_size(const char *path)
@@ -108,9 +62,9 @@ static int count_prefix(const char *dir, const char *prefix)
  * recomputed the way ckpt_write.c write_manifest does (xxh3-64 over the body bytes). */
 static int rewrite_manifest(const char *snap, const char *from, const char *to)
 {
-    char *mp = path_in(snap, CKPT_MANIFEST_NAME);
+    char *mp = t_path_in(snap, CKPT_MANIFEST_NAME);
     unsigned char *text = NULL;
-    long long n = slurp(mp, &text);
+    long long n = t_slurp(mp, &text);
     int rc = -1;
     if (n < 0) goto out;
     const char *key = CKPT_MANIFEST_SUM_KEY, *last = NULL;
@@ -147,7 +101,7 @@ static int rewrite_manifest(const char *snap, const char *from, const char *to)
     k += 16;
     memcpy(nb + k, "\"}\n", 3);
     k += 3;
-    rc = spit(mp, nb, k);
+    rc = t_spit(mp, nb, k);
     free(nb);
     free(body);
 out:
@@ -259,12 +213,12 @@ static int on_progress(void *ctx, uint64_t done, uint64_t total)
  * exactly its raw bytes. Chunks follow each other in the data file in buffer order. */
 static void check_zstd_cli(const char *snap, const sample *sm, uint64_t chunk, int filter)
 {
-    char *data = path_in(snap, "rank-00000.bin");
-    char *mpath = path_in(snap, "manifest.json");
-    char *frame_path = path_in(snap, "../zstd-cli.frame");
-    char *out = path_in(snap, "../zstd-cli.out");
+    char *data = t_path_in(snap, "rank-00000.bin");
+    char *mpath = t_path_in(snap, "manifest.json");
+    char *frame_path = t_path_in(snap, "../zstd-cli.frame");
+    char *out = t_path_in(snap, "../zstd-cli.out");
     unsigned char *file = NULL;
-    long long fsize = slurp(data, &file);
+    long long fsize = t_slurp(data, &file);
     json_error_t jerr;
     json_t *m = json_load_file(mpath, 0, &jerr);
     T_REQUIRE(fsize >= 0 && m != NULL, "read %s and its manifest", data);
@@ -297,12 +251,12 @@ static void check_zstd_cli(const char *snap, const sample *sm, uint64_t chunk, i
             else memcpy(want, sm->mem[i] + off, len);
             if (codec && !strcmp(codec, "zstd")) {
                 nzstd++;
-                T_REQUIRE(spit(frame_path, file + foff, slen) == 0, "write frame");
+                T_REQUIRE(t_spit(frame_path, file + foff, slen) == 0, "write frame");
                 char cmd[3 * CKPT_PATH_MAX];
                 snprintf(cmd, sizeof cmd, "zstd -d -c -q '%s' > '%s'", frame_path, out);
                 unsigned char *got = NULL;
                 int st = system(cmd);
-                long long n = slurp(out, &got);
+                long long n = t_slurp(out, &got);
                 int ok = st == 0 && n == (long long)len && memcmp(got, want, len) == 0;
                 if (!ok) fprintf(stderr, "chunk %zu of %s: zstd -d status %d, %lld bytes\n", j,
                                  sm->b[i].name, st, n);
@@ -357,8 +311,8 @@ static void round_trip(const char *root, uint64_t step, uint64_t chunk, int filt
     T_CHECK(count_prefix(root, ".tmp-") == 0, "temp folder left after a successful save");
 
     char *sp = step_path(root, step);
-    char *mp = path_in(sp, "manifest.json"), *dp = path_in(sp, "rank-00000.bin");
-    T_CHECK(exists(mp) && exists(dp), "%s lacks manifest.json or rank-00000.bin", sp);
+    char *mp = t_path_in(sp, "manifest.json"), *dp = t_path_in(sp, "rank-00000.bin");
+    T_CHECK(t_exists(mp) && t_exists(dp), "%s lacks manifest.json or rank-00000.bin", sp);
 
     ckpt_snapshot *s = NULL;
     char why[512] = "";
@@ -485,7 +439,7 @@ static int fault_child(const char *root, const char *fault, int want_rc)
         fprintf(stderr, "FAIL fault %s: ckpt_save returned %d, want %d\n", fault, rc, want_rc);
         bad = 1;
     }
-    if (exists(sp) || count_prefix(root, ".tmp-") != 0) {
+    if (t_exists(sp) || count_prefix(root, ".tmp-") != 0) {
         fprintf(stderr, "FAIL fault %s: step folder or temp folder left behind\n", fault);
         bad = 1;
     }
@@ -511,7 +465,7 @@ static void commit_faults(const char *base)
     for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
         char name[64];
         snprintf(name, sizeof name, "fault-%zu", i);
-        char *root = path_in(base, name);
+        char *root = t_path_in(base, name);
         fflush(NULL);
         pid_t pid = fork();
         T_REQUIRE(pid >= 0, "fork");
@@ -526,20 +480,20 @@ static void commit_faults(const char *base)
 
 static void commit_protocol(const char *base)
 {
-    char *root = path_in(base, "commit");
+    char *root = t_path_in(base, "commit");
     sample a, b;
     sample_make(&a, 1);
     sample_make(&b, 2);
     T_REQUIRE(save_sample(root, 42, &a, 4096, CKPT_FILTER_NONE, 1) == 0, "first save of 42");
     char *sp = step_path(root, 42);
-    char *mp = path_in(sp, "manifest.json"), *dp = path_in(sp, "rank-00000.bin");
+    char *mp = t_path_in(sp, "manifest.json"), *dp = t_path_in(sp, "rank-00000.bin");
     unsigned char *m0 = NULL, *d0 = NULL, *m1 = NULL, *d1 = NULL;
-    long long mn0 = slurp(mp, &m0), dn0 = slurp(dp, &d0);
+    long long mn0 = t_slurp(mp, &m0), dn0 = t_slurp(dp, &d0);
 
     /* the same step again: refused, first one untouched */
     int rc = save_sample(root, 42, &b, 4096, CKPT_FILTER_SHUFFLE, 0);
     T_CHECK(rc == -EEXIST, "second save of step 42: %d, want -EEXIST", rc);
-    long long mn1 = slurp(mp, &m1), dn1 = slurp(dp, &d1);
+    long long mn1 = t_slurp(mp, &m1), dn1 = t_slurp(dp, &d1);
     T_CHECK(mn0 > 0 && mn0 == mn1 && !memcmp(m0, m1, (size_t)mn0), "manifest of 42 changed");
     T_CHECK(dn0 > 0 && dn0 == dn1 && !memcmp(d0, d1, (size_t)dn0), "data of 42 changed");
     ckpt_snapshot *s = NULL;
@@ -603,7 +557,7 @@ static void commit_protocol(const char *base)
     bb[1].total_bytes = bb[1].bytes = 4 * 5 + 2;
     T_CHECK(ckpt_save(&good, 43, "r", "c", bb, 2, NULL, NULL) == -EINVAL, "total not /elem");
     char *s43 = step_path(root, 43);
-    T_CHECK(!exists(s43), "a failed save created %s", s43);
+    T_CHECK(!t_exists(s43), "a failed save created %s", s43);
     T_CHECK(count_prefix(root, ".tmp-") == 0, "temp folder left by a failed save");
 
     /* NULL trainer record means {} */
@@ -628,13 +582,13 @@ static void commit_protocol(const char *base)
     }
 
     /* the root is a regular file, or lies below one */
-    char *afile = path_in(base, "afile");
-    T_REQUIRE(spit(afile, "x", 1) == 0, "write %s", afile);
+    char *afile = t_path_in(base, "afile");
+    T_REQUIRE(t_spit(afile, "x", 1) == 0, "write %s", afile);
     o = good;
     o.dir = afile;
     rc = ckpt_save(&o, 1, "r", "c", a.b, NB, NULL, NULL);
     T_CHECK(rc < 0, "root is a file: %d", rc);
-    char *below = path_in(afile, "sub");
+    char *below = t_path_in(afile, "sub");
     o.dir = below;
     rc = ckpt_save(&o, 1, "r", "c", a.b, NB, NULL, NULL);
     T_CHECK(rc < 0, "root below a file: %d", rc);
@@ -659,43 +613,43 @@ static void commit_protocol(const char *base)
 
 static void remove_temp(const char *base)
 {
-    char *root = path_in(base, "leftovers");
+    char *root = t_path_in(base, "leftovers");
     T_REQUIRE(mkdir(root, 0755) == 0, "mkdir %s", root);
     const char *temps[] = {".tmp-step-000000005-x-1", ".tmp-step-000000007-run.9-4242",
                            ".tmp-step-1000000000-r-1"};
     const char *keep[] = {".tmp-step-5-x-1", ".tmp-step-000000005", ".tmp-step-000000005x-1",
                           ".tmp-other", "tmp-step-000000005-x-1", "step-000000005", "notes"};
     for (size_t i = 0; i < 3; i++) {
-        char *p = path_in(root, temps[i]);
+        char *p = t_path_in(root, temps[i]);
         T_REQUIRE(mkdir(p, 0755) == 0, "mkdir %s", p);
-        char *sub = path_in(p, "deeper"), *f = path_in(p, "rank-00000.bin");
-        T_REQUIRE(mkdir(sub, 0755) == 0 && spit(f, "partial", 7) == 0, "fill %s", p);
-        char *g = path_in(sub, "x");
-        T_REQUIRE(spit(g, "y", 1) == 0, "write %s", g);
+        char *sub = t_path_in(p, "deeper"), *f = t_path_in(p, "rank-00000.bin");
+        T_REQUIRE(mkdir(sub, 0755) == 0 && t_spit(f, "partial", 7) == 0, "fill %s", p);
+        char *g = t_path_in(sub, "x");
+        T_REQUIRE(t_spit(g, "y", 1) == 0, "write %s", g);
         free(g);
         free(sub);
         free(f);
         free(p);
     }
     for (size_t i = 0; i < sizeof keep / sizeof keep[0]; i++) {
-        char *p = path_in(root, keep[i]);
+        char *p = t_path_in(root, keep[i]);
         T_REQUIRE(mkdir(p, 0755) == 0, "mkdir %s", p);
         free(p);
     }
     int rc = ckpt_remove_temp(root);
     T_CHECK(rc == 3, "ckpt_remove_temp returned %d, want 3", rc);
     for (size_t i = 0; i < 3; i++) {
-        char *p = path_in(root, temps[i]);
-        T_CHECK(!exists(p), "%s not removed", temps[i]);
+        char *p = t_path_in(root, temps[i]);
+        T_CHECK(!t_exists(p), "%s not removed", temps[i]);
         free(p);
     }
     for (size_t i = 0; i < sizeof keep / sizeof keep[0]; i++) {
-        char *p = path_in(root, keep[i]);
-        T_CHECK(exists(p), "%s was removed but is no temp folder of a save", keep[i]);
+        char *p = t_path_in(root, keep[i]);
+        T_CHECK(t_exists(p), "%s was removed but is no temp folder of a save", keep[i]);
         free(p);
     }
     T_CHECK(ckpt_remove_temp(root) == 0, "second ckpt_remove_temp should find nothing");
-    char *missing = path_in(base, "no-such-dir");
+    char *missing = t_path_in(base, "no-such-dir");
     T_CHECK(ckpt_remove_temp(missing) == 0, "missing dir should give 0");
     free(missing);
     free(root);
@@ -705,7 +659,7 @@ static void remove_temp(const char *base)
 
 static void listing(const char *base)
 {
-    char *root = path_in(base, "list");
+    char *root = t_path_in(base, "list");
     sample sm;
     sample_make(&sm, 5);
     const uint64_t order[] = {100, 1000000000, 9, 10, 200, 300};
@@ -717,7 +671,7 @@ static void listing(const char *base)
 
     char *p50 = step_path(root, 50); /* final name, no manifest */
     T_REQUIRE(mkdir(p50, 0755) == 0, "mkdir %s", p50);
-    char *tmp10 = path_in(root, ".tmp-step-000000010-x-1");
+    char *tmp10 = t_path_in(root, ".tmp-step-000000010-x-1");
     T_REQUIRE(mkdir(tmp10, 0755) == 0, "mkdir %s", tmp10);
     char *p200 = step_path(root, 200); /* a newer format, correctly summed */
     T_REQUIRE(rewrite_manifest(p200, "\"format_version\":1,", "\"format_version\":2,") == 0,
@@ -726,7 +680,7 @@ static void listing(const char *base)
     T_REQUIRE(rename(p300, p301) == 0, "rename to %s", p301);
     const char *ignored[] = {"step-12", "step-000000007x", "notes", ".tmp-step-8-x"};
     for (size_t i = 0; i < 4; i++) {
-        char *p = path_in(root, ignored[i]);
+        char *p = t_path_in(root, ignored[i]);
         T_REQUIRE(mkdir(p, 0755) == 0, "mkdir %s", p);
         free(p);
     }
@@ -780,7 +734,7 @@ static void listing(const char *base)
                 !strcmp(ckpt_status_name(CKPT_STATUS_NEWER), "newer-format") &&
                 !strcmp(ckpt_status_name(CKPT_STATUS_INCOMPLETE), "incomplete"),
             "status names");
-    char *missing = path_in(base, "no-such-dir");
+    char *missing = t_path_in(base, "no-such-dir");
     e = (ckpt_entry *)1;
     n = 99;
     T_CHECK(ckpt_list(missing, &e, &n) == 0 && n == 0, "list of a missing dir");
@@ -810,7 +764,7 @@ typedef struct chunk_loc {
 /* The chunk whose stored bytes hold file offset `pos`, from the manifest. */
 static int find_chunk(const char *snap, uint64_t pos, chunk_loc *out)
 {
-    char *mp = path_in(snap, "manifest.json");
+    char *mp = t_path_in(snap, "manifest.json");
     json_error_t je;
     json_t *m = json_load_file(mp, JSON_DISABLE_EOF_CHECK, &je);
     free(mp);
@@ -862,7 +816,7 @@ static int flip_byte(const char *path, uint64_t pos)
 static void c05_truncate_shard(const char *root, const sample *sm)
 {
     T_REQUIRE(save_sample(root, 501, sm, 4096, CKPT_FILTER_NONE, 1) == 0, "save 501");
-    char *sp = step_path(root, 501), *dp = path_in(sp, "rank-00000.bin");
+    char *sp = step_path(root, 501), *dp = t_path_in(sp, "rank-00000.bin");
     long long size = file_size(dp);
     T_REQUIRE(size > 0 && truncate(dp, size - 1) == 0, "truncate %s", dp);
     ckpt_snapshot *s = (ckpt_snapshot *)1;
@@ -893,7 +847,7 @@ static void c05_truncate_shard(const char *root, const sample *sm)
 static void c05_flip_byte(const char *root, const sample *sm)
 {
     T_REQUIRE(save_sample(root, 502, sm, 4096, CKPT_FILTER_SHUFFLE, 1) == 0, "save 502");
-    char *sp = step_path(root, 502), *dp = path_in(sp, "rank-00000.bin");
+    char *sp = step_path(root, 502), *dp = t_path_in(sp, "rank-00000.bin");
     uint64_t mid = (uint64_t)file_size(dp) / 2;
     chunk_loc k;
     T_REQUIRE(find_chunk(sp, mid, &k) == 0, "no chunk holds file offset %llu",
@@ -967,9 +921,9 @@ static void c05_raw_checksum(const char *root, const sample *sm)
     char *sp = step_path(root, 503);
     chunk_loc k;
     T_REQUIRE(find_chunk(sp, 0, &k) == 0, "first chunk");
-    char *mp = path_in(sp, "manifest.json");
+    char *mp = t_path_in(sp, "manifest.json");
     unsigned char *text = NULL;
-    T_REQUIRE(slurp(mp, &text) > 0, "read manifest");
+    T_REQUIRE(t_slurp(mp, &text) > 0, "read manifest");
     const char *raw = strstr((const char *)text, "\"xxh3_raw\":\"");
     T_REQUIRE(raw != NULL, "no xxh3_raw");
     char from[64], to[64];
@@ -993,7 +947,7 @@ static void c05_raw_checksum(const char *root, const sample *sm)
 static void c01_missing_manifest(const char *root, const sample *sm)
 {
     T_REQUIRE(save_sample(root, 504, sm, 4096, CKPT_FILTER_NONE, 1) == 0, "save 504");
-    char *sp = step_path(root, 504), *mp = path_in(sp, "manifest.json");
+    char *sp = step_path(root, 504), *mp = t_path_in(sp, "manifest.json");
     T_REQUIRE(unlink(mp) == 0, "unlink manifest");
     ckpt_snapshot *s = (ckpt_snapshot *)1;
     char why[512] = "";
@@ -1013,7 +967,7 @@ static void c01_missing_manifest(const char *root, const sample *sm)
 static void missing_data_file(const char *root, const sample *sm)
 {
     T_REQUIRE(save_sample(root, 505, sm, 4096, CKPT_FILTER_NONE, 1) == 0, "save 505");
-    char *sp = step_path(root, 505), *dp = path_in(sp, "rank-00000.bin");
+    char *sp = step_path(root, 505), *dp = t_path_in(sp, "rank-00000.bin");
     /* disappears after open: reads fail cleanly and name the file */
     ckpt_snapshot *s = NULL;
     T_REQUIRE(ckpt_snapshot_open(&s, sp, NULL, 0) == 0, "open 505");
@@ -1036,9 +990,9 @@ static void missing_data_file(const char *root, const sample *sm)
 static void garbage_manifest(const char *root, const sample *sm)
 {
     T_REQUIRE(save_sample(root, 506, sm, 4096, CKPT_FILTER_NONE, 1) == 0, "save 506");
-    char *sp = step_path(root, 506), *mp = path_in(sp, "manifest.json");
+    char *sp = step_path(root, 506), *mp = t_path_in(sp, "manifest.json");
     unsigned char *orig = NULL;
-    long long on = slurp(mp, &orig);
+    long long on = t_slurp(mp, &orig);
     T_REQUIRE(on > 100, "read manifest");
     unsigned char *buf = malloc((size_t)on + 64);
     T_REQUIRE(buf != NULL, "malloc");
@@ -1095,7 +1049,7 @@ static void garbage_manifest(const char *root, const sample *sm)
             break;
         }
         v.len = len;
-        T_REQUIRE(spit(mp, buf, v.len) == 0, "write manifest");
+        T_REQUIRE(t_spit(mp, buf, v.len) == 0, "write manifest");
         ckpt_snapshot *s = (ckpt_snapshot *)1;
         char why[512] = "";
         int rc = ckpt_snapshot_open(&s, sp, why, sizeof why);
@@ -1120,7 +1074,7 @@ static void garbage_manifest(const char *root, const sample *sm)
         {"world_size 0", "\"world_size\":1", "\"world_size\":0"},
     };
     for (size_t i = 0; i < sizeof fix / sizeof fix[0]; i++) {
-        T_REQUIRE(spit(mp, orig, (size_t)on) == 0, "restore manifest");
+        T_REQUIRE(t_spit(mp, orig, (size_t)on) == 0, "restore manifest");
         T_REQUIRE(rewrite_manifest(sp, fix[i].from, fix[i].to) == 0, "rewrite for %s", fix[i].what);
         ckpt_snapshot *s = (ckpt_snapshot *)1;
         char why[512] = "";
@@ -1130,7 +1084,7 @@ static void garbage_manifest(const char *root, const sample *sm)
     }
 
     /* the untouched manifest opens: the failures above came from the changes */
-    T_REQUIRE(spit(mp, orig, (size_t)on) == 0, "restore manifest");
+    T_REQUIRE(t_spit(mp, orig, (size_t)on) == 0, "restore manifest");
     ckpt_snapshot *s = NULL;
     T_CHECK(ckpt_snapshot_open(&s, sp, NULL, 0) == 0, "restored manifest does not open");
     ckpt_snapshot_close(s);
@@ -1146,7 +1100,7 @@ static void garbage_manifest(const char *root, const sample *sm)
 
 static void corruption(const char *base)
 {
-    char *root = path_in(base, "corrupt");
+    char *root = t_path_in(base, "corrupt");
     sample sm;
     sample_make(&sm, 9);
     c05_truncate_shard(root, &sm);
@@ -1220,7 +1174,7 @@ int main(void)
 
     int have_zstd = system("zstd --version > /dev/null 2>&1") == 0;
     if (!have_zstd) fprintf(stderr, "note: no zstd command; the zstd -d checks are skipped\n");
-    char *rt = path_in(base, "roundtrip");
+    char *rt = t_path_in(base, "roundtrip");
     uint64_t step = 1;
     for (int chunk = 0; chunk < 2; chunk++)
         for (int filter = 0; filter < 2; filter++)

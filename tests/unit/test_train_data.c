@@ -9,51 +9,6 @@
 
 #define HDR_BYTES (TRAIN_SHARD_HEADER_INTS * 4)
 
-static char *path_in(const char *dir, const char *name)
-{
-    char *p = malloc(4096);
-    T_REQUIRE(p != NULL, "malloc");
-    snprintf(p, 4096, "%s/%s", dir, name);
-    return p;
-}
-
-static long long slurp(const char *path, unsigned char **out)
-{
-    *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return -1;
-    if (fseek(f, 0, SEEK_END) != 0) {
-        fclose(f);
-        return -1;
-    }
-    long n = ftell(f);
-    rewind(f);
-    unsigned char *b = malloc((size_t)n + 1);
-    size_t got = b ? fread(b, 1, (size_t)n, f) : 0;
-    fclose(f);
-    if (!b || got != (size_t)n) {
-        free(b);
-        return -1;
-    }
-    *out = b;
-    return n;
-}
-
-static int spit(const char *path, const void *data, size_t len)
-{
-    FILE *f = fopen(path, "wb");
-    if (!f) return -1;
-    size_t put = len ? fwrite(data, 1, len, f) : 0;
-    int rc = fclose(f);
-    return put == len && rc == 0 ? 0 : -1;
-}
-
-static int exists(const char *path)
-{
-    struct stat st;
-    return stat(path, &st) == 0;
-}
-
 /* A shard file with the given header fields and tokens. */
 static int write_shard(const char *path, int32_t magic, int32_t version, int32_t count,
                        const uint16_t *tok, size_t ntok)
@@ -64,7 +19,7 @@ static int write_shard(const char *path, int32_t magic, int32_t version, int32_t
     int32_t h[3] = {magic, version, count};
     memcpy(b, h, sizeof h);
     if (ntok) memcpy(b + HDR_BYTES, tok, 2 * ntok);
-    int rc = spit(path, b, bytes);
+    int rc = t_spit(path, b, bytes);
     free(b);
     return rc;
 }
@@ -73,7 +28,7 @@ static int write_shard(const char *path, int32_t magic, int32_t version, int32_t
 static void check_shard(const char *path, const unsigned char *want, size_t n)
 {
     unsigned char *b = NULL;
-    long long len = slurp(path, &b);
+    long long len = t_slurp(path, &b);
     T_CHECK(len == (long long)(HDR_BYTES + 2 * n), "%s: %lld bytes, want %zu", path, len,
             (size_t)HDR_BYTES + 2 * n);
     if (len < HDR_BYTES) {
@@ -121,7 +76,7 @@ static int doc_is_val(size_t i, double f)
 
 static void prepare_multi(const char *base)
 {
-    char *in = path_in(base, "in");
+    char *in = t_path_in(base, "in");
     T_REQUIRE(mkdir(in, 0755) == 0, "mkdir");
     enum { NF = 8 };
     unsigned char text[NF][200];
@@ -130,9 +85,9 @@ static void prepare_multi(const char *base)
     for (int i = 0; i < NF; i++) {
         char name[32];
         snprintf(name, sizeof name, "f%d.txt", i);
-        files[i] = path_in(in, name);
+        files[i] = t_path_in(in, name);
         len[i] = make_text(i, text[i]);
-        T_REQUIRE(spit(files[i], text[i], len[i]) == 0, "write %s", files[i]);
+        T_REQUIRE(t_spit(files[i], text[i], len[i]) == 0, "write %s", files[i]);
     }
 
     /* val_fraction 0.25 over 8 files: files 3 and 7 (0-based) go to validation */
@@ -144,7 +99,7 @@ static void prepare_multi(const char *base)
     for (int c = 0; c < 4; c++) {
         char name[32];
         snprintf(name, sizeof name, "out%d", c);
-        char *out = path_in(base, name);
+        char *out = t_path_in(base, name);
         uint64_t nt = 0, nv = 0;
         char why[512] = "";
         int rc = train_prepare(out, (const char *const *)files, NF, fr[c], TRAIN_TEXT_PLAIN, &nt,
@@ -165,19 +120,19 @@ static void prepare_multi(const char *base)
         }
         T_CHECK(nt == tn && nv == vn, "fraction %g: counts %llu/%llu, want %zu/%zu", fr[c],
                 (unsigned long long)nt, (unsigned long long)nv, tn, vn);
-        char *ts = path_in(out, "train_000000.bin"), *vs = path_in(out, "val_000000.bin");
+        char *ts = t_path_in(out, "train_000000.bin"), *vs = t_path_in(out, "val_000000.bin");
         check_shard(ts, tw, tn);
         if (vn)
             check_shard(vs, vw, vn);
         else
-            T_CHECK(!exists(vs), "fraction 0 wrote a validation shard");
-        char *t1 = path_in(out, "train_000001.bin");
-        T_CHECK(!exists(t1), "a second shard for a few bytes");
+            T_CHECK(!t_exists(vs), "fraction 0 wrote a validation shard");
+        char *t1 = t_path_in(out, "train_000001.bin");
+        T_CHECK(!t_exists(t1), "a second shard for a few bytes");
         free(t1);
 
         /* the prepared shards open as a dataset with the same tokens */
         train_dataset *d = NULL;
-        char *glob = path_in(out, "train_*.bin");
+        char *glob = t_path_in(out, "train_*.bin");
         rc = train_dataset_open(&d, glob, 8, 256, why, sizeof why);
         T_CHECK(rc == 0 && d && train_dataset_num_tokens(d) == tn && train_dataset_num_files(d) == 1,
                 "open prepared shards: %d %s", rc, why);
@@ -189,10 +144,10 @@ static void prepare_multi(const char *base)
     }
 
     /* an empty input file is skipped, and takes no separator */
-    char *empty = path_in(in, "empty.txt");
-    T_REQUIRE(spit(empty, "", 0) == 0, "write empty");
+    char *empty = t_path_in(in, "empty.txt");
+    T_REQUIRE(t_spit(empty, "", 0) == 0, "write empty");
     const char *three[] = {files[0], empty, files[1]};
-    char *out = path_in(base, "out-empty");
+    char *out = t_path_in(base, "out-empty");
     uint64_t nt = 0, nv = 0;
     int rc = train_prepare(out, three, 3, 0.0, TRAIN_TEXT_PLAIN, &nt, &nv, NULL, 0);
     T_CHECK(rc == 0 && nt == len[0] + 2 + len[1] && nv == 0, "empty file in the middle: %d %llu", rc,
@@ -201,7 +156,7 @@ static void prepare_multi(const char *base)
 
     /* errors */
     char why[512] = "";
-    out = path_in(base, "out-err");
+    out = t_path_in(base, "out-err");
     rc = train_prepare(out, (const char *const *)files, NF, 0.6, TRAIN_TEXT_PLAIN, NULL, NULL, why,
                        sizeof why);
     T_CHECK(rc == -EINVAL, "fraction 0.6: %d", rc);
@@ -211,7 +166,7 @@ static void prepare_multi(const char *base)
     T_CHECK(rc == -EINVAL, "no files: %d", rc);
     rc = train_prepare(out, (const char *const *)files, NF, NAN, TRAIN_TEXT_PLAIN, NULL, NULL, NULL, 0);
     T_CHECK(rc == -EINVAL, "fraction NaN: %d", rc);
-    char *missing = path_in(in, "missing.txt");
+    char *missing = t_path_in(in, "missing.txt");
     const char *with_missing[] = {files[0], missing};
     why[0] = 0;
     rc = train_prepare(out, with_missing, 2, 0.0, TRAIN_TEXT_PLAIN, NULL, NULL, why, sizeof why);
@@ -224,8 +179,8 @@ static void prepare_multi(const char *base)
     rc = train_prepare(out, (const char *const *)files, 2, 0.25, TRAIN_TEXT_PLAIN, NULL, NULL, why,
                        sizeof why);
     T_CHECK(rc == -EINVAL && why[0], "empty validation split: %d", rc);
-    char *ts = path_in(out, "train_000000.bin");
-    T_CHECK(!exists(ts), "a failed prepare left %s", ts);
+    char *ts = t_path_in(out, "train_000000.bin");
+    T_CHECK(!t_exists(ts), "a failed prepare left %s", ts);
     free(ts);
     free(missing);
     free(out);
@@ -239,10 +194,10 @@ static void prepare_single(const char *base)
     enum { L = 1003 };
     unsigned char text[L];
     for (int i = 0; i < L; i++) text[i] = (unsigned char)(i * 37 + (i >> 3));
-    char *f = path_in(base, "single.txt");
-    T_REQUIRE(spit(f, text, L) == 0, "write");
+    char *f = t_path_in(base, "single.txt");
+    T_REQUIRE(t_spit(f, text, L) == 0, "write");
     const char *files[] = {f};
-    char *out = path_in(base, "out-single");
+    char *out = t_path_in(base, "out-single");
     uint64_t nt = 0, nv = 0;
     char why[512] = "";
     int rc = train_prepare(out, files, 1, 0.25, TRAIN_TEXT_PLAIN, &nt, &nv, why, sizeof why);
@@ -250,7 +205,7 @@ static void prepare_single(const char *base)
     size_t nval = (size_t)floor(L * 0.25); /* 250: the last quarter of the bytes */
     T_CHECK(nt == L - nval && nv == nval, "single file split %llu/%llu, want %zu/%zu",
             (unsigned long long)nt, (unsigned long long)nv, (size_t)L - nval, nval);
-    char *ts = path_in(out, "train_000000.bin"), *vs = path_in(out, "val_000000.bin");
+    char *ts = t_path_in(out, "train_000000.bin"), *vs = t_path_in(out, "val_000000.bin");
     check_shard(ts, text, L - nval);
     check_shard(vs, text + (L - nval), nval);
     free(vs);
@@ -286,17 +241,17 @@ static void brown(void)
 
 static void brown_prepare(const char *base)
 {
-    char *f = path_in(base, "ca99"), *g = path_in(base, "ca98");
+    char *f = t_path_in(base, "ca99"), *g = t_path_in(base, "ca98");
     const char *a = "\n\n\tThe/at jury/nn said/vbd ./.\n\n\n\tIt/pps did/dod ./.\n";
     const char *b = "\tNo/at ./.\n";
-    T_REQUIRE(spit(f, a, strlen(a)) == 0 && spit(g, b, strlen(b)) == 0, "write brown files");
+    T_REQUIRE(t_spit(f, a, strlen(a)) == 0 && t_spit(g, b, strlen(b)) == 0, "write brown files");
     const char *files[] = {f, g};
-    char *out = path_in(base, "out-brown");
+    char *out = t_path_in(base, "out-brown");
     uint64_t nt = 0;
     int rc = train_prepare(out, files, 2, 0.0, TRAIN_TEXT_BROWN, &nt, NULL, NULL, 0);
     T_REQUIRE(rc == 0, "prepare brown: %d", rc);
     const char *want = "The jury said.\nIt did.\n\n\nNo.\n";
-    char *ts = path_in(out, "train_000000.bin");
+    char *ts = t_path_in(out, "train_000000.bin");
     check_shard(ts, (const unsigned char *)want, strlen(want));
     free(ts);
     free(out);
@@ -306,7 +261,7 @@ static void brown_prepare(const char *base)
 
 static void open_errors(const char *base)
 {
-    char *dir = path_in(base, "bad");
+    char *dir = t_path_in(base, "bad");
     T_REQUIRE(mkdir(dir, 0755) == 0, "mkdir");
     uint16_t tok[64];
     for (int i = 0; i < 64; i++) tok[i] = (uint16_t)(i % 200);
@@ -328,7 +283,7 @@ static void open_errors(const char *base)
         {"onlyseq.bin", 20240520, 1, 8, 8, 0, 0}, /* seq_len tokens: no room for a target */
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        char *p = path_in(dir, cases[i].name);
+        char *p = t_path_in(dir, cases[i].name);
         uint16_t t2[64];
         memcpy(t2, tok, sizeof t2);
         if (cases[i].poke) t2[10] = cases[i].poke;
@@ -346,7 +301,7 @@ static void open_errors(const char *base)
     }
 
     /* boundaries that are fine: token vocab-1, exactly seq_len+1 tokens */
-    char *ok = path_in(dir, "ok.bin");
+    char *ok = t_path_in(dir, "ok.bin");
     uint16_t t2[9];
     for (int i = 0; i < 9; i++) t2[i] = (uint16_t)(255 - i);
     T_REQUIRE(write_shard(ok, 20240520, 1, 9, t2, 9) == 0, "write ok");
@@ -357,22 +312,22 @@ static void open_errors(const char *base)
     train_dataset_close(d);
 
     /* one bad shard among good ones: the error names the bad one */
-    char *bad = path_in(dir, "zz_bad.bin");
+    char *bad = t_path_in(dir, "zz_bad.bin");
     T_REQUIRE(write_shard(bad, 1, 1, 9, t2, 9) == 0, "write zz_bad");
-    char *glob = path_in(dir, "*.bin");
+    char *glob = t_path_in(dir, "*.bin");
     why[0] = 0;
     d = (train_dataset *)1;
     rc = train_dataset_open(&d, glob, 8, 256, why, sizeof why);
     T_CHECK(rc == -EBADMSG && d == NULL && strstr(why, "zz_bad.bin"), "mixed glob: %d %s", rc, why);
     free(glob);
 
-    glob = path_in(dir, "nothing-*.bin");
+    glob = t_path_in(dir, "nothing-*.bin");
     why[0] = 0;
     d = (train_dataset *)1;
     rc = train_dataset_open(&d, glob, 8, 256, why, sizeof why);
     T_CHECK(rc == -ENOENT && d == NULL && strstr(why, "nothing-*.bin"), "empty glob: %d %s", rc, why);
     free(glob);
-    glob = path_in(dir, "no-such-dir/*.bin");
+    glob = t_path_in(dir, "no-such-dir/*.bin");
     why[0] = 0;
     rc = train_dataset_open(&d, glob, 8, 256, why, sizeof why);
     T_CHECK(rc == -ENOENT && d == NULL && strstr(why, "no-such-dir"), "glob in a missing folder: %d %s",
@@ -391,7 +346,7 @@ static void open_errors(const char *base)
 static void samples_and_order(const char *base)
 {
     enum { T = 4 };
-    char *dir = path_in(base, "ds");
+    char *dir = t_path_in(base, "ds");
     T_REQUIRE(mkdir(dir, 0755) == 0, "mkdir");
     const size_t ntok[2] = {4 * 20 + 1, 4 * 17 + 2};
     uint16_t tok[2][100];
@@ -401,7 +356,7 @@ static void samples_and_order(const char *base)
         for (size_t i = 0; i < ntok[s]; i++) tok[s][i] = (uint16_t)(s * 1000 + (int)i);
         char name[32];
         snprintf(name, sizeof name, "train_%06d.bin", s);
-        char *p = path_in(dir, name);
+        char *p = t_path_in(dir, name);
         T_REQUIRE(write_shard(p, 20240520, 1, (int32_t)ntok[s], tok[s], ntok[s]) == 0, "write");
         XXH3_64bits_update(hs, tok[s], 2 * ntok[s]);
         free(p);
@@ -409,7 +364,7 @@ static void samples_and_order(const char *base)
     uint64_t want_hash = XXH3_64bits_digest(hs);
     XXH3_freeState(hs);
 
-    char *glob = path_in(dir, "train_*.bin");
+    char *glob = t_path_in(dir, "train_*.bin");
     train_dataset *d = NULL, *d2 = NULL;
     char why[512] = "";
     int rc = train_dataset_open(&d, glob, T, 2000, why, sizeof why);
@@ -495,7 +450,7 @@ static void samples_and_order(const char *base)
 /* A shard truncated under a running job: sampling reports it (no SIGBUS, no stale bytes). */
 static void truncated_while_open(const char *base)
 {
-    char *p = path_in(base, "trunc_000000.bin");
+    char *p = t_path_in(base, "trunc_000000.bin");
     uint16_t tok[200];
     for (int i = 0; i < 200; i++) tok[i] = (uint16_t)(i % 50);
     T_REQUIRE(write_shard(p, 20240520, 1, 200, tok, 200) == 0, "write shard");
