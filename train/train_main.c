@@ -91,8 +91,13 @@ static const char usage_text[] =
     "  --no-direct-io        buffered writes instead of O_DIRECT\n"
     "  -h, --help            this text\n"
     "\n"
+    "SIGTERM/SIGINT: finish the step, take a final snapshot (with --ckpt-every), exit 128+sig.\n"
     "At the end it prints: final step=<n> loss=<x> val_loss=<y> params_digest=<xxh3-128 hex>\n"
-    "Exit status: 0 success, 1 runtime failure, 2 usage or configuration error.\n";
+    "(val_loss=nan without --val-data).\n"
+    "Environment: OPENBLAS_NUM_THREADS/OPENBLAS_CORETYPE (pin them for bit-identical runs),\n"
+    "CKPT_LOG_LEVEL=error|warn|info|debug.\n"
+    "Exit status: 0 success, 1 runtime failure, 2 usage or configuration error (including an\n"
+    "unusable or locked --ckpt-dir, or later snapshots there than the step this run starts from).\n";
 
 static int parse_int(const char *flag, const char *s, long lo, long hi, int *out)
 {
