@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 static int t_failures;
@@ -119,6 +120,20 @@ static inline int t_exists(const char *path)
     FILE *f = fopen(path, "rb");
     if (f) fclose(f);
     return f != NULL || errno == EACCES || errno == EISDIR;
+}
+
+/* Monotonic clock in seconds, and a sleep of s seconds (for timing assertions in tests). */
+static inline double t_now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static inline void t_sleep_s(double s)
+{
+    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    nanosleep(&ts, NULL);
 }
 
 static inline int t_done(const char *name)

@@ -40,19 +40,6 @@ static void check_threads(const char *what)
     T_CHECK(n == 0, "%s: %d failures in worker threads", what, n);
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static void sleep_s(double s)
-{
-    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
-    nanosleep(&ts, NULL);
-}
-
 /* A connected client, or NULL (counted as a failure; callers in threads then stop). */
 static elastic_store_client *client(void)
 {
@@ -185,16 +172,16 @@ static void test_missing_times_out(void)
     elastic_store_client *c = mclient();
     void *v = (void *)1;
     size_t n = 9;
-    double t0 = now_s();
+    double t0 = t_now_s();
     int r = elastic_store_get(c, "never-set", &v, &n, 0.3);
-    double dt = now_s() - t0;
+    double dt = t_now_s() - t0;
     T_CHECK(r == -ETIMEDOUT, "missing key: %d", r);
     T_CHECK(dt >= 0.25 && dt < 0.3 + 1.0, "timed out after %.3f s (timeout 0.3 s)", dt);
     T_CHECK(v == NULL && n == 0, "outputs cleared");
 
-    t0 = now_s();
+    t0 = t_now_s();
     r = elastic_store_get(c, "never-set", &v, &n, 0);
-    T_CHECK(r == -ETIMEDOUT && now_s() - t0 < 0.5, "check once: %d", r);
+    T_CHECK(r == -ETIMEDOUT && t_now_s() - t0 < 0.5, "check once: %d", r);
 
     /* the handle is still usable after a timeout */
     T_CHECK(elastic_store_set(c, "after-timeout", "ok", 2) == 0, "set after timeout");
@@ -224,17 +211,17 @@ static void *getter_main(void *arg)
     }
     void *v = NULL;
     size_t n = 0;
-    double t0 = now_s();
+    double t0 = t_now_s();
     g->result = elastic_store_get(c, g->key, &v, &n, g->timeout_s);
-    g->seconds = now_s() - t0;
+    g->seconds = t_now_s() - t0;
     if (g->result == 0) snprintf(g->value, sizeof g->value, "%.*s", (int)n, (char *)v);
     free(v);
     atomic_store(&g->done, 1);
     /* after a lost server every call fails fast */
     if (g->result != 0) {
-        double t1 = now_s();
+        double t1 = t_now_s();
         int r = elastic_store_set(c, "x", "y", 1);
-        TH_CHECK(r < 0 && now_s() - t1 < 1.0, "call after failure: %d", r);
+        TH_CHECK(r < 0 && t_now_s() - t1 < 1.0, "call after failure: %d", r);
     }
     elastic_store_close(c);
     return NULL;
@@ -245,7 +232,7 @@ static void test_get_released_by_set(void)
     getter g = {.key = "late-key", .timeout_s = 5.0};
     pthread_t t;
     pthread_create(&t, NULL, getter_main, &g);
-    sleep_s(0.2);
+    t_sleep_s(0.2);
     T_CHECK(!atomic_load(&g.done), "get returned before the key was set");
     elastic_store_client *c = mclient();
     T_CHECK(elastic_store_set(c, "late-key", "hello", 5) == 0, "set");
@@ -284,10 +271,10 @@ static void test_wait_several(void)
     pthread_t t;
     pthread_create(&t, NULL, waiter_main, &w);
     elastic_store_client *c = mclient();
-    sleep_s(0.1);
+    t_sleep_s(0.1);
     T_CHECK(elastic_store_set(c, "w1", "1", 1) == 0, "set w1");
     T_CHECK(elastic_store_add(c, "w2", 5, NULL) == 0, "add w2");
-    sleep_s(0.15);
+    t_sleep_s(0.15);
     T_CHECK(!atomic_load(&w.done), "wait returned with w3 missing");
     void *v = NULL;
     size_t n = 0;
@@ -297,9 +284,9 @@ static void test_wait_several(void)
     T_CHECK(w.result == 0, "wait: %d", w.result);
 
     const char *keys[] = {"w1", "w-missing"};
-    double t0 = now_s();
+    double t0 = t_now_s();
     int r = elastic_store_wait(c, keys, 2, 0.2);
-    T_CHECK(r == -ETIMEDOUT && now_s() - t0 < 1.2, "wait with a missing key: %d", r);
+    T_CHECK(r == -ETIMEDOUT && t_now_s() - t0 < 1.2, "wait with a missing key: %d", r);
     T_CHECK(elastic_store_wait(c, keys, 1, 0) == 0, "wait on present key");
     T_CHECK(elastic_store_wait(c, keys, 0, 1) == -EINVAL, "wait on no keys");
     elastic_store_close(c);
@@ -411,9 +398,9 @@ static void test_token(void)
     dup2(lf, 2);
 
     elastic_store_client *c = NULL;
-    double t0 = now_s();
+    double t0 = t_now_s();
     int r1 = elastic_store_connect(&c, HOST, g_port, "wrong-T0ken-guess", 5.0);
-    double dt = now_s() - t0;
+    double dt = t_now_s() - t0;
     elastic_store_close(c); /* NULL unless the server let it in */
     int r2 = elastic_store_connect(&c, HOST, g_port, NULL, 5.0);
     elastic_store_close(c);
@@ -423,7 +410,7 @@ static void test_token(void)
     long len = raw_recv_frame(fd, f, sizeof f);
     int closed = raw_closed(fd);
     close(fd);
-    sleep_s(0.05);
+    t_sleep_s(0.05);
 
     fflush(stderr);
     dup2(saved, 2);
@@ -581,9 +568,9 @@ static void test_garbage(void)
     T_CHECK(raw_closed(fd2), "non-hello first frame -> closed");
     T_CHECK(raw_closed(fd3), "malformed hello -> closed");
     T_CHECK(raw_closed(fd5), "huge length after hello -> closed");
-    double t0 = now_s();
+    double t0 = t_now_s();
     T_CHECK(raw_closed(fd4), "silent connection -> closed");
-    T_CHECK(now_s() - t0 < 2.0, "silent connection closed after %.2f s", now_s() - t0);
+    T_CHECK(t_now_s() - t0 < 2.0, "silent connection closed after %.2f s", t_now_s() - t0);
     close(fd1);
     close(fd2);
     close(fd3);
@@ -618,7 +605,7 @@ static void test_server_stops_while_waiting(void)
     getter g = {.key = "never", .timeout_s = 5.0};
     pthread_t t;
     pthread_create(&t, NULL, getter_main, &g);
-    sleep_s(0.3);
+    t_sleep_s(0.3);
     elastic_store_server_stop(s);
     pthread_join(t, NULL);
     g_port = saved_port;
@@ -641,9 +628,9 @@ static void test_unresponsive_server(void)
                   getsockname(lfd, (struct sockaddr *)&a, &sl) == 0,
               "listen: %s", strerror(errno));
     elastic_store_client *c = NULL;
-    double t0 = now_s();
+    double t0 = t_now_s();
     int r = elastic_store_connect(&c, HOST, ntohs(a.sin_port), TOKEN, 0.4);
-    double dt = now_s() - t0;
+    double dt = t_now_s() - t0;
     T_CHECK(r == -ETIMEDOUT && !c, "silent server: %d", r);
     T_CHECK(dt < 0.4 + 0.5, "gave up after %.3f s (timeout 0.4 s)", dt);
     close(lfd);
@@ -659,9 +646,9 @@ static void *late_main(void *arg)
 {
     late *l = arg;
     elastic_store_client *c = NULL;
-    double t0 = now_s();
+    double t0 = t_now_s();
     l->result = elastic_store_connect(&c, HOST, l->port, TOKEN, 5.0);
-    l->seconds = now_s() - t0;
+    l->seconds = t_now_s() - t0;
     if (l->result == 0) {
         TH_CHECK(elastic_store_set(c, "late", "1", 1) == 0, "set on late server");
         elastic_store_close(c);
@@ -682,7 +669,7 @@ static void test_connect_before_start(void)
     late l = {.port = ntohs(a.sin_port)};
     pthread_t t;
     pthread_create(&t, NULL, late_main, &l);
-    sleep_s(0.3);
+    t_sleep_s(0.3);
     elastic_store_server *s = start_server(l.port, 16);
     pthread_join(t, NULL);
     T_CHECK(l.result == 0, "connect before start: %d", l.result);
@@ -757,7 +744,7 @@ static void test_many_clients(void)
 
 int main(void)
 {
-    double t0 = now_s();
+    double t0 = t_now_s();
     elastic_store_server_opts o = ELASTIC_STORE_SERVER_OPTS_INIT;
     o.token = TOKEN;
     o.max_key = MAX_KEY;
@@ -792,6 +779,6 @@ int main(void)
     test_max_clients();
 
     elastic_store_server_stop(srv);
-    printf("test_elastic_store: %.2f s\n", now_s() - t0);
+    printf("test_elastic_store: %.2f s\n", t_now_s() - t0);
     return t_done("test_elastic_store");
 }

@@ -26,19 +26,6 @@
 #define MAXW 8
 #define FAIL_TIMEOUT_S 3.0
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static void sleep_s(double s)
-{
-    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
-    nanosleep(&ts, NULL);
-}
-
 static uint64_t mix(uint64_t x)
 {
     x += 0x9e3779b97f4a7c15ull;
@@ -213,18 +200,18 @@ static void scenario_func(child *ch)
     /* timing independence: random sleeps in some ranks before each collective */
     srand((unsigned)(me * 7919 + 1));
     for (int it = 0; it < 5; it++) {
-        if ((me + it) % 2 == 0) sleep_s((double)(rand() % 20) * 1e-3);
+        if ((me + it) % 2 == 0) t_sleep_s((double)(rand() % 20) * 1e-3);
         check_allreduce(ch, 100 + (uint64_t)it, 4099);
     }
 
     /* the barrier really waits for the last rank */
-    if (me == W - 1) sleep_s(0.2);
-    double t0 = now_s();
+    if (me == W - 1) t_sleep_s(0.2);
+    double t0 = t_now_s();
     r = train_comm_barrier(c);
     C_CHECK(ch, r == 0, "barrier: %d", r);
     if (W > 1 && me != W - 1)
-        C_CHECK(ch, now_s() - t0 > 0.15, "barrier returned after %.3f s, before the last rank",
-                now_s() - t0);
+        C_CHECK(ch, t_now_s() - t0 > 0.15, "barrier returned after %.3f s, before the last rank",
+                t_now_s() - t0);
     r = train_comm_barrier(c);
     C_CHECK(ch, r == 0 && train_comm_status(c) == 0, "final barrier: %d", r);
 }
@@ -236,9 +223,9 @@ static void scenario_big(child *ch)
     float *b = malloc(n * sizeof *b);
     if (!b) _exit(3);
     for (size_t i = 0; i < n; i++) b[i] = gen(77, ch->rank, i);
-    double t0 = now_s();
+    double t0 = t_now_s();
     int r = train_comm_all_reduce_f32(ch->c, b, n);
-    ch->m.elapsed = now_s() - t0;
+    ch->m.elapsed = t_now_s() - t0;
     C_CHECK(ch, r == 0, "64 MiB all_reduce: %d", r);
     size_t bad = 0;
     for (size_t i = 0; i < n; i++) {
@@ -283,15 +270,15 @@ static void scenario_fail(child *ch, const fail_case *fc)
         if (fc->victim_mode == VICTIM_PAUSE)
             for (;;) pause();
     }
-    if (fc->survivor_delay > 0) sleep_s(fc->survivor_delay);
-    double t0 = now_s();
+    if (fc->survivor_delay > 0) t_sleep_s(fc->survivor_delay);
+    double t0 = t_now_s();
     int r = 0, it = 0;
     do {
-        t0 = now_s();
+        t0 = t_now_s();
         r = train_comm_all_reduce_f32(ch->c, b, fc->n);
         it++;
     } while (r == 0 && (fc->survivor_loop || ch->rank == fc->victim) && it < 100000);
-    ch->m.t = now_s();
+    ch->m.t = t_now_s();
     ch->m.elapsed = ch->m.t - t0;
     ch->m.rc = r;
     ch->m.iters = it;
@@ -402,7 +389,7 @@ typedef struct group {
 static int read_msg(int fd, msg *m, double deadline)
 {
     struct pollfd pf = {fd, POLLIN, 0};
-    int ms = (int)((deadline - now_s()) * 1000);
+    int ms = (int)((deadline - t_now_s()) * 1000);
     if (ms <= 0 || poll(&pf, 1, ms) <= 0) return -ETIMEDOUT;
     ssize_t r = read(fd, m, sizeof *m);
     return r == (ssize_t)sizeof *m ? 0 : -EIO;
@@ -441,7 +428,7 @@ static int run_group(group *g, int W, int sc, const fail_case *fc)
     close(pp[0]);
     close(pp[1]);
     close(rp[1]);
-    double deadline = now_s() + 40.0;
+    double deadline = t_now_s() + 40.0;
     int ready = 0, ndone = 0, expect_done = fc ? W - 1 : W; /* a victim never reports */
     while (ndone < expect_done) {
         msg m;
@@ -452,8 +439,8 @@ static int run_group(group *g, int W, int sc, const fail_case *fc)
         }
         if (m.rank < 0 || m.rank >= W) continue;
         if (m.type == MSG_READY && ++ready == W && fc && fc->sig) {
-            sleep_s(0.3);
-            g->t_signal = now_s();
+            t_sleep_s(0.3);
+            g->t_signal = t_now_s();
             kill(g->pid[fc->victim], fc->sig);
         } else if (m.type == MSG_DONE && !g->got[m.rank]) {
             g->got[m.rank] = 1;
@@ -466,9 +453,9 @@ static int run_group(group *g, int W, int sc, const fail_case *fc)
     for (int r = 0; r < W; r++) {
         if (fc && r == fc->victim) continue;
         int st = 0;
-        double wd = now_s() + 10;
+        double wd = t_now_s() + 10;
         pid_t w = 0;
-        while ((w = waitpid(g->pid[r], &st, WNOHANG)) == 0 && now_s() < wd) sleep_s(0.01);
+        while ((w = waitpid(g->pid[r], &st, WNOHANG)) == 0 && t_now_s() < wd) t_sleep_s(0.01);
         if (w == g->pid[r]) {
             g->alive[r] = 0;
             if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) bad++;
@@ -532,29 +519,29 @@ static const char *ename(int rc)
 
 int main(void)
 {
-    double t_all = now_s();
+    double t_all = t_now_s();
     test_single();
 
     int ws[] = {1, 2, 3, 4, 8};
     for (size_t k = 0; k < sizeof ws / sizeof *ws; k++) {
         group g;
-        double t0 = now_s();
+        double t0 = t_now_s();
         int bad = run_group(&g, ws[k], SC_FUNC, NULL);
         T_CHECK(bad == 0, "functional W=%d: %d rank(s) failed", ws[k], bad);
         for (int r = 1; r < ws[k]; r++)
             T_CHECK(g.got[r] && g.got[0] && g.done[r].hash == g.done[0].hash,
                     "W=%d: rank %d's results differ from rank 0's", ws[k], r);
-        printf("functional W=%d: %s in %.2f s\n", ws[k], bad ? "FAILED" : "ok", now_s() - t0);
+        printf("functional W=%d: %s in %.2f s\n", ws[k], bad ? "FAILED" : "ok", t_now_s() - t0);
     }
     for (int W = 2; W <= 4; W++) {
         group g;
-        double t0 = now_s();
+        double t0 = t_now_s();
         int bad = run_group(&g, W, SC_BIG, NULL);
         T_CHECK(bad == 0, "64 MiB W=%d: %d rank(s) failed", W, bad);
         for (int r = 1; r < W; r++)
             T_CHECK(g.done[r].hash == g.done[0].hash, "64 MiB W=%d: rank %d differs", W, r);
         printf("64 MiB all-reduce W=%d: %s, all-reduce %.2f s (group %.2f s)\n", W,
-               bad ? "FAILED" : "ok", g.done[0].elapsed, now_s() - t0);
+               bad ? "FAILED" : "ok", g.done[0].elapsed, t_now_s() - t0);
     }
     {
         group g;
@@ -620,6 +607,6 @@ int main(void)
         }
         if (fc->sig == SIGSTOP) T_CHECK(n_to >= 1, "%s: nobody timed out", fc->name);
     }
-    printf("total %.2f s\n", now_s() - t_all);
+    printf("total %.2f s\n", t_now_s() - t_all);
     return t_done("test_train_comm");
 }
