@@ -118,6 +118,49 @@ int ckpt_save(const ckpt_save_opts *opts, uint64_t step, const char *run_id,
 
 enum ckpt_policy { CKPT_POLICY_WAIT = 0, CKPT_POLICY_SKIP = 1 };
 
+/* ------------------------------------------------------------------ sharded snapshots
+ *
+ * In a job of W ranks every rank persists its own shard of each buffer (a byte range
+ * [offset, offset + bytes) of the whole buffer, see ckpt_buffer) into its own data file
+ * rank-<rank>.bin, and the snapshot commits only when every rank's file is durable: a
+ * two-phase commit (DESIGN section 5) whose votes travel over a channel the caller provides
+ * (train uses the elastic store; a test may use memory):
+ *
+ *   every rank: write rank-<r>.bin into the shared temp folder .tmp-step-<step>-<run>-<tag>,
+ *               fsync it, write and fsync its part record rank-<r>.part.json (the file's
+ *               size and its shards' chunk lists), then vote(step, 0) - or vote(step, -errno)
+ *               as soon as anything fails;
+ *   rank 0:     collect(step, timeout) waits for the votes of every other rank; when all
+ *               are 0 it merges the part records into manifest.json (world_size W), checks the
+ *               result with the reader's own validation, then commits exactly as a world of
+ *               one does (fsync, rename, fsync of the parent) and calls decide(step, 0); on
+ *               any failure (a negative vote, a vote missing at the timeout, its own error) it
+ *               removes the temp folder and calls decide(step, -errno);
+ *   ranks != 0: outcome(step, timeout) waits for rank 0's decision, which becomes the
+ *               result of their persist (ckpt_engine_last): 0 means committed.
+ * A rank that dies before voting means no commit (rank 0 times out); rank 0 dying means no
+ * commit (the temp folder is left for the next start's ckpt_remove_temp). Nothing ever
+ * becomes visible under a step-* name unless every shard is durable and the merged manifest
+ * validates. Only rank 0 applies retention (give the other ranks keep_last = keep_every = 0).
+ *
+ * The callbacks run on the engine's persist thread; each must return within its timeout (or
+ * within a few seconds for vote/decide) and report failures as a negative errno. */
+typedef struct ckpt_group {
+    uint32_t rank;        /* this rank, [0, world_size) */
+    uint32_t world_size;  /* ranks that save each snapshot, [1, 65536]; 1 behaves as no group
+                             but still calls the callbacks */
+    const char *tag;      /* [A-Za-z0-9_.-]{1,63}, the same on every rank and unique to this
+                             launch: names the shared temp folder. Copied by the engine. */
+    void *ctx;            /* passed to the callbacks */
+    int (*vote)(void *ctx, uint64_t step, int result);            /* ranks != 0 */
+    int (*collect)(void *ctx, uint64_t step, double timeout_s);   /* rank 0: 0 when every other
+                                                                     rank voted 0 */
+    int (*decide)(void *ctx, uint64_t step, int result);          /* rank 0 */
+    int (*outcome)(void *ctx, uint64_t step, double timeout_s);   /* ranks != 0: rank 0's
+                                                                     decision */
+    double timeout_s;     /* bound of collect and outcome, seconds; > 0; e.g. 600 */
+} ckpt_group;
+
 typedef struct ckpt_engine_opts {
     ckpt_save_opts save;    /* folder, chunking, codec, I/O; see ckpt_save_opts */
     int compress;           /* 1: zstd (default); 0: every chunk stored raw (codec "none") */
@@ -131,9 +174,12 @@ typedef struct ckpt_engine_opts {
                                the first stage does not pay for it; 0 = at the first stage */
     int overlap;            /* 0 (default): the persist starts after the copy (smallest stall);
                                1: it starts with the copy (shortest time to durable) */
+    const ckpt_group *group;/* NULL (default): a world of one rank, whole buffers; else this
+                               rank's part in a sharded snapshot (copied at create; the
+                               callbacks and ctx must outlive the engine) */
 } ckpt_engine_opts;
 
-#define CKPT_ENGINE_OPTS_INIT {CKPT_SAVE_OPTS_INIT, 1, 2u, CKPT_POLICY_WAIT, 3600.0, 0u, 0u, 0u, 0}
+#define CKPT_ENGINE_OPTS_INIT {CKPT_SAVE_OPTS_INIT, 1, 2u, CKPT_POLICY_WAIT, 3600.0, 0u, 0u, 0u, 0, NULL}
 
 /* Figures of the last finished persist. */
 typedef struct ckpt_persist_stats {

@@ -48,6 +48,8 @@ enum { MAX_BUFFERS = 64 };
 
 struct ckpt_engine {
     ckpt_engine_opts o;
+    ckpt_group group; /* valid when o.group != NULL (then o.group points here) */
+    char group_tag[64];
     char dir[CKPT_PATH_MAX];
     staging stage;
     ckpt_pool *pool;
@@ -117,7 +119,8 @@ static void *persist_main(void *arg)
 
         ckpt_save_stats st = {0};
         int rc = ckpt_persist(e->pool, &e->o.save, e->o.compress, e->step, e->run_id,
-                              e->config_hash, e->bufs, e->nbufs, e->trainer_json, &st);
+                              e->config_hash, e->bufs, e->nbufs, e->trainer_json, e->o.group,
+                              &st);
         double persist_s = since(&e->staged_at);
         int removed = 0;
         if (rc == 0) {
@@ -169,9 +172,16 @@ int ckpt_engine_create(ckpt_engine **out, const ckpt_engine_opts *opts)
         return -EINVAL;
     ckpt_buffer probe = {"probe", "u8", 1, 0, 0, 0, NULL};
     if (ckpt_check_save(&opts->save, "probe", "probe", &probe, 1) < 0) return -EINVAL;
+    if (ckpt_check_group(opts->group) < 0) return -EINVAL;
     ckpt_engine *e = calloc(1, sizeof *e);
     if (!e) return -ENOMEM;
     e->o = *opts;
+    if (opts->group) {
+        e->group = *opts->group;
+        snprintf(e->group_tag, sizeof e->group_tag, "%s", opts->group->tag);
+        e->group.tag = e->group_tag;
+        e->o.group = &e->group;
+    }
     snprintf(e->dir, sizeof e->dir, "%s", opts->save.dir);
     e->o.save.dir = e->dir;
     pthread_mutex_init(&e->mu, NULL);
@@ -213,7 +223,7 @@ int ckpt_engine_stage(ckpt_engine *e, uint64_t step, const char *run_id, const c
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     if (!e || nbufs > MAX_BUFFERS) return -EINVAL;
-    int rc = ckpt_check_save(&e->o.save, run_id, config_hash, bufs, nbufs);
+    int rc = ckpt_check_save_group(&e->o.save, run_id, config_hash, bufs, nbufs, e->o.group);
     if (rc < 0) return rc;
     char *json_copy = strdup(trainer_json ? trainer_json : "{}");
     if (!json_copy) return -ENOMEM;

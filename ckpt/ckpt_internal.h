@@ -48,6 +48,7 @@ int ckpt_path_join(char *out, size_t len, const char *dir, const char *name);
  *   mid-chunk           half of the middle chunk's stored bytes handed to the writer
  *   mid-data            after half of the snapshot's raw bytes were handed to the writer
  *   after-data-fsync    data file written and fsynced, no manifest yet
+ *   after-part          (a rank != 0 of a sharded snapshot) part record durable, no vote yet
  *   after-manifest      manifest written and fsynced in the temp folder, not renamed
  *   after-rename        temp folder renamed to its final name, parent not yet fsynced
  *   during-retention    (step = the step being removed) renamed to its temp name, not yet
@@ -79,10 +80,19 @@ void ckpt_thread_background(void);
 int ckpt_check_save(const ckpt_save_opts *opts, const char *run_id, const char *config_hash,
                     const ckpt_buffer *bufs, size_t nbufs);
 
+/* Validate a group (NULL is valid: no group): 0 or -EINVAL. */
+int ckpt_check_group(const ckpt_group *g);
+/* ckpt_check_save for a rank of a group (partial shards allowed); group may be NULL. */
+int ckpt_check_save_group(const ckpt_save_opts *opts, const char *run_id, const char *config_hash,
+                          const ckpt_buffer *bufs, size_t nbufs, const ckpt_group *group);
+
 /* Write and commit one snapshot from bufs (read only during the call) with the pool's
- * workers; compress = 0 stores every chunk raw. Same contract as ckpt_save. */
+ * workers; compress = 0 stores every chunk raw. Same contract as ckpt_save; with a group,
+ * this rank's part of a sharded snapshot (ckpt.h, "sharded snapshots"): the result on every
+ * rank is 0 only when the snapshot was committed. */
 int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint64_t step,
                  const char *run_id, const char *config_hash, const ckpt_buffer *bufs,
-                 size_t nbufs, const char *trainer_json, ckpt_save_stats *stats);
+                 size_t nbufs, const char *trainer_json, const ckpt_group *group,
+                 ckpt_save_stats *stats);
 
 #endif /* CKPT_INTERNAL_H */

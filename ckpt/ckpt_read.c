@@ -785,3 +785,17 @@ int ckpt_list(const char *dir, ckpt_entry **entries, size_t *n)
     *n = cnt;
     return 0;
 }
+
+/* ------------------------------------------------------------------ layout accessors
+ * Declared in ckpt_plan.h (the re-sharding planner's read-only view of the manifest). */
+#include "ckpt_plan.h"
+
+size_t ckpt_snapshot_nfiles(const ckpt_snapshot *s) { return s->nfiles; }
+
+int ckpt_snapshot_chunk_info(const ckpt_snapshot *s, size_t bi, size_t ci, ckpt_chunk_info *info)
+{
+    if (!info || bi >= s->nbuffers || ci >= s->buffers[bi].nchunks) return -EINVAL;
+    const chunk *k = &s->buffers[bi].chunks[ci];
+    *info = (ckpt_chunk_info){k->offset, k->bytes, k->file_offset, k->stored_bytes, k->file};
+    return 0;
+}

@@ -54,7 +54,7 @@ static int check_opts(const ckpt_save_opts *o)
     return 0;
 }
 
-static int check_buffers(const ckpt_buffer *bufs, size_t nbufs)
+static int check_buffers(const ckpt_buffer *bufs, size_t nbufs, int sharded)
 {
     for (size_t i = 0; i < nbufs; i++) {
         const ckpt_buffer *b = &bufs[i];
@@ -65,7 +65,7 @@ static int check_buffers(const ckpt_buffer *bufs, size_t nbufs)
         if (b->offset > b->total_bytes || b->bytes > b->total_bytes - b->offset) return -EINVAL;
         if (b->total_bytes % b->elem_bytes || b->offset % b->elem_bytes) return -EINVAL;
         /* a world of one rank saves whole buffers: a partial one could never be restored */
-        if (b->offset != 0 || b->bytes != b->total_bytes) return -EINVAL;
+        if (!sharded && (b->offset != 0 || b->bytes != b->total_bytes)) return -EINVAL;
         for (size_t j = 0; j < i; j++)
             if (!strcmp(bufs[j].name, b->name)) return -EINVAL;
     }
@@ -434,10 +434,74 @@ static int run_pipeline(ckpt_pool *p, store_writer *w, const ckpt_save_opts *o, 
 int ckpt_check_save(const ckpt_save_opts *opts, const char *run_id, const char *config_hash,
                     const ckpt_buffer *bufs, size_t nbufs)
 {
+    return ckpt_check_save_group(opts, run_id, config_hash, bufs, nbufs, NULL);
+}
+
+int ckpt_check_group(const ckpt_group *g)
+{
+    if (!g) return 0;
+    if (g->world_size < 1 || g->world_size > 65536 || g->rank >= g->world_size ||
+        !ckpt_valid_name(g->tag) || !(g->timeout_s > 0))
+        return -EINVAL;
+    if (g->rank == 0 ? (!g->collect || !g->decide) : (!g->vote || !g->outcome)) return -EINVAL;
+    return 0;
+}
+
+int ckpt_check_save_group(const ckpt_save_opts *opts, const char *run_id, const char *config_hash,
+                          const ckpt_buffer *bufs, size_t nbufs, const ckpt_group *group)
+{
     int rc = check_opts(opts);
     if (rc < 0) return rc;
     if (!ckpt_valid_name(run_id) || !ckpt_valid_name(config_hash) || (nbufs && !bufs)) return -EINVAL;
-    return check_buffers(bufs, nbufs);
+    if ((rc = ckpt_check_group(group)) < 0) return rc;
+    return check_buffers(bufs, nbufs, group != NULL);
+}
+
+/* ------------------------------------------------------------------ sharded commit */
+
+#define PART_SUFFIX ".part.json"
+
+/* Rank 0: fold the part records of ranks 1..W-1 (rank-<r>.part.json in tmp_dir) into files
+ * and the shards of jbufs (rank 0's buffers, in its order), then delete the part files.
+ * Every part must list exactly rank 0's buffers with the same dtype, elem_bytes and
+ * total_bytes. Errors: -EBADMSG (missing or inconsistent part), -ENOMEM. */
+static int merge_parts(const char *tmp_dir, uint32_t world, json_t *files, json_t *jbufs)
+{
+    char path[CKPT_PATH_MAX], name[64];
+    for (uint32_t r = 1; r < world; r++) {
+        snprintf(name, sizeof name, "rank-%05u" PART_SUFFIX, r);
+        if (ckpt_path_join(path, sizeof path, tmp_dir, name) < 0) return -EINVAL;
+        json_error_t jerr;
+        json_t *part = json_load_file(path, JSON_REJECT_DUPLICATES, &jerr);
+        json_t *pfile = json_object_get(part, "file"), *pbufs = json_object_get(part, "buffers");
+        int rc = 0;
+        if (!json_is_object(pfile) || !json_is_array(pbufs) ||
+            json_integer_value(json_object_get(pfile, "rank")) != (json_int_t)r ||
+            json_array_size(pbufs) != json_array_size(jbufs)) {
+            LOG_E(TAG, "part record %s is missing or malformed%s%s", path, part ? "" : ": ",
+                  part ? "" : jerr.text);
+            rc = -EBADMSG;
+        }
+        for (size_t i = 0; rc == 0 && i < json_array_size(jbufs); i++) {
+            json_t *mine = json_array_get(jbufs, i), *theirs = json_array_get(pbufs, i);
+            static const char *same[] = {"name", "dtype", "elem_bytes", "total_bytes"};
+            for (size_t k = 0; k < 4 && rc == 0; k++)
+                if (!json_equal(json_object_get(mine, same[k]), json_object_get(theirs, same[k]))) {
+                    LOG_E(TAG, "part record %s: buffer %zu disagrees with rank 0 about %s", path, i,
+                          same[k]);
+                    rc = -EBADMSG;
+                }
+            json_t *tsh = json_object_get(theirs, "shards");
+            if (rc == 0 && (!json_is_array(tsh) ||
+                            json_array_extend(json_object_get(mine, "shards"), tsh) != 0))
+                rc = -EBADMSG;
+        }
+        if (rc == 0 && json_array_append(files, pfile) != 0) rc = -ENOMEM;
+        json_decref(part);
+        if (rc < 0) return rc;
+        unlink(path);
+    }
+    return 0;
 }
 
 void ckpt_pool_set_ready_hook(ckpt_pool *p, int (*wait_ready)(void *ctx, const void *end), void *ctx)
@@ -450,10 +514,13 @@ void ckpt_pool_set_ready_hook(ckpt_pool *p, int (*wait_ready)(void *ctx, const v
 
 int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint64_t step,
                  const char *run_id, const char *config_hash, const ckpt_buffer *bufs,
-                 size_t nbufs, const char *trainer_json, ckpt_save_stats *stats)
+                 size_t nbufs, const char *trainer_json, const ckpt_group *group,
+                 ckpt_save_stats *stats)
 {
-    int rc = ckpt_check_save(opts, run_id, config_hash, bufs, nbufs);
+    int rc = ckpt_check_save_group(opts, run_id, config_hash, bufs, nbufs, group);
     if (rc < 0) return rc;
+    const uint32_t rank = group ? group->rank : 0, world = group ? group->world_size : 1;
+    int voted = 0; /* ranks != 0: the vote was sent; rank 0: the decision was sent */
     if (pool->chunk_bytes < opts->chunk_bytes || (opts->filter == CKPT_FILTER_SHUFFLE && !pool->shuffle))
         return -EINVAL;
 
@@ -470,7 +537,7 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
     }
 
     char final_dir[CKPT_PATH_MAX], tmp_dir[CKPT_PATH_MAX], path[CKPT_PATH_MAX], name[32];
-    json_t *body = NULL, *jbufs = NULL, **jchunks = NULL;
+    json_t *body = NULL, *jbufs = NULL, **jchunks = NULL, *files = NULL;
     chunk_job *chunks = NULL;
     size_t nchunks = 0;
     store_writer *w = NULL;
@@ -490,14 +557,16 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
         goto out;
     }
     char tmp_name[160];
-    snprintf(tmp_name, sizeof tmp_name, ".tmp-%s-%s-%ld", name, run_id, (long)getpid());
+    if (group) snprintf(tmp_name, sizeof tmp_name, ".tmp-%s-%s-%s", name, run_id, group->tag);
+    else snprintf(tmp_name, sizeof tmp_name, ".tmp-%s-%s-%ld", name, run_id, (long)getpid());
     if ((rc = ckpt_path_join(tmp_dir, sizeof tmp_dir, opts->dir, tmp_name)) < 0) goto out;
-    if (mkdir(tmp_dir, 0755) != 0) {
+    /* in a group every rank creates the shared temp folder (the first one wins) */
+    if (mkdir(tmp_dir, 0755) != 0 && !(group && errno == EEXIST)) {
         rc = -errno;
         LOG_E(TAG, "cannot create %s: %s", tmp_dir, strerror(errno));
         goto out;
     }
-    tmp_made = 1;
+    tmp_made = rank == 0; /* only rank 0 removes the shared folder after a failure */
 
     jbufs = json_array();
     jchunks = calloc(nbufs ? nbufs : 1, sizeof *jchunks);
@@ -505,13 +574,14 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
         rc = -ENOMEM;
         goto out;
     }
-    const char *file_name = "rank-00000.bin";
+    char file_name[32];
+    snprintf(file_name, sizeof file_name, "rank-%05u.bin", rank);
     for (size_t i = 0; i < nbufs; i++) {
         const ckpt_buffer *b = &bufs[i];
         jchunks[i] = json_array();
         json_t *jb = json_pack("{s:s, s:s, s:i, s:I, s:[{s:i, s:s, s:I, s:I, s:O}]}", "name", b->name,
                                "dtype", b->dtype, "elem_bytes", (int)b->elem_bytes, "total_bytes",
-                               (json_int_t)b->total_bytes, "shards", "rank", 0, "file", file_name,
+                               (json_int_t)b->total_bytes, "shards", "rank", (int)rank, "file", file_name,
                                "offset", (json_int_t)b->offset, "bytes", (json_int_t)b->bytes,
                                "chunks", jchunks[i]);
         if (!jchunks[i] || !jb || json_array_append_new(jbufs, jb) != 0) {
@@ -556,12 +626,57 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
     }
     ckpt_fault_point("after-data-fsync", step);
 
-    body = json_pack("{s:s, s:i, s:I, s:I, s:i, s:s, s:s, s:I, s:[{s:s, s:i, s:I}], s:O, s:O}",
+    files = json_pack("[{s:s, s:i, s:I}]", "name", file_name, "rank", (int)rank, "bytes",
+                      (json_int_t)file_bytes);
+    if (!files) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    if (group && rank != 0) {
+        /* phase one: publish this rank's part, durable, then vote and wait for rank 0 */
+        json_t *part = json_pack("{s:O, s:O}", "file", json_array_get(files, 0), "buffers", jbufs);
+        char *text = part ? json_dumps(part, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
+        json_decref(part);
+        char pname[64];
+        snprintf(pname, sizeof pname, "rank-%05u" PART_SUFFIX, rank);
+        if (!text) rc = -ENOMEM;
+        else if ((rc = ckpt_path_join(path, sizeof path, tmp_dir, pname)) == 0)
+            rc = store_write_file_durable(path, text, strlen(text));
+        free(text);
+        if (rc < 0) {
+            LOG_E(TAG, "writing the part record %s failed: %s", path, strerror(-rc));
+            goto out;
+        }
+        ckpt_fault_point("after-part", step);
+        voted = 1;
+        if ((rc = group->vote(group->ctx, step, 0)) < 0) {
+            LOG_E(TAG, "rank %u could not vote for step %llu: %s", rank, (unsigned long long)step,
+                  strerror(-rc));
+            goto out;
+        }
+        rc = group->outcome(group->ctx, step, group->timeout_s);
+        if (rc < 0)
+            LOG_E(TAG, "step %llu was not committed: %s", (unsigned long long)step,
+                  rc == -ETIMEDOUT ? "no decision from rank 0 in time" : strerror(-rc));
+        goto done;
+    }
+    if (group) {
+        /* rank 0, phase one: wait for every other rank's durable part */
+        if ((rc = group->collect(group->ctx, step, group->timeout_s)) < 0) {
+            LOG_E(TAG, "step %llu not committed: %s", (unsigned long long)step,
+                  rc == -ETIMEDOUT ? "some rank did not report its shard durable in time"
+                                   : "some rank failed to write its shard");
+            goto out;
+        }
+        if ((rc = merge_parts(tmp_dir, world, files, jbufs)) < 0) goto out;
+    }
+
+    body = json_pack("{s:s, s:i, s:I, s:I, s:i, s:s, s:s, s:I, s:O, s:O, s:O}",
                      "format", CKPT_FORMAT_NAME, "format_version", CKPT_FORMAT_VERSION, "step",
-                     (json_int_t)step, "created_unix", (json_int_t)time(NULL), "world_size", 1,
-                     "run_id", run_id, "config_hash", config_hash, "chunk_bytes",
-                     (json_int_t)opts->chunk_bytes, "files", "name", file_name, "rank", 0,
-                     "bytes", (json_int_t)file_bytes, "buffers", jbufs, "trainer", trainer);
+                     (json_int_t)step, "created_unix", (json_int_t)time(NULL), "world_size",
+                     (int)world, "run_id", run_id, "config_hash", config_hash, "chunk_bytes",
+                     (json_int_t)opts->chunk_bytes, "files", files, "buffers", jbufs, "trainer",
+                     trainer);
     if (!body) {
         rc = -ENOMEM;
         goto out;
@@ -570,6 +685,18 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
     if ((rc = write_manifest(path, body)) < 0) {
         LOG_E(TAG, "writing %s failed: %s", path, strerror(-rc));
         goto out;
+    }
+    if (group) {
+        /* the merged manifest must pass the reader's own checks before it may commit */
+        ckpt_snapshot *probe;
+        char why[512];
+        if ((rc = ckpt_snapshot_open(&probe, tmp_dir, why, sizeof why)) < 0) {
+            LOG_E(TAG, "merged manifest of step %llu does not validate: %s",
+                  (unsigned long long)step, why);
+            if (rc != -ENOMEM) rc = -EBADMSG;
+            goto out;
+        }
+        ckpt_snapshot_close(probe);
     }
     if ((rc = store_fsync_dir(tmp_dir)) < 0) {
         LOG_E(TAG, "fsync of %s failed: %s", tmp_dir, strerror(-rc));
@@ -590,21 +717,36 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
               (unsigned long long)step, strerror(-rc));
         goto out;
     }
+    if (group) {
+        voted = 1;
+        int dr = group->decide(group->ctx, step, 0);
+        if (dr < 0)
+            LOG_W(TAG, "step %llu committed, but telling the other ranks failed: %s",
+                  (unsigned long long)step, strerror(-dr));
+    }
+done:
     clock_gettime(CLOCK_MONOTONIC, &t1);
-    if (stats) {
+    if (stats && rc == 0) {
         stats->raw_bytes = raw_total;
         stats->stored_bytes = stored_total;
         stats->seconds = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
     }
+    if (rc < 0) goto out; /* a rank != 0 whose snapshot was not committed */
     rc = 0;
 out:
     store_writer_abort(w);
+    if (group && !voted && rc < 0) {
+        /* tell the others at once instead of letting them wait for the timeout */
+        int vr = rank == 0 ? group->decide(group->ctx, step, rc) : group->vote(group->ctx, step, rc);
+        if (vr < 0) LOG_W(TAG, "rank %u could not report its failure: %s", rank, strerror(-vr));
+    }
     if (tmp_made) store_remove_tree(tmp_dir);
     for (size_t i = 0; jchunks && i < nbufs; i++) json_decref(jchunks[i]);
     free(jchunks);
     free(chunks);
     json_decref(body);
     json_decref(jbufs);
+    json_decref(files);
     json_decref(trainer);
     return rc;
 }
@@ -618,7 +760,8 @@ int ckpt_save(const ckpt_save_opts *opts, uint64_t step, const char *run_id,
     ckpt_pool *pool;
     if ((rc = ckpt_pool_create(&pool, 1, opts->chunk_bytes, opts->filter == CKPT_FILTER_SHUFFLE)) < 0)
         return rc;
-    rc = ckpt_persist(pool, opts, 1, step, run_id, config_hash, bufs, nbufs, trainer_json, stats);
+    rc = ckpt_persist(pool, opts, 1, step, run_id, config_hash, bufs, nbufs, trainer_json, NULL,
+                      stats);
     ckpt_pool_destroy(pool);
     return rc;
 }

@@ -1,6 +1,7 @@
-/* ckpt-inspect: list, show, verify and export snapshots. Exit 0 success, 1 failure, 2 usage. */
+/* ckpt-inspect: list, show, verify, export and plan re-shards of snapshots. Exit 0 success, 1 failure, 2 usage. */
 #include "ckpt.h"
 #include "ckpt_export.h"
+#include "ckpt_plan.h"
 #include "log.h"
 
 #include <errno.h>
@@ -25,12 +26,18 @@ static const char usage_text[] =
     "                     write the tensors of the trainer record (fp32 weights) to OUT in\n"
     "                     the safetensors layout, durably (temp file, fsync, rename); refuses\n"
     "                     an existing OUT without --force; exit 1 naming a bad file and chunk\n"
+    "  plan SNAPSHOT --world-size N\n"
+    "                     re-sharding plan for a restore by N ranks with the trainer's even\n"
+    "                     partition (units of 2048 fp32 = 8192 bytes): per new rank the bytes\n"
+    "                     it needs, the chunks it decodes (raw bytes), the bytes it reads from\n"
+    "                     data files and the files it touches; reads no chunk data\n"
     "\n"
     "Options:\n"
-    "  --json             machine-readable output (list, show, verify, export)\n"
+    "  --json             machine-readable output (list, show, verify, export, plan)\n"
     "  -f, --force        export: replace an existing OUT\n"
     "  --window-mib N     export: MiB of the buffer read at a time (memory), 1..4096;\n"
     "                     default 64\n"
+    "  --world-size N     plan: ranks of the restoring job, 1..1048576\n"
     "  -q, --quiet        no progress lines\n"
     "  -h, --help         this text\n"
     "\n"
@@ -327,6 +334,88 @@ static int cmd_export(const char *path, const char *out, int json, const ckpt_ex
     return 0;
 }
 
+/* Unit of the trainer's even partition, bytes (TRAIN_BLOCK floats, train/model.h). */
+#define PLAN_ALIGN_BYTES 8192u
+
+static int cmd_plan(const char *path, uint32_t world, int json)
+{
+    ckpt_snapshot *s;
+    if (open_or_report(&s, path, json)) return 1;
+    ckpt_rank_reads *rr = calloc(world, sizeof *rr);
+    int rc = rr ? ckpt_snapshot_plan(s, PLAN_ALIGN_BYTES, world, rr) : -ENOMEM;
+    if (rc < 0) {
+        fprintf(stderr, "ckpt-inspect: plan %s: %s\n", path, strerror(-rc));
+        free(rr);
+        ckpt_snapshot_close(s);
+        return 1;
+    }
+    ckpt_rank_reads tot = {0, 0, 0, 0, 0};
+    for (uint32_t r = 0; r < world; r++) {
+        tot.need_bytes += rr[r].need_bytes;
+        tot.read_raw_bytes += rr[r].read_raw_bytes;
+        tot.read_stored_bytes += rr[r].read_stored_bytes;
+        tot.chunks += rr[r].chunks;
+        tot.files += rr[r].files;
+    }
+    if (json) {
+        json_t *ranks = json_array();
+        for (uint32_t r = 0; r < world; r++)
+            json_array_append_new(ranks, json_pack("{s:I, s:I, s:I, s:I, s:I, s:I}", "rank",
+                                                   (json_int_t)r, "need_bytes",
+                                                   (json_int_t)rr[r].need_bytes, "read_raw_bytes",
+                                                   (json_int_t)rr[r].read_raw_bytes,
+                                                   "read_stored_bytes",
+                                                   (json_int_t)rr[r].read_stored_bytes, "chunks",
+                                                   (json_int_t)rr[r].chunks, "files",
+                                                   (json_int_t)rr[r].files));
+        json_t *o = json_pack("{s:s, s:I, s:i, s:i, s:I, s:I, s:I, s:I, s:o}", "snapshot", path,
+                              "step", (json_int_t)ckpt_snapshot_step(s), "saved_world_size",
+                              (int)ckpt_snapshot_world_size(s), "world_size", (int)world,
+                              "align_bytes", (json_int_t)PLAN_ALIGN_BYTES, "need_bytes",
+                              (json_int_t)tot.need_bytes, "read_raw_bytes",
+                              (json_int_t)tot.read_raw_bytes, "read_stored_bytes",
+                              (json_int_t)tot.read_stored_bytes, "ranks", ranks);
+        char *t = json_dumps(o, JSON_INDENT(2));
+        printf("%s\n", t);
+        free(t);
+        json_decref(o);
+    } else {
+        printf("plan %s: step %llu, saved by %u rank%s, restored by %u (units of %u bytes)\n",
+               path, (unsigned long long)ckpt_snapshot_step(s), ckpt_snapshot_world_size(s),
+               ckpt_snapshot_world_size(s) == 1 ? "" : "s", world, PLAN_ALIGN_BYTES);
+        printf("  %-8s %14s %14s %14s %8s %6s\n", "rank", "needs", "decodes", "reads", "chunks",
+               "files");
+        char a[32], b[32], c[32];
+        for (uint32_t r = 0; r <= world; r++) {
+            const ckpt_rank_reads *x = r < world ? &rr[r] : &tot;
+            fmt_bytes(x->need_bytes, a, sizeof a);
+            fmt_bytes(x->read_raw_bytes, b, sizeof b);
+            fmt_bytes(x->read_stored_bytes, c, sizeof c);
+            char name[16];
+            if (r < world) snprintf(name, sizeof name, "%u", r);
+            else snprintf(name, sizeof name, "total");
+            printf("  %-8s %14s %14s %14s %8zu %6zu\n", name, a, b, c, x->chunks, x->files);
+        }
+    }
+    free(rr);
+    ckpt_snapshot_close(s);
+    return 0;
+}
+
+/* --world-size N: 1..2^20 into *world; 0 or -1 (bad value, reported). */
+static int parse_world(const char *v, uint32_t *world)
+{
+    char *end;
+    errno = 0;
+    unsigned long long n = v ? strtoull(v, &end, 10) : 0;
+    if (!v || !*v || *end || errno || n < 1 || n > (1u << 20)) {
+        fprintf(stderr, "ckpt-inspect: --world-size wants 1..1048576, got '%s'\n", v ? v : "");
+        return -1;
+    }
+    *world = (uint32_t)n;
+    return 0;
+}
+
 /* --window-mib N: 1..4096 MiB into *bytes; 0 or -1 (bad value, reported). */
 static int parse_window(const char *v, uint64_t *bytes)
 {
@@ -343,15 +432,17 @@ static int parse_window(const char *v, uint64_t *bytes)
 
 int main(int argc, char **argv)
 {
-    enum { O_WINDOW = 256 };
+    enum { O_WINDOW = 256, O_WORLD };
     static const struct option opts[] = {{"json", no_argument, 0, 'j'},
                                          {"quiet", no_argument, 0, 'q'},
                                          {"force", no_argument, 0, 'f'},
                                          {"window-mib", required_argument, 0, O_WINDOW},
+                                         {"world-size", required_argument, 0, O_WORLD},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
     ckpt_export_opts eo = CKPT_EXPORT_OPTS_INIT;
     int json = 0, quiet = 0, c;
+    uint32_t world = 0; /* plan: 0 until --world-size is given */
     while ((c = getopt_long(argc, argv, "+jqfh", opts, NULL)) != -1) {
         switch (c) {
         case 'j': json = 1; break;
@@ -359,6 +450,9 @@ int main(int argc, char **argv)
         case 'f': eo.force = 1; break;
         case O_WINDOW:
             if (parse_window(optarg, &eo.window_bytes)) return 2;
+            break;
+        case O_WORLD:
+            if (parse_world(optarg, &world)) return 2;
             break;
         case 'h': fputs(usage_text, stdout); return 0;
         default: fputs(usage_text, stderr); return 2;
@@ -375,6 +469,10 @@ int main(int argc, char **argv)
             if (parse_window(i + 1 < argc ? argv[++i] : NULL, &eo.window_bytes)) return 2;
         } else if (!strncmp(argv[i], "--window-mib=", 13)) {
             if (parse_window(argv[i] + 13, &eo.window_bytes)) return 2;
+        } else if (!strcmp(argv[i], "--world-size")) {
+            if (parse_world(i + 1 < argc ? argv[++i] : NULL, &world)) return 2;
+        } else if (!strncmp(argv[i], "--world-size=", 13)) {
+            if (parse_world(argv[i] + 13, &world)) return 2;
         }
         else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             fputs(usage_text, stdout);
@@ -396,11 +494,17 @@ int main(int argc, char **argv)
                 usage_text);
         return 2;
     }
+    if (!strcmp(args[0], "plan") && world == 0) {
+        fprintf(stderr, "ckpt-inspect: plan needs --world-size N\n%s", usage_text);
+        return 2;
+    }
     log_set_level(LOG_WARN);
     if (!strcmp(args[0], "list")) return cmd_list(args[1], json);
     if (!strcmp(args[0], "show")) return cmd_show(args[1], json);
     if (!strcmp(args[0], "verify")) return cmd_verify(args[1], json, quiet);
     if (!strcmp(args[0], "export")) return cmd_export(args[1], args[2], json, &eo);
-    fprintf(stderr, "ckpt-inspect: unknown command '%s' (list, show, verify, export)\n", args[0]);
+    if (!strcmp(args[0], "plan")) return cmd_plan(args[1], world, json);
+    fprintf(stderr, "ckpt-inspect: unknown command '%s' (list, show, verify, export, plan)\n",
+            args[0]);
     return 2;
 }

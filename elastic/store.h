@@ -205,4 +205,11 @@ int elastic_store_delete(elastic_store_client *c, const char *key);
 /* Close the connection and free the handle. Accepts NULL. */
 void elastic_store_close(elastic_store_client *c);
 
+/* Shut the connection down (shutdown(2), both directions) without freeing anything: a call in
+ * progress on another thread returns -ECONNRESET/-EPIPE at once, and every later call fails.
+ * The one function that may be called while another thread uses the handle (to unblock it when
+ * the job is being torn down); c must stay allocated until that thread is done with it, then
+ * freed with elastic_store_close. Accepts NULL. */
+void elastic_store_interrupt(elastic_store_client *c);
+
 #endif /* ELASTIC_STORE_H */

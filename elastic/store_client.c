@@ -482,3 +482,8 @@ int elastic_store_delete(elastic_store_client *c, const char *key)
     if (r.bad || r.left || existed > 1) return drop(c, -EBADMSG, -ECONNRESET);
     return existed;
 }
+
+void elastic_store_interrupt(elastic_store_client *c)
+{
+    if (c && c->fd >= 0) shutdown(c->fd, SHUT_RDWR);
+}

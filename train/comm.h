@@ -141,6 +141,14 @@ int train_comm_all_gather(train_comm *c, const void *in, void *out, const size_t
  * Errors: see the top. */
 int train_comm_broadcast(train_comm *c, void *buf, size_t len, int root);
 
+/* Check, without waiting and without a collective, whether any peer's connection was closed
+ * or reset (the peer died or tore its communicator down). Returns 0 when every connection
+ * looks healthy, the sticky error of a poisoned communicator, or -ECONNRESET (the
+ * communicator is then poisoned). Only meaningful while the peers are expected to be alive
+ * (a peer that finished and freed its communicator also closes its connections).
+ * Errors: -EINVAL NULL c. */
+int train_comm_probe(train_comm *c);
+
 /* Return once every rank has entered the barrier (or with an error).
  * Errors: see the top. */
 int train_comm_barrier(train_comm *c);

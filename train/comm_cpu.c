@@ -796,3 +796,27 @@ void train_comm_free(train_comm *c)
     free(c->scratch);
     free(c);
 }
+
+int train_comm_probe(train_comm *c)
+{
+    if (!c) return -EINVAL;
+    if (c->err) return c->err;
+    int n = 0;
+    for (int p = 0; p < c->world; p++) {
+        if (c->fd[p] < 0) continue;
+        c->pfd[n].fd = c->fd[p];
+        c->pfd[n].events = POLLRDHUP;
+        c->pfd[n].revents = 0;
+        c->who[n] = p;
+        n++;
+    }
+    if (n == 0) return 0;
+    int r = poll(c->pfd, (nfds_t)n, 0);
+    if (r <= 0) return 0;
+    for (int i = 0; i < n; i++)
+        if (c->pfd[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) {
+            LOG_E(TAG, "rank %d: the connection to rank %d is gone", c->rank, c->who[i]);
+            return poison(c, -ECONNRESET);
+        }
+    return 0;
+}

@@ -47,7 +47,40 @@ struct train_model {
     float *scratch;      /* 2*T*T work space for attention */
     int32_t *inputs, *targets; /* copies of the last forward's tokens (max_b, T) */
     int last_b, have_targets;
+    train_param_hook hook;     /* ZeRO-3: gathers a layer group before use; may be NULL */
+    void *hook_ctx;
+    int hook_status;           /* first error of the hook, sticky */
 };
+
+void train_model_set_param_hook(train_model *m, train_param_hook fn, void *ctx)
+{
+    m->hook = fn;
+    m->hook_ctx = ctx;
+    m->hook_status = 0;
+}
+
+int train_model_hook_status(const train_model *m) { return m->hook_status; }
+
+/* Layer groups for the hook: 0 = wte + wpe, 1 + l = block l, L + 1 = ln_f and the padding. */
+static void call_hook(train_model *m, int group)
+{
+    if (!m->hook || m->hook_status) return;
+    const int L = m->cfg.n_layer;
+    size_t lo, hi;
+    if (group == 0) {
+        lo = 0;
+        hi = m->tensors[2].offset;
+    } else if (group <= L) {
+        size_t k = 2 + (size_t)(group - 1) * T_PER_LAYER;
+        lo = m->tensors[k].offset;
+        hi = m->tensors[k + T_PER_LAYER].offset;
+    } else {
+        lo = m->tensors[2 + (size_t)L * T_PER_LAYER].offset;
+        hi = m->num_params;
+    }
+    int rc = m->hook(m->hook_ctx, lo, hi);
+    if (rc < 0) m->hook_status = rc;
+}
 
 int train_model_config_check(const train_model_config *c, char *why, size_t why_len)
 {
@@ -255,11 +288,13 @@ double train_model_forward(train_model *m, const int32_t *inputs, const int32_t 
     if (targets) memcpy(m->targets, targets, (size_t)BT * sizeof(int32_t));
     m->last_b = B;
 
+    call_hook(m, 0);
     kern_encoder_forward(a->encoded, inputs, P(w, m, 0), P(w, m, 1), B, T, C);
     const float *residual = a->encoded;
     for (int l = 0; l < L; l++) {
         size_t k = 2 + (size_t)l * T_PER_LAYER;
         layer_acts *la = &a->layers[l];
+        call_hook(m, 1 + l);
         kern_layernorm_forward(la->ln1, la->ln1_mean, la->ln1_rstd, residual, P(w, m, k + T_LN1W),
                                P(w, m, k + T_LN1B), BT, C);
         kern_matmul_forward(la->qkv, la->ln1, P(w, m, k + T_QKVW), P(w, m, k + T_QKVB), BT, C, 3 * C);
@@ -276,9 +311,11 @@ double train_model_forward(train_model *m, const int32_t *inputs, const int32_t 
         residual = la->res3;
     }
     size_t kf = 2 + (size_t)L * T_PER_LAYER;
+    call_hook(m, L + 1);
     kern_layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, residual, P(w, m, kf), P(w, m, kf + 1),
                            BT, C);
     kern_matmul_forward(a->logits, a->lnf, P(w, m, 0), NULL, BT, C, V);
+    if (m->hook_status) return NAN;
     if (!targets) return 0.0;
     kern_softmax_crossentropy_forward(a->probs, a->losses, a->logits, targets, BT, V);
     double sum = 0.0;
@@ -296,6 +333,8 @@ void train_model_backward(train_model *m, float loss_scale)
     memset(g, 0, m->num_params * sizeof(float));
     memset(d->base, 0, layout_acts(d, NULL, &m->cfg, m->max_b) * sizeof(float));
 
+    call_hook(m, L + 1);
+    call_hook(m, 0); /* the tied output head */
     kern_softmax_crossentropy_backward(d->logits, a->probs, m->targets, loss_scale, BT, V);
     kern_matmul_backward(d->lnf, P(g, m, 0), NULL, d->logits, a->lnf, P(w, m, 0), BT, C, V);
     size_t kf = 2 + (size_t)L * T_PER_LAYER;
@@ -308,6 +347,7 @@ void train_model_backward(train_model *m, float loss_scale)
         layer_acts *la = &a->layers[l], *dl = &d->layers[l];
         const float *residual = l == 0 ? a->encoded : a->layers[l - 1].res3;
         float *dresidual = l == 0 ? d->encoded : d->layers[l - 1].res3;
+        call_hook(m, 1 + l);
         kern_residual_backward(dl->res2, dl->fcproj, dl->res3, (size_t)BT * C);
         kern_matmul_backward(dl->fch_gelu, P(g, m, k + T_FCPW), P(g, m, k + T_FCPB), dl->fcproj,
                              la->fch_gelu, P(w, m, k + T_FCPW), BT, 4 * C, C);

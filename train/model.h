@@ -75,4 +75,17 @@ double train_model_forward(train_model *m, const int32_t *inputs, const int32_t 
  * loss_scale is usually 1 / (positions in the global batch). */
 void train_model_backward(train_model *m, float loss_scale);
 
+/* ZeRO-3 (DESIGN section 3): a hook that forward and backward call before they use a layer
+ * group's parameters, so that a caller holding only a shard of the parameters can gather the
+ * group's range [lo, hi) (elements of the flat space) into the parameter buffer. Groups, in
+ * forward order: wte + wpe, each block h.<l>, ln_f (with the padding up to num_params); the
+ * ranges tile [0, num_params). Backward calls it for ln_f, wte + wpe (the tied output head),
+ * then the blocks from the last to the first. The hook returns 0 or a negative errno; the
+ * first error is kept (train_model_hook_status), no later hook is called, and forward returns
+ * NaN. fn NULL removes the hook. Setting it clears the status. */
+typedef int (*train_param_hook)(void *ctx, size_t lo, size_t hi);
+void train_model_set_param_hook(train_model *m, train_param_hook fn, void *ctx);
+/* The first error of the hook since it was set, or 0. */
+int train_model_hook_status(const train_model *m);
+
 #endif /* TRAIN_MODEL_H */

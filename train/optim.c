@@ -21,6 +21,14 @@ void train_adamw_update(const train_adamw_config *c, const train_tensor *tensors
                         float *params, float *m, float *v, const float *grads, size_t lo,
                         size_t hi, int64_t t, float lr)
 {
+    train_adamw_update_shard(c, tensors, ntensors, params + lo, m + lo, v + lo, grads + lo, lo, hi,
+                             t, lr);
+}
+
+void train_adamw_update_shard(const train_adamw_config *c, const train_tensor *tensors,
+                              size_t ntensors, float *params, float *m, float *v,
+                              const float *grads, size_t lo, size_t hi, int64_t t, float lr)
+{
     const float b1 = c->beta1, b2 = c->beta2, eps = c->eps;
     const float bc1 = 1.0f - powf(b1, (float)t), bc2 = 1.0f - powf(b2, (float)t);
     for (size_t ti = 0; ti < ntensors; ti++) {
@@ -28,7 +36,8 @@ void train_adamw_update(const train_adamw_config *c, const train_tensor *tensors
         size_t a = tt->offset > lo ? tt->offset : lo;
         size_t b = tt->offset + tt->numel < hi ? tt->offset + tt->numel : hi;
         const float wd = tt->decay ? c->weight_decay : 0.0f;
-        for (size_t i = a; i < b; i++) {
+        for (size_t k = a; k < b; k++) {
+            size_t i = k - lo;
             float g = grads[i];
             float mi = b1 * m[i] + (1.0f - b1) * g;
             float vi = b2 * v[i] + (1.0f - b2) * g * g;
@@ -42,7 +51,12 @@ void train_adamw_update(const train_adamw_config *c, const train_tensor *tensors
 
 void train_block_sumsq(const float *x, size_t lo, size_t hi, double *out)
 {
-    for (size_t b = lo; b < hi; b += TRAIN_BLOCK) {
+    train_block_sumsq_shard(x + lo, hi - lo, out + lo / TRAIN_BLOCK);
+}
+
+void train_block_sumsq_shard(const float *x, size_t n, double *out)
+{
+    for (size_t b = 0; b < n; b += TRAIN_BLOCK) {
         double s = 0.0;
         for (size_t i = b; i < b + TRAIN_BLOCK; i++) s += (double)x[i] * (double)x[i];
         out[b / TRAIN_BLOCK] = s;

@@ -41,9 +41,20 @@ void train_adamw_update(const train_adamw_config *c, const train_tensor *tensors
                         float *params, float *m, float *v, const float *grads, size_t lo,
                         size_t hi, int64_t t, float lr);
 
+/* The same update over a shard held in its own arrays (ZeRO): params, m, v and grads point
+ * at element lo of the flat space and hold hi - lo floats each; the tensor table still uses
+ * flat offsets. Bit-identical to train_adamw_update over [lo, hi). */
+void train_adamw_update_shard(const train_adamw_config *c, const train_tensor *tensors,
+                              size_t ntensors, float *params, float *m, float *v,
+                              const float *grads, size_t lo, size_t hi, int64_t t, float lr);
+
 /* Sum of squares of x[lo, hi) for every TRAIN_BLOCK-element block that lies in [lo, hi)
  * (lo and hi multiples of TRAIN_BLOCK) into out[(lo/TRAIN_BLOCK) ..], in double. */
 void train_block_sumsq(const float *x, size_t lo, size_t hi, double *out);
+
+/* The same for a shard in its own array: x holds n floats (n a multiple of TRAIN_BLOCK)
+ * starting at a block boundary; out gets n / TRAIN_BLOCK sums. */
+void train_block_sumsq_shard(const float *x, size_t n, double *out);
 
 /* Pairwise-tree sum of n values (the tree of train_tree_*); n may be 0. */
 double train_tree_sum(const double *vals, size_t n);

@@ -1,11 +1,15 @@
 /* train: GPT-2 style decoder on the CPU backend with crash-safe snapshots and --resume.
  * Exit status: 0 success, 1 runtime failure, 2 usage or configuration error. */
 #include "ckpt.h"
+#include "comm.h"
 #include "config.h"
 #include "data.h"
+#include "ds_config.h"
 #include "log.h"
 #include "model.h"
 #include "optim.h"
+#include "store.h"
+#include "vote.h"
 
 #include <cblas.h>
 #include <errno.h>
@@ -30,9 +34,16 @@
 void openblas_set_num_threads(int num_threads);
 
 typedef struct options {
-    const char *data, *val_data, *ckpt_dir, *resume, *run_id;
+    const char *data, *val_data, *ckpt_dir, *resume, *run_id, *config, *sample_log;
     train_model_config model;
     int micro_batch, grad_accum, steps, eval_every, ckpt_every, val_samples, log_every;
+    int grad_accum_set;   /* --grad-accum (or the config's gradient_accumulation_steps) given */
+    int global_batch;     /* --global-batch B, 0 = not given */
+    int cli_ga, cli_gb;   /* given on the command line (they override the config) */
+    int cfg_ga;           /* the config's gradient_accumulation_steps when it also gave
+                             train_batch_size: checked against B once W is known; 0 = none */
+    int zero_stage;       /* 0..3 */
+    double comm_timeout;  /* seconds, each collective */
     uint64_t seed;
     train_adamw_config adam;
     int zstd_level, filter, direct_io, compress, snapshot_threads, policy, overlap;
@@ -56,7 +67,19 @@ static const char usage_text[] =
     "  --seq-len N           tokens per sequence (default 128)\n"
     "Batch and schedule:\n"
     "  --micro-batch N       sequences per micro-batch (default 8)\n"
-    "  --grad-accum N        micro-batches per optimizer step (default 1)\n"
+    "  --grad-accum N        micro-batches per rank per optimizer step (default 1)\n"
+    "  --global-batch B      sequences per optimizer step over all ranks (DeepSpeed's\n"
+    "                        train_batch_size); gradient accumulation per rank is derived as\n"
+    "                        B / (micro-batch x world size), so B stays fixed when the world size\n"
+    "                        changes. Without it and without --grad-accum, a resume keeps the\n"
+    "                        snapshot's B\n"
+    "  --zero-stage N        ZeRO sharding: 0 none (all-reduce, every rank holds everything),\n"
+    "                        1 optimizer state, 2 + reduce-scattered gradients (default), 3 +\n"
+    "                        parameters, gathered layer by layer for forward and backward\n"
+    "  --config FILE         DeepSpeed-style JSON (train_batch_size, train_micro_batch_size_per_gpu,\n"
+    "                        gradient_accumulation_steps, zero_optimization.stage, optimizer,\n"
+    "                        scheduler, gradient_clipping, checkpoint{dir,every,keep_last,...});\n"
+    "                        command-line flags override it; unknown keys are listed in a warning\n"
     "  --steps N             optimizer steps to reach (default 100)\n"
     "  --lr X                peak learning rate (default 1e-3)\n"
     "  --min-lr-ratio X      final lr / peak lr after the cosine (default 0.1)\n"
@@ -67,6 +90,8 @@ static const char usage_text[] =
     "  --eval-every N        validation loss every N steps, 0 = only at the end (default 0)\n"
     "  --val-samples N       validation sequences per evaluation (default 64)\n"
     "  --log-every N         one log line every N steps (default 1)\n"
+    ;
+static const char usage_text2[] =
     "Snapshots:\n"
     "  --ckpt-dir DIR        snapshot folder\n"
     "  --ckpt-every N        snapshot every N steps, and at the last step (default 0: none);\n"
@@ -89,13 +114,22 @@ static const char usage_text[] =
     "                        state)\n"
     "  --chunk-mib N         raw MiB per chunk (default 4)\n"
     "  --no-direct-io        buffered writes instead of O_DIRECT\n"
+    "Ranks (one process per rank; launched by elastic, torchrun-style or by hand):\n"
+    "  --comm-timeout S      deadline of each collective, seconds (default 60); a dead rank is\n"
+    "                        noticed at once, a stopped one at this deadline\n"
+    "  --sample-log FILE     append \"<sample number> <sample index>\" for every sample of every\n"
+    "                        finished step (diagnostics: proves no sample repeats or is skipped)\n"
     "  -h, --help            this text\n"
     "\n"
     "SIGTERM/SIGINT: finish the step, take a final snapshot (with --ckpt-every), exit 128+sig.\n"
     "At the end it prints: final step=<n> loss=<x> val_loss=<y> params_digest=<xxh3-128 hex>\n"
     "(val_loss=nan without --val-data).\n"
-    "Environment: OPENBLAS_NUM_THREADS/OPENBLAS_CORETYPE (pin them for bit-identical runs),\n"
-    "CKPT_LOG_LEVEL=error|warn|info|debug.\n"
+    "Environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (torchrun's; or Slurm's\n"
+    "SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID with MASTER_ADDR/MASTER_PORT, default port 29500);\n"
+    "rank 0 hosts the rendezvous store at MASTER_ADDR:MASTER_PORT unless ELASTIC_STORE_HOSTED=1\n"
+    "(the launcher hosts it); ELASTIC_STORE_TOKEN (store secret, never logged);\n"
+    "ELASTIC_RESTART_COUNT (generation); OPENBLAS_NUM_THREADS/OPENBLAS_CORETYPE (pin them for\n"
+    "bit-identical runs); CKPT_LOG_LEVEL=error|warn|info|debug.\n"
     "Exit status: 0 success, 1 runtime failure, 2 usage or configuration error (including an\n"
     "unusable or locked --ckpt-dir, or later snapshots there than the step this run starts from).\n";
 
@@ -131,7 +165,7 @@ static int parse_args(int argc, char **argv, options *o)
         O_DATA = 256, O_VAL, O_VOCAB, O_NLAYER, O_NEMBD, O_NHEAD, O_SEQ, O_MB, O_GA, O_STEPS,
         O_LR, O_MINLR, O_WARM, O_WD, O_CLIP, O_SEED, O_EVAL, O_VALS, O_LOG, O_CKDIR, O_CKEVERY,
         O_RESUME, O_RUNID, O_ZLEVEL, O_SHUFFLE, O_NOSHUFFLE, O_CHUNK, O_NODIRECT, O_NOCOMP, O_SNTHREADS,
-        O_POLICY, O_KEEPLAST, O_KEEPEVERY, O_OVERLAP
+        O_POLICY, O_KEEPLAST, O_KEEPEVERY, O_OVERLAP, O_GB, O_ZERO, O_CONFIG, O_CTIMEOUT, O_SLOG
     };
     static const struct option lo[] = {
         {"data", required_argument, 0, O_DATA}, {"val-data", required_argument, 0, O_VAL},
@@ -154,6 +188,9 @@ static int parse_args(int argc, char **argv, options *o)
         {"keep-last", required_argument, 0, O_KEEPLAST},
         {"keep-every", required_argument, 0, O_KEEPEVERY},
         {"snapshot-overlap", no_argument, 0, O_OVERLAP}, {"help", no_argument, 0, 'h'},
+        {"global-batch", required_argument, 0, O_GB}, {"zero-stage", required_argument, 0, O_ZERO},
+        {"config", required_argument, 0, O_CONFIG}, {"comm-timeout", required_argument, 0, O_CTIMEOUT},
+        {"sample-log", required_argument, 0, O_SLOG},
         {0, 0, 0, 0}};
     int c, v, chunk_mib = 4;
     while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -167,7 +204,27 @@ static int parse_args(int argc, char **argv, options *o)
         case O_NHEAD: bad = parse_int("--n-head", optarg, 1, 256, &o->model.n_head); break;
         case O_SEQ: bad = parse_int("--seq-len", optarg, 1, 8192, &o->model.seq_len); break;
         case O_MB: bad = parse_int("--micro-batch", optarg, 1, 65536, &o->micro_batch); break;
-        case O_GA: bad = parse_int("--grad-accum", optarg, 1, 65536, &o->grad_accum); break;
+        case O_GA:
+            bad = parse_int("--grad-accum", optarg, 1, 65536, &o->grad_accum);
+            o->grad_accum_set = o->cli_ga = 1;
+            if (!o->cli_gb) o->global_batch = 0; /* overrides the config's train_batch_size */
+            o->cfg_ga = 0;
+            break;
+        case O_GB:
+            bad = parse_int("--global-batch", optarg, 1, 1 << 24, &o->global_batch);
+            o->cli_gb = 1;
+            if (!o->cli_ga) o->grad_accum_set = 0;
+            o->cfg_ga = 0;
+            break;
+        case O_ZERO: bad = parse_int("--zero-stage", optarg, 0, 3, &o->zero_stage); break;
+        case O_CONFIG: break; /* read before the flags (read_config) */
+        case O_SLOG: o->sample_log = optarg; break;
+        case O_CTIMEOUT: {
+            float t;
+            bad = parse_float("--comm-timeout", optarg, 0.1, 86400, &t);
+            o->comm_timeout = t;
+            break;
+        }
         case O_STEPS: bad = parse_int("--steps", optarg, 1, INT_MAX, &o->steps); break;
         case O_LR: bad = parse_float("--lr", optarg, 1e-12, 10, &o->adam.lr); break;
         case O_MINLR: bad = parse_float("--min-lr-ratio", optarg, 0, 1, &o->adam.min_lr_ratio); break;
@@ -206,7 +263,10 @@ static int parse_args(int argc, char **argv, options *o)
             break;
         case O_KEEPEVERY: bad = parse_int("--keep-every", optarg, 0, INT_MAX, &o->keep_every); break;
         case O_OVERLAP: o->overlap = 1; break;
-        case 'h': fputs(usage_text, stdout); exit(0);
+        case 'h':
+            fputs(usage_text, stdout);
+            fputs(usage_text2, stdout);
+            exit(0);
         default: bad = 1; fputs("train: see --help\n", stderr); break;
         }
         if (bad) return -1;
@@ -233,6 +293,11 @@ static int parse_args(int argc, char **argv, options *o)
         fprintf(stderr, "train: --ckpt-every needs --ckpt-dir\n");
         return -1;
     }
+    if (o->cli_gb && o->cli_ga) {
+        fprintf(stderr, "train: give --global-batch or --grad-accum, not both (the global batch "
+                "fixes the accumulation per rank)\n");
+        return -1;
+    }
     if (o->run_id && !(strlen(o->run_id) >= 1 && strlen(o->run_id) <= 63 &&
                        strspn(o->run_id, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
                                          "0123456789_.-") == strlen(o->run_id))) {
@@ -240,6 +305,57 @@ static int parse_args(int argc, char **argv, options *o)
         return -1;
     }
     o->adam.total_steps = o->steps;
+    return 0;
+}
+
+/* Read --config FILE (before the flags, which override it). Returns 0 or -1 (printed). */
+static int read_config(int argc, char **argv, options *o, train_ds_config *dc)
+{
+    const char *path = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--")) break;
+        if (!strcmp(argv[i], "--config") && i + 1 < argc) path = argv[++i];
+        else if (!strncmp(argv[i], "--config=", 9)) path = argv[i] + 9;
+    }
+    if (!path) return 0;
+    o->config = path;
+    char why[600], unknown[1024];
+    int rc = train_ds_config_load(path, dc, why, sizeof why, unknown, sizeof unknown);
+    if (rc < 0) {
+        fprintf(stderr, "train: --config %s\n", why[0] ? why : strerror(-rc));
+        return -1;
+    }
+    if (unknown[0]) LOG_W(TAG, "--config %s: keys not used: %s", path, unknown);
+    if (dc->has_train_batch_size) {
+        o->global_batch = dc->train_batch_size;
+        if (dc->has_grad_accum) o->cfg_ga = dc->grad_accum;
+    } else if (dc->has_grad_accum) {
+        o->grad_accum = dc->grad_accum;
+        o->grad_accum_set = 1;
+    }
+    if (dc->has_micro_batch) o->micro_batch = dc->micro_batch;
+    if (dc->has_zero_stage) o->zero_stage = dc->zero_stage;
+    if (dc->has_lr) o->adam.lr = dc->lr;
+    if (dc->has_betas) {
+        o->adam.beta1 = dc->beta1;
+        o->adam.beta2 = dc->beta2;
+    }
+    if (dc->has_eps) o->adam.eps = dc->eps;
+    if (dc->has_weight_decay) o->adam.weight_decay = dc->weight_decay;
+    if (dc->has_warmup) o->adam.warmup = dc->warmup;
+    if (dc->has_total_steps) o->steps = dc->total_steps;
+    if (dc->has_min_lr_ratio) o->adam.min_lr_ratio = dc->min_lr_ratio;
+    if (dc->has_grad_clip) o->adam.grad_clip = dc->grad_clip;
+    if (dc->has_seed) o->seed = (uint64_t)dc->seed;
+    if (dc->has_log_every) o->log_every = dc->log_every;
+    if (dc->has_ckpt_dir) o->ckpt_dir = dc->ckpt_dir;
+    if (dc->has_ckpt_every) o->ckpt_every = dc->ckpt_every;
+    if (dc->has_keep_last) o->keep_last = (unsigned)dc->keep_last;
+    if (dc->has_keep_every) o->keep_every = dc->keep_every;
+    if (dc->has_zstd_level) o->zstd_level = dc->zstd_level;
+    if (dc->has_compress) o->compress = dc->compress;
+    if (dc->has_shuffle) o->filter = dc->shuffle ? CKPT_FILTER_SHUFFLE : CKPT_FILTER_NONE;
+    if (dc->has_snapshot_policy) o->policy = dc->snapshot_policy;
     return 0;
 }
 
@@ -267,10 +383,29 @@ typedef struct state {
     options *o;
     train_model *model;
     train_dataset *train, *val;
-    float *m, *v, *gsum;
-    double *blocks;
+    /* ranks (DESIGN section 3): rank r owns the elements [lo, hi) of the flat space, whole
+     * TRAIN_BLOCK blocks, the first nb % W ranks one block more */
+    int rank, world;
+    train_comm *comm;
+    elastic_store_server *server; /* rank 0 hosts the store when no launcher does */
+    train_vote *vote;
+    ckpt_group group;
+    char job_tag[40];
+    size_t np, nb, lo, hi;
+    size_t olo, ohi;         /* what the optimizer updates here: [lo, hi), all at stage 0 */
+    size_t *shard_bytes;     /* (W) params bytes per rank */
+    size_t *shard_el;        /* (W) elements per rank */
+    size_t *block_bytes;     /* (W) bytes of block sums (doubles) per rank */
+    float *m, *v;            /* (ohi - olo) Adam moments */
+    float *gsum;             /* (np) this rank's tree sum of its micro-batch gradients */
+    float *gshard;           /* (hi - lo) reduce-scattered gradient (stages 2, 3) */
+    double *blocks;          /* (nb) squared norms of gradient blocks */
+    double *xchg;            /* (W x (A + 1)) per-micro-batch losses and stop flags */
     train_tree *tree;
     int32_t *inputs, *targets;
+    uint64_t *step_samples;  /* (A x b) sample indices of the step, for --sample-log */
+    int grad_accum;          /* micro-batches per rank per step (A) */
+    int global_batch;        /* sequences per step over all ranks (B = A x b x W) */
     int64_t step;             /* completed optimizer steps */
     uint64_t samples;         /* samples consumed */
     ckpt_engine *engine;
@@ -278,6 +413,8 @@ typedef struct state {
     char run_id[64];
     char config_hash[17];
     double last_loss, last_val;
+    uint64_t skipped;
+    int sample_fd;
 } state;
 
 static double now_s(void)
@@ -293,14 +430,15 @@ static void digest_hex(const float *p, size_t n, char out[33])
     snprintf(out, 33, "%016" PRIx64 "%016" PRIx64, (uint64_t)h.high64, (uint64_t)h.low64);
 }
 
-static void make_config_hash(const options *o, char out[17])
+static void make_config_hash(const state *s, char out[17])
 {
+    const options *o = s->o;
     char buf[512];
     int n = snprintf(buf, sizeof buf,
                      "vocab=%d;seq_len=%d;n_layer=%d;n_embd=%d;n_head=%d;seed=%" PRIu64
                      ";global_batch=%d",
                      o->model.vocab, o->model.seq_len, o->model.n_layer, o->model.n_embd,
-                     o->model.n_head, o->seed, o->micro_batch * o->grad_accum);
+                     o->model.n_head, o->seed, s->global_batch);
     uint64_t h = XXH3_64bits(buf, (size_t)n);
     snprintf(out, 17, "%016" PRIx64, h);
 }
@@ -317,26 +455,93 @@ static void make_run_id(char out[64])
     snprintf(out, 64, "run-%016" PRIx64, r);
 }
 
-/* Validation loss: the first val_samples samples in file order, micro_batch at a time. */
+/* A collective failed: one line naming the rank, the step and the reason. */
+static void comm_failed(const state *s, const char *what, int rc)
+{
+    LOG_E(TAG, "rank %d, step %" PRId64 ": %s failed: %s%s", s->rank, s->step + 1, what,
+          strerror(-rc),
+          rc == -ECONNRESET || rc == -EPIPE ? " (a rank died or left the group)"
+          : rc == -ETIMEDOUT ? " (a rank stopped answering; see --comm-timeout)" : "");
+}
+
+/* All-gather of every rank's params shard into the full buffer (stages 1-3). */
+static int gather_params(state *s)
+{
+    if (s->world == 1 || s->o->zero_stage == 0) return 0;
+    float *p = train_model_params(s->model);
+    int rc = train_comm_all_gather(s->comm, p + s->lo, p, s->shard_bytes);
+    if (rc < 0) comm_failed(s, "all-gather of parameters", rc);
+    return rc;
+}
+
+/* ZeRO-3 hook of the model: before layer group [lo, hi) (elements) is used in forward or
+ * backward, gather it from the ranks that own its pieces. */
+static int gather_range_hook(void *ctx, size_t lo, size_t hi)
+{
+    state *s = ctx;
+    size_t counts[4096], before = 0;
+    float *p = train_model_params(s->model);
+    for (int r = 0; r < s->world; r++) {
+        size_t a = before, b = before + s->shard_el[r];
+        size_t x = a > lo ? a : lo, y = b < hi ? b : hi;
+        counts[r] = y > x ? (y - x) * sizeof(float) : 0;
+        before = b;
+    }
+    size_t mine = s->lo > lo ? s->lo : lo;
+    int rc = train_comm_all_gather(s->comm, p + mine, p + lo, counts);
+    if (rc < 0) comm_failed(s, "layer all-gather (ZeRO-3)", rc);
+    return rc;
+}
+
+/* Validation loss: the first val_samples samples in file order, in chunks of micro_batch;
+ * the chunks are split over the ranks in contiguous runs and their sums added in chunk order,
+ * so the result has the same bits at every world size. NaN on failure. */
 static double eval_val(state *s)
 {
     if (!s->val) return NAN;
     const int T = s->o->model.seq_len, b = s->o->micro_batch;
     uint64_t total = (uint64_t)s->o->val_samples;
     if (total > train_dataset_num_samples(s->val)) total = train_dataset_num_samples(s->val);
-    double sum = 0.0;
-    for (uint64_t i = 0; i < total; i += (uint64_t)b) {
+    size_t nchunks = (size_t)((total + (uint64_t)b - 1) / (uint64_t)b);
+    double *sums = calloc(nchunks ? nchunks : 1, sizeof(double));
+    size_t *counts = calloc((size_t)s->world, sizeof(size_t));
+    if (!sums || !counts) {
+        free(sums);
+        free(counts);
+        return NAN;
+    }
+    size_t c0 = nchunks * (size_t)s->rank / (size_t)s->world;
+    size_t c1 = nchunks * (size_t)(s->rank + 1) / (size_t)s->world;
+    for (int r = 0; r < s->world; r++)
+        counts[r] = (nchunks * (size_t)(r + 1) / (size_t)s->world -
+                     nchunks * (size_t)r / (size_t)s->world) * sizeof(double);
+    int failed = 0;
+    if (s->o->zero_stage == 3 && gather_range_hook(s, 0, s->np) < 0) failed = 1;
+    for (size_t c = c0; c < c1 && !failed; c++) {
+        uint64_t i = (uint64_t)c * (uint64_t)b;
         int n = (int)(total - i < (uint64_t)b ? total - i : (uint64_t)b);
         for (int k = 0; k < n; k++) {
             char why[512];
             if (train_dataset_sample(s->val, i + (uint64_t)k, s->inputs + (size_t)k * T,
                                      s->targets + (size_t)k * T, why, sizeof why) < 0) {
                 LOG_E(TAG, "validation data: %s", why);
-                return NAN;
+                sums[c] = NAN;
+                break;
             }
         }
-        sum += train_model_forward(s->model, s->inputs, s->targets, n) * n;
+        if (!isnan(sums[c])) sums[c] = train_model_forward(s->model, s->inputs, s->targets, n) * n;
     }
+    double sum = NAN;
+    if (!failed) {
+        int rc = s->world > 1 ? train_comm_all_gather(s->comm, sums + c0, sums, counts) : 0;
+        if (rc < 0) comm_failed(s, "all-gather of validation losses", rc);
+        else {
+            sum = 0.0;
+            for (size_t c = 0; c < nchunks; c++) sum += sums[c];
+        }
+    }
+    free(sums);
+    free(counts);
     return sum / (double)total;
 }
 
@@ -374,7 +579,7 @@ static json_t *trainer_record(state *s)
     return json_pack(
         "{s:I, s:{s:i, s:i, s:i, s:i, s:i}, s:s, s:o, s:i, "
         "s:{s:s, s:f, s:f, s:i, s:i, s:f, s:f, s:f, s:f, s:f, s:I}, "
-        "s:{s:i, s:i, s:i, s:i}, s:{s:I, s:I, s:I, s:I, s:I, s:s, s:i}, s:s, s:f}",
+        "s:{s:i, s:i, s:i, s:i, s:i}, s:{s:I, s:I, s:I, s:I, s:I, s:s, s:i}, s:s, s:f}",
         "step", (json_int_t)s->step, "model", "vocab", o->model.vocab, "seq_len", o->model.seq_len,
         "n_layer", o->model.n_layer, "n_embd", o->model.n_embd, "n_head", o->model.n_head,
         "tensor_buffer", "params", "tensors", tensors, "num_params",
@@ -383,7 +588,8 @@ static json_t *trainer_record(state *s)
         o->adam.total_steps, "beta1", f2d(o->adam.beta1), "beta2", f2d(o->adam.beta2), "eps",
         f2d(o->adam.eps), "weight_decay", f2d(o->adam.weight_decay), "grad_clip",
         f2d(o->adam.grad_clip), "t", (json_int_t)s->step, "batch", "micro_batch", o->micro_batch,
-        "grad_accum", o->grad_accum, "world_size", 1, "global_batch", o->micro_batch * o->grad_accum,
+        "grad_accum", s->grad_accum, "world_size", s->world, "global_batch", s->global_batch,
+        "zero_stage", o->zero_stage,
         "data", "samples_consumed", (json_int_t)s->samples, "epoch", (json_int_t)(s->samples / n),
         "offset_in_epoch", (json_int_t)(s->samples % n), "seed", (json_int_t)o->seed, "num_samples",
         (json_int_t)n, "data_hash", dhash, "files", (int)train_dataset_num_files(s->train),
@@ -406,14 +612,71 @@ static long rss_kib(void)
     return kib;
 }
 
-/* Stage a snapshot of the current state; the engine persists it in the background. */
-static int take_snapshot(state *s)
+/* Wait for the persist in flight (at most timeout_s). In a group, check every half second
+ * that no peer died meanwhile: a dead rank means no commit decision will ever come, so the
+ * vote channel is shut (the persist fails at once) and -ECONNRESET returned. */
+static int wait_engine(state *s, double timeout_s)
 {
-    size_t np = train_model_num_params(s->model), bytes = np * sizeof(float);
+    double end = now_s() + timeout_s;
+    for (;;) {
+        double left = end - now_s();
+        if (s->world == 1) return ckpt_engine_wait(s->engine, left > 0 ? left : 0);
+        int rc = ckpt_engine_wait(s->engine, left < 0.5 ? (left > 0 ? left : 0) : 0.5);
+        if (rc != -ETIMEDOUT || left <= 0.5) return rc;
+        if ((rc = train_comm_probe(s->comm)) < 0) {
+            LOG_E(TAG, "rank %d, step %" PRId64 ": a rank died while a snapshot persisted; it will "
+                  "not be committed", s->rank, s->step);
+            train_vote_abort(s->vote);
+            return rc;
+        }
+    }
+}
+
+/* Stage a snapshot of the current state; the engine persists it in the background. Every
+ * rank stages its shard [lo, hi) of params, adam_m and adam_v (the same layout at every ZeRO
+ * stage), so that a restore at any world size is range arithmetic. Collective: the ranks first
+ * agree whether a persist is still running anywhere, so that all of them skip or wait alike.
+ * Returns 0, or a negative errno (a failed collective is fatal; a failed stage is logged). */
+static int take_snapshot(state *s, int last)
+{
+    if (s->world > 1) {
+        uint8_t *busy = calloc((size_t)s->world, 1);
+        size_t *ones = calloc((size_t)s->world, sizeof(size_t));
+        if (!busy || !ones) {
+            free(busy);
+            free(ones);
+            return -ENOMEM;
+        }
+        for (int r = 0; r < s->world; r++) ones[r] = 1;
+        busy[s->rank] = (uint8_t)(ckpt_engine_busy(s->engine) > 0);
+        int rc = train_comm_all_gather(s->comm, busy + s->rank, busy, ones);
+        int any = 0;
+        for (int r = 0; r < s->world; r++) any |= busy[r];
+        free(busy);
+        free(ones);
+        if (rc < 0) {
+            comm_failed(s, "snapshot agreement", rc);
+            return rc;
+        }
+        if (any && s->o->policy == CKPT_POLICY_SKIP && !last) {
+            s->skipped++;
+            if (s->rank == 0)
+                LOG_W(TAG, "snapshot of step %" PRId64 " skipped: the previous one still persists on "
+                      "some rank (policy skip)", s->step);
+            return 0;
+        }
+        if (any && (rc = wait_engine(s, 3600.0)) == -ECONNRESET) return rc;
+    }
+    if (s->o->zero_stage == 3 && s->world > 1) {
+        int rc = gather_range_hook(s, 0, s->np); /* the record's params digest */
+        if (rc < 0) return rc;
+    }
+    size_t bytes = s->np * sizeof(float), off = s->lo * sizeof(float);
+    size_t sb = (s->hi - s->lo) * sizeof(float);
     ckpt_buffer bufs[3] = {
-        {"params", "f32", 4, bytes, 0, bytes, train_model_params(s->model)},
-        {"adam_m", "f32", 4, bytes, 0, bytes, s->m},
-        {"adam_v", "f32", 4, bytes, 0, bytes, s->v},
+        {"params", "f32", 4, bytes, off, sb, train_model_params(s->model) + s->lo},
+        {"adam_m", "f32", 4, bytes, off, sb, s->m + (s->lo - s->olo)},
+        {"adam_v", "f32", 4, bytes, off, sb, s->v + (s->lo - s->olo)},
     };
     json_t *rec = trainer_record(s);
     char *text = rec ? json_dumps(rec, JSON_COMPACT | JSON_REAL_PRECISION(17)) : NULL;
@@ -426,11 +689,12 @@ static int take_snapshot(state *s)
     if (rc < 0) {
         LOG_E(TAG, "snapshot of step %" PRId64 " to %s not taken: %s", s->step, s->o->ckpt_dir,
               strerror(-rc));
-        return rc;
+        return 0;
     }
+    if (rc == 1) s->skipped++;
     if (rc == 0)
         LOG_I(TAG, "snapshot step %" PRId64 " staged: stall %.1f ms for %.2f MiB; rss %.1f MiB",
-              s->step, stall * 1e3, 3.0 * (double)bytes / 1048576.0, (double)rss_kib() / 1024.0);
+              s->step, stall * 1e3, 3.0 * (double)sb / 1048576.0, (double)rss_kib() / 1024.0);
     return 0;
 }
 
@@ -446,10 +710,11 @@ static int make_engine(state *s)
     eo.compress = o->compress;
     eo.threads = (unsigned)o->snapshot_threads;
     eo.policy = o->policy;
-    eo.keep_last = o->keep_last;
-    eo.keep_every = (uint64_t)o->keep_every;
-    eo.reserve_bytes = 3 * train_model_num_params(s->model) * sizeof(float);
+    eo.keep_last = s->rank == 0 ? o->keep_last : 0; /* only rank 0 applies retention */
+    eo.keep_every = s->rank == 0 ? (uint64_t)o->keep_every : 0;
+    eo.reserve_bytes = 3 * (s->hi - s->lo) * sizeof(float);
     eo.overlap = o->overlap;
+    eo.group = s->world > 1 ? &s->group : NULL;
     int rc = ckpt_engine_create(&s->engine, &eo);
     if (rc < 0) LOG_E(TAG, "cannot start the snapshot engine for %s: %s", o->ckpt_dir, strerror(-rc));
     return rc;
@@ -499,9 +764,40 @@ static void warn_changed_hparams(const json_t *tr, const options *o)
               "uninterrupted one", msg);
 }
 
-/* Load one snapshot. Returns 0, -EBADMSG (corrupt: try an older one), or -EINVAL
+/* The global batch this run wants, or 0 when it follows the snapshot's (neither
+ * --global-batch nor --grad-accum given). */
+static int wanted_global_batch(const state *s)
+{
+    const options *o = s->o;
+    if (o->global_batch) return o->global_batch;
+    if (o->grad_accum_set) return o->micro_batch * o->grad_accum * s->world;
+    return 0;
+}
+
+/* Set B and the accumulation per rank A = B / (b x W). Returns 0, or -EINVAL with why. */
+static int set_global_batch(state *s, int B, char *why, size_t why_len)
+{
+    const int b = s->o->micro_batch, W = s->world;
+    if (B % (b * W) != 0) {
+        snprintf(why, why_len, "a global batch of %d sequences does not split into %d rank%s x "
+                 "micro-batches of %d; choose a --global-batch that is a multiple of %d, or "
+                 "another --micro-batch", B, W, W == 1 ? "" : "s", b, b * W);
+        return -EINVAL;
+    }
+    if (s->o->cfg_ga && B != b * s->o->cfg_ga * W) {
+        snprintf(why, why_len, "--config: train_batch_size %d != micro-batch %d x "
+                 "gradient_accumulation_steps %d x world size %d", B, b, s->o->cfg_ga, W);
+        return -EINVAL;
+    }
+    s->global_batch = B;
+    s->grad_accum = B / (b * W);
+    return 0;
+}
+
+/* Load this rank's part of one snapshot: params [lo, hi) (all at ZeRO stage 0), Adam moments
+ * [olo, ohi). Local: no collective. Returns 0, -EBADMSG (corrupt: try an older one), -EINVAL
  * (incompatible: refuse), other -errno. why gets one line. */
-static int load_snapshot(state *s, const char *path, char *why, size_t why_len)
+static int load_part(state *s, const char *path, char *why, size_t why_len)
 {
     ckpt_snapshot *snap;
     int rc = ckpt_snapshot_open(&snap, path, why, why_len);
@@ -509,7 +805,7 @@ static int load_snapshot(state *s, const char *path, char *why, size_t why_len)
     json_error_t jerr;
     json_t *tr = json_loads(ckpt_snapshot_trainer_json(snap), 0, &jerr);
     json_t *data = json_object_get(tr, "data");
-    size_t np = train_model_num_params(s->model), bytes = np * sizeof(float);
+    size_t bytes = s->np * sizeof(float);
     char diff[400];
     json_t *opt = json_object_get(tr, "optimizer");
     json_t *jstep = json_object_get(tr, "step"), *jsamples = json_object_get(data, "samples_consumed");
@@ -519,9 +815,11 @@ static int load_snapshot(state *s, const char *path, char *why, size_t why_len)
     int64_t t = json_is_integer(jt) ? json_integer_value(jt) : -1;
     const char *dh = json_string_value(json_object_get(data, "data_hash"));
     const char *digest = json_string_value(json_object_get(tr, "params_digest"));
-    int64_t gb = json_integer_value(json_object_get(json_object_get(tr, "batch"), "global_batch"));
+    json_t *jbatch = json_object_get(tr, "batch");
+    int64_t gb = json_integer_value(json_object_get(jbatch, "global_batch"));
+    int64_t saved_world = json_integer_value(json_object_get(jbatch, "world_size"));
     int64_t seed = json_integer_value(json_object_get(data, "seed"));
-    char mydh[17], got_digest[33];
+    char mydh[17];
     snprintf(mydh, sizeof mydh, "%016" PRIx64, train_dataset_hash(s->train));
     int dtypes_ok = 1;
     for (size_t i = 0; i < ckpt_snapshot_nbuffers(snap); i++) {
@@ -531,6 +829,9 @@ static int load_snapshot(state *s, const char *path, char *why, size_t why_len)
             (strcmp(bi.dtype, "f32") != 0 || bi.elem_bytes != 4))
             dtypes_ok = 0;
     }
+    int want = wanted_global_batch(s);
+    size_t plo = s->o->zero_stage == 0 ? 0 : s->lo, phi = s->o->zero_stage == 0 ? s->np : s->hi;
+    float *params = train_model_params(s->model);
     if (!json_is_object(tr) || !json_is_object(data) || !json_is_object(opt) || !dh || !digest) {
         snprintf(why, why_len, "trainer record lacks its data position, optimizer or params_digest");
         rc = -EBADMSG;
@@ -546,11 +847,20 @@ static int load_snapshot(state *s, const char *path, char *why, size_t why_len)
         snprintf(why, why_len, "training data differs from the snapshot's (data hash %s, now %s)",
                  dh, mydh);
         rc = -EINVAL;
-    } else if (gb != s->o->micro_batch * s->o->grad_accum || seed != (int64_t)s->o->seed) {
-        snprintf(why, why_len, "global batch or seed differs (snapshot %lld sequences, seed %lld; "
-                 "now %d, %" PRIu64 ")", (long long)gb, (long long)seed,
-                 s->o->micro_batch * s->o->grad_accum, s->o->seed);
+    } else if (seed != (int64_t)s->o->seed) {
+        snprintf(why, why_len, "seed differs (snapshot %lld, now %" PRIu64 ")", (long long)seed,
+                 s->o->seed);
         rc = -EINVAL;
+    } else if (gb < 1 || gb > (1 << 24)) {
+        snprintf(why, why_len, "trainer record has no valid global batch");
+        rc = -EBADMSG;
+    } else if (want && gb != want) {
+        snprintf(why, why_len, "global batch differs: the snapshot used %lld sequences per step "
+                 "(world size %lld), this run %d; pass --global-batch %lld (or no batch flag) to "
+                 "keep it", (long long)gb, (long long)saved_world, want, (long long)gb);
+        rc = -EINVAL;
+    } else if ((rc = set_global_batch(s, (int)gb, why, why_len)) < 0) {
+        /* why is set */
     } else if (samples != step * gb) {
         snprintf(why, why_len, "trainer record is inconsistent: %lld samples consumed after %lld "
                  "steps of %lld", (long long)samples, (long long)step, (long long)gb);
@@ -563,34 +873,105 @@ static int load_snapshot(state *s, const char *path, char *why, size_t why_len)
     } else if (!dtypes_ok) {
         snprintf(why, why_len, "state buffers are not f32");
         rc = -EBADMSG;
-    } else if ((rc = ckpt_snapshot_read(snap, "params", 0, bytes, train_model_params(s->model), why,
+    } else if ((rc = ckpt_snapshot_read(snap, "params", plo * 4, (phi - plo) * 4, params + plo, why,
                                         why_len)) == 0 &&
-               (rc = ckpt_snapshot_read(snap, "adam_m", 0, bytes, s->m, why, why_len)) == 0 &&
-               (rc = ckpt_snapshot_read(snap, "adam_v", 0, bytes, s->v, why, why_len)) == 0) {
-        digest_hex(train_model_params(s->model), np, got_digest);
-        if (strcmp(got_digest, digest) != 0) {
-            snprintf(why, why_len, "params digest %s differs from the recorded %s", got_digest, digest);
-            rc = -EBADMSG;
-        } else {
-            warn_changed_hparams(tr, s->o);
-            s->step = step;
-            s->samples = (uint64_t)samples;
-            snprintf(s->run_id, sizeof s->run_id, "%s", ckpt_snapshot_run_id(snap));
-            json_t *loss = json_object_get(tr, "loss");
-            s->last_loss = json_is_number(loss) ? json_number_value(loss) : NAN;
-        }
+               (rc = ckpt_snapshot_read(snap, "adam_m", s->olo * 4, (s->ohi - s->olo) * 4, s->m, why,
+                                        why_len)) == 0 &&
+               (rc = ckpt_snapshot_read(snap, "adam_v", s->olo * 4, (s->ohi - s->olo) * 4, s->v, why,
+                                        why_len)) == 0) {
+        if (s->rank == 0) warn_changed_hparams(tr, s->o);
+        s->step = step;
+        s->samples = (uint64_t)samples;
+        snprintf(s->run_id, sizeof s->run_id, "%s", ckpt_snapshot_run_id(snap));
+        json_t *loss = json_object_get(tr, "loss");
+        s->last_loss = json_is_number(loss) ? json_number_value(loss) : NAN;
+        if (saved_world != s->world && s->rank == 0)
+            LOG_I(TAG, "re-sharding: the snapshot was saved by %lld rank%s, this run has %d; each "
+                  "rank reads only its ranges", (long long)saved_world, saved_world == 1 ? "" : "s",
+                  s->world);
     }
+    char *digest_copy = rc == 0 ? strdup(digest) : NULL;
     json_decref(tr);
     ckpt_snapshot_close(snap);
+    if (rc == 0) {
+        if (!digest_copy) return -ENOMEM;
+        snprintf(why, why_len, "%s", digest_copy); /* handed to the caller for the check */
+        free(digest_copy);
+    }
     return rc;
+}
+
+/* The worst of the ranks' results: -EINVAL (refuse) before any other error before -EBADMSG
+ * (corrupt) before 0. Collective; a failed collective returns its error with *comm_err set. */
+static int agree(state *s, int rc, int *comm_err)
+{
+    *comm_err = 0;
+    if (s->world == 1) return rc;
+    int32_t *all = calloc((size_t)s->world, sizeof(int32_t));
+    size_t *counts = calloc((size_t)s->world, sizeof(size_t));
+    if (!all || !counts) {
+        free(all);
+        free(counts);
+        *comm_err = 1;
+        return -ENOMEM;
+    }
+    for (int r = 0; r < s->world; r++) counts[r] = sizeof(int32_t);
+    all[s->rank] = rc;
+    int cr = train_comm_all_gather(s->comm, all + s->rank, all, counts);
+    int worst = 0;
+    for (int r = 0; r < s->world && cr == 0; r++) {
+        int x = all[r];
+        if (x == -EINVAL) worst = -EINVAL;
+        else if (x < 0 && x != -EBADMSG && worst != -EINVAL) worst = x;
+        else if (x == -EBADMSG && worst == 0) worst = x;
+    }
+    free(all);
+    free(counts);
+    if (cr < 0) {
+        comm_failed(s, "agreement on the snapshot", cr);
+        *comm_err = 1;
+        return cr;
+    }
+    return worst;
+}
+
+/* Load one snapshot on every rank (collective): each rank reads only its ranges, the ranks
+ * agree on the outcome, the parameters are all-gathered and their digest checked against the
+ * record. Returns 0, -EBADMSG, -EINVAL, other -errno; *comm_err when a collective failed. */
+static int load_snapshot(state *s, const char *path, char *why, size_t why_len, int *comm_err)
+{
+    char digest[600] = "";
+    int rc = load_part(s, path, why, why_len);
+    if (rc == 0) snprintf(digest, sizeof digest, "%s", why);
+    else if (rc == -EBADMSG || rc == -EINVAL || rc == -ENOENT)
+        LOG_W(TAG, "rank %d: %s: %s", s->rank, path, why);
+    if (rc == -ENOENT) rc = -EBADMSG; /* no manifest: not a snapshot */
+    rc = agree(s, rc, comm_err);
+    if (*comm_err) return rc;
+    if (rc < 0) {
+        if (why[0] == '\0' || !strcmp(why, digest))
+            snprintf(why, why_len, "another rank found it %s", rc == -EINVAL ? "incompatible" : "unreadable");
+        return rc;
+    }
+    if (gather_params(s) < 0) {
+        *comm_err = 1;
+        return -EIO;
+    }
+    char got[33];
+    digest_hex(train_model_params(s->model), s->np, got);
+    if (strcmp(got, digest) != 0) {
+        snprintf(why, why_len, "params digest %s differs from the recorded %s", got, digest);
+        return -EBADMSG;
+    }
+    why[0] = '\0';
+    return 0;
 }
 
 static void fresh_start(state *s)
 {
-    size_t np = train_model_num_params(s->model);
     train_model_init_params(s->model, s->o->seed);
-    memset(s->m, 0, np * sizeof(float));
-    memset(s->v, 0, np * sizeof(float));
+    memset(s->m, 0, (s->ohi - s->olo) * sizeof(float));
+    memset(s->v, 0, (s->ohi - s->olo) * sizeof(float));
     s->step = 0;
     s->samples = 0;
     if (s->o->run_id) snprintf(s->run_id, sizeof s->run_id, "%s", s->o->run_id);
@@ -599,7 +980,7 @@ static void fresh_start(state *s)
 
 /* Snapshot names already in the folder after the step we start from would collide with the
  * ones this run is about to save (and a later --resume auto would continue the other run).
- * Returns 0, or 2 with one line naming the newest one. */
+ * Returns 0, or 2 with one line naming the newest one. Rank 0 only. */
 static int check_no_later_snapshots(state *s)
 {
     ckpt_entry *e;
@@ -620,12 +1001,40 @@ static int check_no_later_snapshots(state *s)
     return rc;
 }
 
-/* Returns 0 (resumed or fresh), 1 runtime failure, 2 configuration error. */
-static int resume(state *s)
+/* Rank 0 tells the others what to do next during the resume. */
+enum { CMD_TRY = 0, CMD_DONE = 1 };
+typedef struct resume_msg {
+    int32_t cmd;
+    int32_t status;          /* CMD_DONE: 0 go on, else the exit status */
+    int32_t global_batch;    /* CMD_DONE: B of a fresh start */
+    char run_id[64];         /* CMD_DONE: the run id */
+    char path[CKPT_PATH_MAX];/* CMD_TRY */
+} resume_msg;
+
+/* Rank 0: try one snapshot on every rank. Returns the agreed result; *fatal set when a
+ * collective failed. */
+static int try_snapshot(state *s, const char *path, char *why, size_t why_len, int *fatal)
+{
+    if (s->world > 1) {
+        resume_msg m = {.cmd = CMD_TRY};
+        snprintf(m.path, sizeof m.path, "%s", path);
+        int rc = train_comm_broadcast(s->comm, &m, sizeof m, 0);
+        if (rc < 0) {
+            comm_failed(s, "broadcast of the resume plan", rc);
+            *fatal = 1;
+            return rc;
+        }
+    }
+    return load_snapshot(s, path, why, why_len, fatal);
+}
+
+/* Rank 0's side of the resume: returns 0 (resumed or fresh), 1 runtime failure, 2
+ * configuration error; the others follow (follow_resume). */
+static int resume_rank0(state *s)
 {
     const options *o = s->o;
-    char why[512];
-    fresh_start(s);
+    char why[600];
+    int fatal = 0;
     if (!o->resume || !strcmp(o->resume, "none")) {
         LOG_I(TAG, "fresh start (run %s)", s->run_id);
         return 0;
@@ -648,9 +1057,9 @@ static int resume(state *s)
                 return 2;
             }
         }
-        int rc = load_snapshot(s, o->resume, why, sizeof why);
+        int rc = try_snapshot(s, o->resume, why, sizeof why, &fatal);
         if (rc < 0) {
-            LOG_E(TAG, "cannot resume from %s: %s", o->resume, why);
+            if (!fatal) LOG_E(TAG, "cannot resume from %s: %s", o->resume, why);
             return rc == -EINVAL ? 2 : 1;
         }
         LOG_I(TAG, "resumed from %s at step %" PRId64 " (run %s)", o->resume, s->step, s->run_id);
@@ -685,7 +1094,11 @@ static int resume(state *s)
             continue;
         }
         if (e[i].status == CKPT_STATUS_COMMITTED) {
-            rc = load_snapshot(s, path, why, sizeof why);
+            rc = try_snapshot(s, path, why, sizeof why, &fatal);
+            if (fatal) {
+                result = 1;
+                break;
+            }
             if (rc == 0) {
                 LOG_I(TAG, "resumed from %s at step %" PRId64 " (run %s)", path, s->step, s->run_id);
                 result = 0;
@@ -702,7 +1115,6 @@ static int resume(state *s)
                 break;
             }
             LOG_W(TAG, "skipping corrupt snapshot %s: %s", path, why);
-            fresh_start(s); /* the failed load may have overwritten part of the state */
         } else {
             LOG_W(TAG, "skipping %s: corrupt (%s)", path, e[i].reason);
         }
@@ -720,59 +1132,298 @@ static int resume(state *s)
     return result;
 }
 
+/* Every rank: the resume decided by rank 0 (collective). Returns 0, 1 or 2 (exit status). */
+static int resume(state *s)
+{
+    char why[600];
+    fresh_start(s);
+    resume_msg m;
+    int status;
+    if (s->rank == 0) {
+        status = resume_rank0(s);
+        if (status == 0 && s->step == 0) {
+            /* fresh: a failed load may have overwritten part of the state */
+            char keep[64];
+            snprintf(keep, sizeof keep, "%s", s->run_id);
+            fresh_start(s);
+            snprintf(s->run_id, sizeof s->run_id, "%s", keep);
+        }
+        if (status == 0 && s->step == 0 && set_global_batch(s, wanted_global_batch(s) ?
+                                                               wanted_global_batch(s) :
+                                                               s->o->micro_batch * s->o->grad_accum * s->world,
+                                                           why, sizeof why) < 0) {
+            LOG_E(TAG, "%s", why);
+            status = 2;
+        }
+        if (status == 0 && s->o->ckpt_every > 0) status = check_no_later_snapshots(s);
+        memset(&m, 0, sizeof m);
+        m.cmd = CMD_DONE;
+        m.status = status;
+        m.global_batch = s->global_batch;
+        snprintf(m.run_id, sizeof m.run_id, "%s", s->run_id);
+        if (s->world > 1) {
+            int rc = train_comm_broadcast(s->comm, &m, sizeof m, 0);
+            if (rc < 0 && status == 0) {
+                comm_failed(s, "broadcast of the resume outcome", rc);
+                status = 1;
+            }
+        }
+        return status;
+    }
+    for (;;) {
+        int rc = train_comm_broadcast(s->comm, &m, sizeof m, 0);
+        if (rc < 0) {
+            comm_failed(s, "waiting for rank 0's resume plan", rc);
+            return 1;
+        }
+        m.path[sizeof m.path - 1] = '\0';
+        m.run_id[sizeof m.run_id - 1] = '\0';
+        if (m.cmd == CMD_DONE) break;
+        int fatal = 0;
+        load_snapshot(s, m.path, why, sizeof why, &fatal);
+        if (fatal) return 1;
+    }
+    if (m.status != 0) return m.status;
+    if (s->step == 0) {
+        fresh_start(s);
+        if (set_global_batch(s, m.global_batch, why, sizeof why) < 0) {
+            LOG_E(TAG, "%s", why);
+            return 2;
+        }
+    }
+    snprintf(s->run_id, sizeof s->run_id, "%s", m.run_id);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ training */
 
-static int train_step(state *s, double *loss_out, double *norm_out, float *lr_out)
+/* One optimizer step (DESIGN section 3): forward/backward over this rank's micro-batches
+ * [rank x A, (rank + 1) x A) of the step's M = A x W -> reduce gradients (all-reduce at
+ * stages 0-1, reduce-scatter at 2-3) -> global norm over fixed blocks -> clip -> AdamW on the
+ * owned range -> all-gather of parameters (stages 1-2; stage 3 gathers layer by layer in the
+ * next forward). *stop_any: some rank received SIGTERM/SIGINT before this step's exchange. */
+static int train_step(state *s, double *loss_out, double *norm_out, float *lr_out, int *stop_any)
 {
     const options *o = s->o;
-    const int T = o->model.seq_len, b = o->micro_batch, M = o->grad_accum;
-    const size_t np = train_model_num_params(s->model);
+    const int T = o->model.seq_len, b = o->micro_batch, A = s->grad_accum, W = s->world;
+    const int M = A * W;
+    const size_t np = s->np;
     const float loss_scale = 1.0f / (float)((double)M * b * T);
-    double *losses = malloc((size_t)M * sizeof(double));
-    if (!losses) return -ENOMEM;
+    double *mine = s->xchg + (size_t)s->rank * (size_t)(A + 1);
+    int rc;
     train_tree_reset(s->tree);
-    for (int j = 0; j < M; j++) {
+    for (int jl = 0; jl < A; jl++) {
+        int j = s->rank * A + jl;
         for (int k = 0; k < b; k++) {
             uint64_t kth = s->samples + (uint64_t)j * (uint64_t)b + (uint64_t)k;
             int64_t idx = train_dataset_order(s->train, o->seed, kth);
-            if (idx < 0) {
-                free(losses);
-                return (int)idx;
-            }
+            if (idx < 0) return (int)idx;
+            s->step_samples[(size_t)jl * (size_t)b + (size_t)k] = (uint64_t)idx;
             char why[512];
             int sr = train_dataset_sample(s->train, (uint64_t)idx, s->inputs + (size_t)k * T,
                                           s->targets + (size_t)k * T, why, sizeof why);
             if (sr < 0) {
                 LOG_E(TAG, "training data: %s", why);
-                free(losses);
                 return sr;
             }
         }
-        losses[j] = train_model_forward(s->model, s->inputs, s->targets, b);
+        mine[jl] = train_model_forward(s->model, s->inputs, s->targets, b);
         train_model_backward(s->model, loss_scale);
-        int pr = train_tree_push(s->tree, train_model_grads(s->model));
-        if (pr < 0) {
-            free(losses);
-            return pr;
-        }
+        if ((rc = train_model_hook_status(s->model)) < 0) return rc;
+        if ((rc = train_tree_push(s->tree, train_model_grads(s->model))) < 0) return rc;
     }
     train_tree_result(s->tree, s->gsum);
+    /* losses of all M micro-batches and the ranks' stop flags, in one exchange */
+    mine[A] = g_stop_signal ? 1.0 : 0.0;
+    if (W > 1) {
+        size_t counts[4096];
+        for (int r = 0; r < W; r++) counts[r] = (size_t)(A + 1) * sizeof(double);
+        if ((rc = train_comm_all_gather(s->comm, mine, s->xchg, counts)) < 0) {
+            comm_failed(s, "all-gather of losses", rc);
+            return rc;
+        }
+    }
+    double *losses = malloc((size_t)M * sizeof(double));
+    if (!losses) return -ENOMEM;
+    *stop_any = 0;
+    for (int r = 0; r < W; r++) {
+        memcpy(losses + (size_t)r * A, s->xchg + (size_t)r * (A + 1), (size_t)A * sizeof(double));
+        if (s->xchg[(size_t)r * (A + 1) + A] != 0.0) *stop_any = 1;
+    }
     double loss = train_tree_sum(losses, (size_t)M) / M;
     free(losses);
-    train_block_sumsq(s->gsum, 0, np, s->blocks);
-    double norm = sqrt(train_tree_sum(s->blocks, np / TRAIN_BLOCK));
+    /* gradients: the sum over ranks of their subtrees, in the fixed rank tree */
+    float *grad; /* the gradient of [olo, ohi) */
+    if (o->zero_stage <= 1) {
+        if (W > 1 && (rc = train_comm_all_reduce_f32(s->comm, s->gsum, np)) < 0) {
+            comm_failed(s, "all-reduce of gradients", rc);
+            return rc;
+        }
+        grad = s->gsum + s->olo;
+    } else {
+        if (W > 1) {
+            if ((rc = train_comm_reduce_scatter_f32(s->comm, s->gsum, s->gshard, s->shard_el)) < 0) {
+                comm_failed(s, "reduce-scatter of gradients", rc);
+                return rc;
+            }
+        } else {
+            memcpy(s->gshard, s->gsum, np * sizeof(float));
+        }
+        grad = s->gshard;
+    }
+    /* global norm over fixed blocks, whatever the sharding */
+    train_block_sumsq_shard(s->gsum == grad ? s->gsum : grad, s->ohi - s->olo,
+                            s->blocks + s->olo / TRAIN_BLOCK);
+    if (W > 1 && o->zero_stage > 0) {
+        double *mineb = s->blocks + s->lo / TRAIN_BLOCK;
+        if ((rc = train_comm_all_gather(s->comm, mineb, s->blocks, s->block_bytes)) < 0) {
+            comm_failed(s, "all-gather of gradient norms", rc);
+            return rc;
+        }
+    }
+    double norm = sqrt(train_tree_sum(s->blocks, s->nb));
     if (o->adam.grad_clip > 0 && norm > o->adam.grad_clip)
-        train_scale(s->gsum, 0, np, (float)(o->adam.grad_clip / norm));
+        train_scale(grad, 0, s->ohi - s->olo, (float)(o->adam.grad_clip / norm));
     float lr = train_lr_at(&o->adam, s->step);
     size_t nt;
     const train_tensor *tt = train_model_tensors(s->model, &nt);
-    train_adamw_update(&o->adam, tt, nt, train_model_params(s->model), s->m, s->v, s->gsum, 0, np,
-                       s->step + 1, lr);
+    train_adamw_update_shard(&o->adam, tt, nt, train_model_params(s->model) + s->olo, s->m, s->v,
+                             grad, s->olo, s->ohi, s->step + 1, lr);
+    if (o->zero_stage != 3 && (rc = gather_params(s)) < 0) return rc;
+    if (s->sample_fd >= 0) {
+        size_t n = (size_t)A * (size_t)b, cap = n * 44 + 1, off = 0;
+        char *buf = malloc(cap);
+        if (buf) {
+            for (size_t i = 0; i < n; i++)
+                off += (size_t)snprintf(buf + off, cap - off, "%" PRIu64 " %" PRIu64 "\n",
+                                        s->samples + (uint64_t)s->rank * n + i, s->step_samples[i]);
+            if (write(s->sample_fd, buf, off) != (ssize_t)off)
+                LOG_W(TAG, "--sample-log: short write");
+            free(buf);
+        }
+    }
     s->step++;
-    s->samples += (uint64_t)M * (uint64_t)b;
+    s->samples += (uint64_t)s->global_batch;
     *loss_out = loss;
     *norm_out = norm;
     *lr_out = lr;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ ranks */
+
+/* Slurm's variables stand in for torchrun's when those are absent (srun without torchrun). */
+static void env_from_slurm(void)
+{
+    const char *pid = getenv("SLURM_PROCID"), *nt = getenv("SLURM_NTASKS");
+    if (getenv("RANK") || !pid || !nt) return;
+    setenv("RANK", pid, 1);
+    setenv("WORLD_SIZE", nt, 1);
+    const char *lid = getenv("SLURM_LOCALID");
+    if (lid) setenv("LOCAL_RANK", lid, 1);
+    if (!getenv("MASTER_PORT")) setenv("MASTER_PORT", "29500", 1);
+    if (!getenv("MASTER_ADDR")) {
+        const char *nn = getenv("SLURM_NNODES");
+        const char *launch = getenv("SLURM_LAUNCH_NODE_IPADDR");
+        if (nn && !strcmp(nn, "1")) setenv("MASTER_ADDR", "127.0.0.1", 1);
+        else if (launch) setenv("MASTER_ADDR", launch, 1);
+    }
+}
+
+/* Ranks, store, communicator, shard ranges. Returns 0, 1 or 2 (exit status). */
+static int dist_init(state *s)
+{
+    const options *o = s->o;
+    env_from_slurm();
+    train_comm_opts co = TRAIN_COMM_OPTS_INIT;
+    if (train_comm_opts_from_env(&co) < 0) return 2;
+    s->rank = co.rank;
+    s->world = co.world_size;
+    if (s->world > 1) log_set_rank(s->rank);
+    const char *token = getenv("ELASTIC_STORE_TOKEN");
+    const char *gen = getenv("ELASTIC_RESTART_COUNT");
+    const char *hosted = getenv("ELASTIC_STORE_HOSTED");
+    char prefix[96];
+    snprintf(prefix, sizeof prefix, "g%s/comm", gen && *gen ? gen : "0");
+    co.store_token = token;
+    co.prefix = prefix;
+    co.timeout_s = o->comm_timeout;
+    co.connect_timeout_s = 120.0;
+    int rc;
+    if (s->world > 1 && s->rank == 0 && !(hosted && !strcmp(hosted, "1"))) {
+        elastic_store_server_opts so = ELASTIC_STORE_SERVER_OPTS_INIT;
+        so.host = co.store_host;
+        so.port = co.store_port;
+        so.token = token;
+        if ((rc = elastic_store_server_start(&s->server, &so)) < 0) {
+            LOG_E(TAG, "rank 0 cannot host the rendezvous store at %s:%d (MASTER_ADDR:MASTER_PORT): "
+                  "%s", co.store_host, co.store_port, strerror(-rc));
+            return 1;
+        }
+    }
+    if ((rc = train_comm_init(&s->comm, &co)) < 0) {
+        LOG_E(TAG, "rank %d of %d could not join the group through %s:%d: %s", s->rank, s->world,
+              co.store_host ? co.store_host : "-", co.store_port, strerror(-rc));
+        return 1;
+    }
+    if (s->world > 1) {
+        /* a tag unique to this launch names the shared temp folders and the vote keys */
+        if (s->rank == 0) {
+            uint64_t r = 0;
+            int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+            if (fd >= 0) {
+                if (read(fd, &r, sizeof r) != (ssize_t)sizeof r) r = 0;
+                close(fd);
+            }
+            r ^= (uint64_t)getpid() * 0x9e3779b97f4a7c15ull ^ (uint64_t)time(NULL);
+            snprintf(s->job_tag, sizeof s->job_tag, "j%016" PRIx64, r);
+        }
+        if ((rc = train_comm_broadcast(s->comm, s->job_tag, sizeof s->job_tag, 0)) < 0) {
+            comm_failed(s, "broadcast of the job tag", rc);
+            return 1;
+        }
+        s->job_tag[sizeof s->job_tag - 1] = '\0';
+        char vprefix[160];
+        snprintf(vprefix, sizeof vprefix, "g%s/snap/%s", gen && *gen ? gen : "0", s->job_tag);
+        if (o->ckpt_every > 0 &&
+            (rc = train_vote_create(&s->vote, &s->group, co.store_host, co.store_port, token, 60.0,
+                                    vprefix, s->job_tag, s->rank, s->world, 600.0)) < 0) {
+            LOG_E(TAG, "rank %d cannot open the snapshot vote channel: %s", s->rank, strerror(-rc));
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Shard ranges: whole blocks, the first nb % W ranks one block more. */
+static int plan_shards(state *s)
+{
+    const int W = s->world;
+    s->np = train_model_num_params(s->model);
+    s->nb = s->np / TRAIN_BLOCK;
+    s->shard_bytes = calloc((size_t)W, sizeof(size_t));
+    s->shard_el = calloc((size_t)W, sizeof(size_t));
+    s->block_bytes = calloc((size_t)W, sizeof(size_t));
+    if (!s->shard_bytes || !s->shard_el || !s->block_bytes) return -ENOMEM;
+    size_t base = s->nb / (size_t)W, extra = s->nb % (size_t)W, start = 0;
+    for (int r = 0; r < W; r++) {
+        size_t nblk = base + ((size_t)r < extra ? 1 : 0);
+        if (r == s->rank) {
+            s->lo = start * TRAIN_BLOCK;
+            s->hi = (start + nblk) * TRAIN_BLOCK;
+        }
+        s->shard_el[r] = nblk * TRAIN_BLOCK;
+        s->shard_bytes[r] = nblk * TRAIN_BLOCK * sizeof(float);
+        s->block_bytes[r] = nblk * sizeof(double);
+        start += nblk;
+    }
+    if (s->o->zero_stage == 0) {
+        s->olo = 0;
+        s->ohi = s->np;
+    } else {
+        s->olo = s->lo;
+        s->ohi = s->hi;
+    }
     return 0;
 }
 
@@ -793,10 +1444,14 @@ int main(int argc, char **argv)
     o.filter = CKPT_FILTER_SHUFFLE;
     o.snapshot_threads = 2;
     o.policy = CKPT_POLICY_WAIT;
+    o.zero_stage = 2;
+    o.comm_timeout = 60.0;
+    static train_ds_config dc;
+    if (read_config(argc, argv, &o, &dc) < 0) return 2;
     if (parse_args(argc, argv, &o) < 0) return 2;
     openblas_set_num_threads(1);
 
-    state s = {.o = &o, .last_loss = NAN, .last_val = NAN};
+    state s = {.o = &o, .last_loss = NAN, .last_val = NAN, .sample_fd = -1, .world = 1};
     char why[512] = "";
     int rc, status = 1;
     rc = train_dataset_open(&s.train, o.data, o.model.seq_len, o.model.vocab, why, sizeof why);
@@ -812,8 +1467,9 @@ int main(int argc, char **argv)
             return rc == -ENOENT || rc == -EINVAL ? 2 : 1;
         }
     }
-    make_config_hash(&o, s.config_hash);
-    if (o.ckpt_dir) {
+    if ((status = dist_init(&s)) != 0) goto out;
+    status = 1;
+    if (o.ckpt_dir && s.rank == 0) {
         struct stat st;
         int existed = stat(o.ckpt_dir, &st) == 0;
         long holder = 0;
@@ -822,59 +1478,79 @@ int main(int argc, char **argv)
             fprintf(stderr, "train: snapshot folder %s is in use by another run (pid %ld); two runs "
                     "must not share a --ckpt-dir\n", o.ckpt_dir, holder);
             status = 2;
-            goto out;
-        }
-        if (rc < 0) {
+        } else if (rc < 0) {
             fprintf(stderr, "train: cannot use %s as the snapshot folder: %s\n", o.ckpt_dir,
                     strerror(-rc));
             status = 2;
+        } else if (!existed && o.resume && !strcmp(o.resume, "auto"))
+            LOG_W(TAG, "snapshot folder %s did not exist (created it): nothing to resume", o.ckpt_dir);
+        if (status == 2) {
+            /* the other ranks learn it from the resume broadcast */
+            resume_msg m = {.cmd = CMD_DONE, .status = 2};
+            if (s.world > 1) train_comm_broadcast(s.comm, &m, sizeof m, 0);
             goto out;
         }
-        if (!existed && o.resume && !strcmp(o.resume, "auto"))
-            LOG_W(TAG, "snapshot folder %s did not exist (created it): nothing to resume", o.ckpt_dir);
     }
     size_t T = (size_t)o.model.seq_len, b = (size_t)o.micro_batch;
     if ((rc = train_model_create(&s.model, &o.model, o.micro_batch)) < 0) {
         fprintf(stderr, "train: cannot create the model: %s\n", strerror(-rc));
         goto out;
     }
-    size_t np = train_model_num_params(s.model);
-    s.m = calloc(np, sizeof(float));
-    s.v = calloc(np, sizeof(float));
-    s.gsum = calloc(np, sizeof(float));
-    s.blocks = calloc(np / TRAIN_BLOCK, sizeof(double));
+    if (plan_shards(&s) < 0) goto out;
+    s.m = calloc(s.ohi - s.olo + 1, sizeof(float));
+    s.v = calloc(s.ohi - s.olo + 1, sizeof(float));
+    s.gsum = calloc(s.np, sizeof(float));
+    s.gshard = o.zero_stage >= 2 ? calloc(s.hi - s.lo + 1, sizeof(float)) : NULL;
+    s.blocks = calloc(s.nb, sizeof(double));
     s.inputs = calloc(b * T, sizeof(int32_t));
     s.targets = calloc(b * T, sizeof(int32_t));
-    if (!s.m || !s.v || !s.gsum || !s.blocks || !s.inputs || !s.targets ||
-        train_tree_create(&s.tree, np, o.grad_accum) < 0) {
-        fprintf(stderr, "train: out of memory for %zu parameters\n", np);
+    if (!s.m || !s.v || !s.gsum || (o.zero_stage >= 2 && !s.gshard) || !s.blocks || !s.inputs ||
+        !s.targets) {
+        fprintf(stderr, "train: out of memory for %zu parameters\n", s.np);
         goto out;
     }
-    LOG_I(TAG, "model: %d layers, %d embd, %d heads, seq %d, vocab %d: %zu parameters (%zu padded); "
-          "batch %d x %d sequences; data %llu tokens in %zu files (%llu samples)",
-          o.model.n_layer, o.model.n_embd, o.model.n_head, o.model.seq_len, o.model.vocab,
-          train_model_num_real(s.model), np, o.micro_batch, o.grad_accum,
-          (unsigned long long)train_dataset_num_tokens(s.train), train_dataset_num_files(s.train),
-          (unsigned long long)train_dataset_num_samples(s.train));
+    if (o.zero_stage == 3 && s.world > 1) train_model_set_param_hook(s.model, gather_range_hook, &s);
     int r = resume(&s);
     if (r != 0) {
         status = r;
         goto out;
     }
-    if (o.ckpt_every > 0 && (r = check_no_later_snapshots(&s)) != 0) {
-        status = r;
+    make_config_hash(&s, s.config_hash);
+    s.xchg = calloc((size_t)s.world * (size_t)(s.grad_accum + 1), sizeof(double));
+    s.step_samples = calloc((size_t)s.grad_accum * b, sizeof(uint64_t));
+    if (!s.xchg || !s.step_samples || train_tree_create(&s.tree, s.np, s.grad_accum) < 0) {
+        fprintf(stderr, "train: out of memory for %zu parameters\n", s.np);
         goto out;
+    }
+    if (s.rank == 0)
+        LOG_I(TAG, "model: %d layers, %d embd, %d heads, seq %d, vocab %d: %zu parameters (%zu "
+              "padded); world size %d, ZeRO stage %d, global batch %d = %d ranks x %d micro-batches "
+              "x %d sequences; data %llu tokens in %zu files (%llu samples)",
+              o.model.n_layer, o.model.n_embd, o.model.n_head, o.model.seq_len, o.model.vocab,
+              train_model_num_real(s.model), s.np, s.world, o.zero_stage, s.global_batch, s.world,
+              s.grad_accum, o.micro_batch,
+              (unsigned long long)train_dataset_num_tokens(s.train), train_dataset_num_files(s.train),
+              (unsigned long long)train_dataset_num_samples(s.train));
+    if (o.sample_log) {
+        s.sample_fd = open(o.sample_log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+        if (s.sample_fd < 0) {
+            LOG_E(TAG, "--sample-log %s: %s", o.sample_log, strerror(errno));
+            status = 2;
+            goto out;
+        }
     }
     if (o.ckpt_every > 0 && make_engine(&s) < 0) goto out;
     install_stop_handlers();
-    if (s.step >= o.steps)
+    if (s.step >= o.steps && s.rank == 0)
         LOG_I(TAG, "already at step %" PRId64 " of %d: nothing to train", s.step, o.steps);
     int stopped_by = 0;
     while (s.step < o.steps) {
         double t0 = now_s(), loss = 0, norm = 0;
         float lr = 0;
-        if ((rc = train_step(&s, &loss, &norm, &lr)) < 0) {
-            LOG_E(TAG, "step %" PRId64 " failed: %s", s.step + 1, strerror(-rc));
+        int stop_any = 0;
+        if ((rc = train_step(&s, &loss, &norm, &lr, &stop_any)) < 0) {
+            if (rc != -ECONNRESET && rc != -EPIPE && rc != -ETIMEDOUT && rc != -EBADMSG)
+                LOG_E(TAG, "step %" PRId64 " failed: %s", s.step + 1, strerror(-rc));
             goto out;
         }
         double dt = now_s() - t0;
@@ -883,23 +1559,24 @@ int main(int argc, char **argv)
             LOG_E(TAG, "step %" PRId64 ": loss is %f; stopping", s.step, loss);
             goto out;
         }
-        if (s.step % o.log_every == 0 || s.step == o.steps)
+        if (s.rank == 0 && (s.step % o.log_every == 0 || s.step == o.steps))
             LOG_I(TAG, "step %" PRId64 "/%d loss %.4f lr %.3e grad_norm %.4f %.0f ms %.0f tok/s", s.step,
                   o.steps, loss, (double)lr, norm, dt * 1e3,
-                  (double)(b * T * (size_t)o.grad_accum) / dt);
+                  (double)(b * T * (size_t)s.global_batch / b) / dt);
         if (o.eval_every > 0 && s.step % o.eval_every == 0 && s.val) {
             s.last_val = eval_val(&s);
-            LOG_I(TAG, "step %" PRId64 " val_loss %.4f", s.step, s.last_val);
+            if (s.rank == 0) LOG_I(TAG, "step %" PRId64 " val_loss %.4f", s.step, s.last_val);
         }
-        stopped_by = g_stop_signal;
-        if (stopped_by)
-            LOG_W(TAG, "received %s: stopping after step %" PRId64 "%s", strsignal(stopped_by), s.step,
+        if (stop_any) stopped_by = g_stop_signal ? g_stop_signal : SIGTERM;
+        if (stop_any && s.rank == 0)
+            LOG_W(TAG, "stop requested (%s): stopping after step %" PRId64 "%s",
+                  g_stop_signal ? strsignal(g_stop_signal) : "on another rank", s.step,
                   s.engine ? " with a final snapshot" : "");
         int last = s.step == o.steps || stopped_by;
         if (o.ckpt_every > 0 && (s.step % o.ckpt_every == 0 || last)) {
             /* the last step's snapshot is never skipped: let the one in flight finish first */
-            if (last) ckpt_engine_wait(s.engine, 3600.0);
-            if (take_snapshot(&s) < 0) goto out;
+            if (last && wait_engine(&s, 3600.0) == -ECONNRESET) goto out;
+            if (take_snapshot(&s, last) < 0) goto out;
         }
         if (stopped_by) break;
     }
@@ -908,7 +1585,8 @@ int main(int argc, char **argv)
     int final_status = stopped_by ? 128 + stopped_by : 0;
     if (s.engine) {
         /* the last snapshot must be durable before we report success */
-        rc = ckpt_engine_wait(s.engine, 3600.0);
+        rc = wait_engine(&s, 3600.0);
+        if (rc == -ECONNRESET) goto out;
         ckpt_persist_stats ps;
         if (ckpt_engine_last(s.engine, &ps) == 0 && ps.step == (uint64_t)s.step && ps.result < 0) {
             LOG_E(TAG, "the snapshot of the last step %" PRId64 " failed: %s", s.step,
@@ -919,24 +1597,44 @@ int main(int argc, char **argv)
             LOG_E(TAG, "the snapshot of step %" PRId64 " did not finish within an hour", s.step);
             final_status = 1;
         }
-        if (ckpt_engine_skipped(s.engine))
-            LOG_W(TAG, "%llu snapshots were skipped (policy skip)",
-                  (unsigned long long)ckpt_engine_skipped(s.engine));
+        uint64_t skipped = ckpt_engine_skipped(s.engine) + s.skipped;
+        if (skipped && s.rank == 0)
+            LOG_W(TAG, "%llu snapshots were skipped (policy skip)", (unsigned long long)skipped);
     }
-    char digest[33];
-    digest_hex(train_model_params(s.model), np, digest);
-    printf("final step=%" PRId64 " loss=%.6f val_loss=%.6f params_digest=%s\n", s.step, s.last_loss,
-           s.last_val, digest);
-    fflush(stdout);
+    if (o.zero_stage == 3 && s.world > 1 && gather_range_hook(&s, 0, s.np) < 0) goto out;
+    /* rank 0 keeps the store up until every rank is done with it */
+    if (s.world > 1 && (rc = train_comm_barrier(s.comm)) < 0) {
+        comm_failed(&s, "final barrier", rc);
+        goto out;
+    }
+    if (s.rank == 0) {
+        char digest[33];
+        digest_hex(train_model_params(s.model), s.np, digest);
+        printf("final step=%" PRId64 " loss=%.6f val_loss=%.6f params_digest=%s\n", s.step,
+               s.last_loss, s.last_val, digest);
+        fflush(stdout);
+    }
     status = final_status;
 out:
+    if (status != 0 && status != 128 + SIGTERM && status != 128 + SIGINT)
+        train_vote_abort(s.vote); /* no decision will come: unblock our persist */
     ckpt_engine_destroy(s.engine);
+    train_vote_free(s.vote);
     ckpt_dir_lock_release(s.lock);
+    train_comm_free(s.comm);
+    elastic_store_server_stop(s.server);
+    if (s.sample_fd >= 0) close(s.sample_fd);
     train_tree_free(s.tree);
     free(s.m);
     free(s.v);
     free(s.gsum);
+    free(s.gshard);
     free(s.blocks);
+    free(s.xchg);
+    free(s.step_samples);
+    free(s.shard_bytes);
+    free(s.shard_el);
+    free(s.block_bytes);
     free(s.inputs);
     free(s.targets);
     train_model_free(s.model);

@@ -103,6 +103,86 @@ def train_and_kill_at(extra, kill_step, timeout=300):
     return p.returncode, killed_at, text
 
 
+def free_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Ranks:
+    """W train processes started the torchrun way (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT);
+    rank 0 hosts the store. Each rank's stderr goes to a file; rank_env maps a rank to extra
+    environment for that rank only."""
+
+    def __init__(self, world, args, tmp, rank_env=None, extra_env=None, base=None):
+        self.world = world
+        self.port = free_port()
+        self.procs, self.errs = [], []
+        base = SMALL if base is None else base
+        for r in range(world):
+            e = {"RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(self.port)}
+            e.update(extra_env or {})
+            e.update((rank_env or {}).get(r, {}))
+            err = open(os.path.join(tmp, f"rank{r}-{self.port}.err"), "w+")
+            out = subprocess.PIPE if r == 0 else subprocess.DEVNULL
+            self.procs.append(subprocess.Popen([TRAIN] + data_args() + base + list(args), stdout=out,
+                                               stderr=err, text=True, env=env(e)))
+            self.errs.append(err)
+        self.stdout = ""
+
+    def wait(self, timeout=300):
+        """Wait for every rank; returns the list of exit statuses."""
+        deadline = time.time() + timeout
+        try:
+            self.stdout = self.procs[0].communicate(timeout=max(1, deadline - time.time()))[0]
+            for p in self.procs[1:]:
+                p.wait(timeout=max(1, deadline - time.time()))
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            self.close()
+        return [p.returncode for p in self.procs]
+
+    def close(self):
+        for f in self.errs:
+            f.close()
+        for p in self.procs:
+            if p.stdout:
+                p.stdout.close()
+
+    def stderr(self, r):
+        if not self.errs[r].closed:
+            self.errs[r].flush()
+        with open(self.errs[r].name) as f:
+            return f.read()
+
+    def wait_for_step(self, step, timeout=120):
+        """Block until rank 0 has logged `step N/`; returns False on timeout or exit."""
+        step_re = re.compile(r"step (\d+)/")
+        deadline = time.time() + timeout
+        while time.time() < deadline and self.procs[0].poll() is None:
+            steps = [int(x) for x in step_re.findall(self.stderr(0))]
+            if steps and steps[-1] >= step:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def kill(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait()
+        self.close()
+
+    def final(self):
+        return final(subprocess.CompletedProcess([], 0, self.stdout, self.stderr(0)))
+
+
 class TempDirTest(unittest.TestCase):
     """A test case with a fresh temporary folder in self.tmp."""
 

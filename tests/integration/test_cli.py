@@ -88,6 +88,47 @@ class Cli(h.TempDirTest):
         self.assertEqual(p.returncode, 1)
         self.assertIn("no manifest.json", p.stderr)
 
+    def test_inspect_plan(self):
+        """ckpt-inspect plan: each rank of a new world size needs exactly its range of the
+        trainer's even partition and decodes only the chunks overlapping it (case C11)."""
+        ckpt = os.path.join(self.tmp, "ckpt")
+        mib = 1 << 20
+        # buffers of 6.3 MiB in 1 MiB chunks, so that a rank's range is a few chunks
+        h.train(["--ckpt-dir", ckpt, "--ckpt-every", "2", "--steps", "2", "--n-embd", "256",
+                 "--chunk-mib", "1"])
+        snap = os.path.join(ckpt, "step-000000002")
+        show = json.loads(h.run([h.INSPECT, "show", snap, "--json"], check=True).stdout)
+        total = sum(b["raw_bytes"] for b in show["buffers"])
+        nbuf = len(show["buffers"])
+        blocks = show["trainer"]["num_params"] // 2048  # units of the partition: 8192 bytes
+        for world in (1, 3, 4):
+            plan = json.loads(h.run([h.INSPECT, "plan", snap, "--world-size", str(world), "--json"],
+                                    check=True).stdout)
+            self.assertEqual((plan["world_size"], plan["saved_world_size"]), (world, 1))
+            self.assertEqual(plan["need_bytes"], total)
+            self.assertEqual(len(plan["ranks"]), world)
+            for r, x in enumerate(plan["ranks"]):
+                units = blocks // world + (1 if r < blocks % world else 0)
+                self.assertEqual(x["need_bytes"], nbuf * units * 8192, (world, r))
+                self.assertGreaterEqual(x["read_raw_bytes"], x["need_bytes"])
+                self.assertLessEqual(x["read_raw_bytes"], x["need_bytes"] + nbuf * 2 * mib)
+                self.assertLessEqual(x["read_stored_bytes"], x["read_raw_bytes"])
+                self.assertEqual(x["files"], 1)
+                if world > 1:
+                    self.assertLess(x["read_raw_bytes"], total / 2, (world, r))
+        text = h.run([h.INSPECT, "plan", snap, "--world-size=4"], check=True).stdout
+        self.assertIn("restored by 4", text)
+        self.assertRegex(text, r"\n  3 +\S+ MiB")
+        self.assertRegex(text, r"\n  total +%.2f MiB" % (total / mib))
+        for args, msg in ((["plan", snap], "plan needs --world-size N"),
+                          (["plan", snap, "--world-size", "0"], "--world-size wants 1..1048576")):
+            p = h.run([h.INSPECT] + args)
+            self.assertEqual(p.returncode, 2, args)
+            self.assertIn(msg, p.stderr)
+        p = h.run([h.INSPECT, "plan", os.path.join(ckpt, "step-000000099"), "--world-size", "2"])
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("no manifest.json", p.stderr)
+
 
 if __name__ == "__main__":
     h.main()

@@ -1,0 +1,235 @@
+"""Data-parallel training over W processes (issue 4): bit-identical results across world sizes
+and ZeRO stages, sharded snapshots with a two-phase commit, re-sharding on restore, dead and
+stopped ranks, the sampler across a world-size change, and the batch rules.
+
+Processes are started the torchrun way by harness.Ranks (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT); rank 0 hosts the store.
+"""
+import json
+import os
+import shutil
+import signal
+import struct
+import time
+
+import harness
+from harness import Ranks, TempDirTest, run, snapshot_dirs, temp_dirs
+
+# 24 sequences per step: 8 micro-batches of 3 at W=1, 4 of 3 at W=2, 2 of 3 at W=4.
+DIST = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--seq-len", "64",
+        "--global-batch", "24", "--steps", "6", "--lr", "3e-3", "--warmup", "2", "--seed", "7",
+        "--val-samples", "12", "--log-every", "1"]
+MB3 = ["--micro-batch", "3"]
+
+
+def launch(test, world, args, rank_env=None, extra_env=None, base=None, timeout=300):
+    ranks = Ranks(world, args, test.tmp, rank_env=rank_env, extra_env=extra_env,
+                  base=DIST if base is None else base)
+    codes = ranks.wait(timeout)
+    return ranks, codes
+
+
+def ok(test, world, args, **kw):
+    ranks, codes = launch(test, world, args, **kw)
+    test.assertEqual(codes, [0] * world, f"W={world} {args}: exits {codes}\n" +
+                     "\n".join(ranks.stderr(r)[-1500:] for r in range(world)))
+    return ranks.final()
+
+
+def safetensors(path):
+    """{name: list of floats} of a safetensors file (fp32 only)."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = t["data_offsets"]
+        out[name] = struct.unpack(f"<{(b - a) // 4}f", data[a:b])
+    return out
+
+
+class Distributed(TempDirTest):
+    def ckpt(self, name="ck"):
+        return os.path.join(self.tmp, name)
+
+    def test_digest_equal_across_world_sizes_and_stages(self):
+        """DESIGN section 4: W = 1, 2, 4 and ZeRO stages 0-3 give identical bits."""
+        ref = ok(self, 1, MB3)
+        for world, stage in [(2, 1), (2, 3), (4, 0), (4, 2), (4, 3)]:
+            got = ok(self, world, MB3 + ["--zero-stage", str(stage)])
+            self.assertEqual(got["digest"], ref["digest"], f"W={world} stage {stage}")
+            self.assertEqual(got["loss"], ref["loss"])
+            self.assertEqual(got["val_loss"], ref["val_loss"])
+        self.assertTrue(ref["val_loss"] < 5.6)
+
+    def test_world_size_8_tiny_model(self):
+        tiny = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32",
+                "--micro-batch", "1", "--global-batch", "8", "--steps", "4", "--seed", "3",
+                "--val-samples", "8"]
+        ref = ok(self, 1, [], base=tiny)
+        got = ok(self, 8, ["--zero-stage", "3"], base=tiny)
+        self.assertEqual(got["digest"], ref["digest"])
+
+    def test_save_at_4_resume_at_2_1_and_3(self):
+        ref_dir = self.ckpt("ref")
+        ref = ok(self, 1, MB3 + ["--ckpt-dir", ref_dir, "--ckpt-every", "3"])
+        four = self.ckpt("four")
+        got4 = ok(self, 4, MB3 + ["--ckpt-dir", four, "--ckpt-every", "3"])
+        self.assertEqual(got4["digest"], ref["digest"])
+        with open(os.path.join(four, "step-000000003", "manifest.json")) as f:
+            man = json.load(f)
+        self.assertEqual(man["world_size"], 4)
+        self.assertEqual(sorted(x["name"] for x in man["files"]),
+                         [f"rank-0000{r}.bin" for r in range(4)])
+        self.assertEqual([s["rank"] for s in man["buffers"][0]["shards"]], [0, 1, 2, 3])
+        shutil.rmtree(os.path.join(four, "step-000000006"))
+        for world in (2, 1):
+            d = self.ckpt(f"w{world}")
+            shutil.copytree(four, d)
+            ranks, codes = launch(self, world, MB3 + ["--ckpt-dir", d, "--ckpt-every", "3",
+                                                      "--resume", "auto"])
+            self.assertEqual(codes, [0] * world, ranks.stderr(0)[-2000:])
+            self.assertIn("resumed from", ranks.stderr(0))
+            self.assertIn("saved by 4 ranks", ranks.stderr(0))
+            self.assertEqual(ranks.final()["digest"], ref["digest"], f"resume at W={world}")
+            with open(os.path.join(d, "step-000000006", "manifest.json")) as f:
+                self.assertEqual(json.load(f)["world_size"], world)
+        # W = 3 cannot split 24 into micro-batches of 3 on 3 ranks: refused, then with 2
+        d = self.ckpt("w3")
+        shutil.copytree(four, d)
+        ranks, codes = launch(self, 3, MB3 + ["--ckpt-dir", d, "--ckpt-every", "3", "--resume", "auto"])
+        self.assertEqual(codes, [2, 2, 2])
+        self.assertIn("multiple of 9", ranks.stderr(0))
+        got3 = ok(self, 3, ["--micro-batch", "2", "--ckpt-dir", d, "--ckpt-every", "3",
+                            "--resume", "auto"])
+        self.assertNotEqual(got3["digest"], ref["digest"])  # other micro-batches: other rounding
+        self.assertAlmostEqual(got3["loss"], ref["loss"], delta=1e-3)
+        a, b = os.path.join(self.tmp, "a.st"), os.path.join(self.tmp, "b.st")
+        run([harness.INSPECT, "export", os.path.join(ref_dir, "step-000000006"), a], check=True)
+        run([harness.INSPECT, "export", os.path.join(d, "step-000000006"), b], check=True)
+        ta, tb = safetensors(a), safetensors(b)
+        self.assertEqual(sorted(ta), sorted(tb))
+        worst = max(abs(x - y) for n in ta for x, y in zip(ta[n], tb[n]))
+        self.assertLess(worst, 1e-4)
+
+    def test_sampler_continuity_across_world_change(self):
+        """C12: no sample repeated or skipped when W changes on a resume; same order as W=1."""
+        ref_log = os.path.join(self.tmp, "ref.samples")
+        ok(self, 1, MB3 + ["--sample-log", ref_log])
+        d, log1, log2 = self.ckpt(), os.path.join(self.tmp, "a.samples"), os.path.join(self.tmp, "b.samples")
+        ok(self, 4, MB3 + ["--ckpt-dir", d, "--ckpt-every", "3", "--sample-log", log1])
+        shutil.rmtree(os.path.join(d, "step-000000006"))
+        ok(self, 2, MB3 + ["--ckpt-dir", d, "--ckpt-every", "3", "--resume", "auto",
+                           "--sample-log", log2])
+
+        def load(path):
+            with open(path) as f:
+                return [tuple(map(int, line.split())) for line in f]
+        ref = dict(load(ref_log))
+        self.assertEqual(sorted(ref), list(range(6 * 24)))
+        first = [x for x in load(log1) if x[0] < 3 * 24]  # the steps the snapshot kept
+        second = load(log2)
+        kths = sorted(k for k, _ in first + second)
+        self.assertEqual(kths, list(range(6 * 24)), "a sample repeated or skipped")
+        for k, idx in first + second:
+            self.assertEqual(idx, ref[k], f"sample {k}")
+        self.assertEqual(min(k for k, _ in second), 3 * 24)
+
+    def test_dead_rank_fails_every_survivor_fast(self):
+        """C16: SIGKILL rank 2 of 4 mid-run: every survivor exits non-zero within 5 s."""
+        ranks = Ranks(4, MB3 + ["--steps", "100000", "--comm-timeout", "60"], self.tmp, base=DIST)
+        try:
+            self.assertTrue(ranks.wait_for_step(3), ranks.stderr(0)[-2000:])
+            t0 = time.time()
+            ranks.procs[2].send_signal(signal.SIGKILL)
+            for r in (0, 1, 3):
+                ranks.procs[r].wait(timeout=30)
+                self.assertLess(time.time() - t0, 5.0, f"rank {r} took too long")
+                self.assertNotEqual(ranks.procs[r].returncode, 0)
+        finally:
+            ranks.kill()
+        died = [r for r in (0, 1, 3) if "died" in ranks.stderr(r) or "is gone" in ranks.stderr(r)]
+        self.assertTrue(died, ranks.stderr(0)[-2000:])
+
+    def test_stopped_rank_times_out(self):
+        """C17 at the trainer: a SIGSTOPped rank turns into an error at --comm-timeout."""
+        ranks = Ranks(2, MB3 + ["--steps", "100000", "--comm-timeout", "2"], self.tmp, base=DIST)
+        try:
+            self.assertTrue(ranks.wait_for_step(2))
+            t0 = time.time()
+            ranks.procs[1].send_signal(signal.SIGSTOP)
+            ranks.procs[0].wait(timeout=30)
+            self.assertLess(time.time() - t0, 2.0 + 5.0)
+            self.assertEqual(ranks.procs[0].returncode, 1)
+            self.assertIn("stopped answering", ranks.stderr(0))
+        finally:
+            ranks.procs[1].send_signal(signal.SIGKILL)
+            ranks.kill()
+
+    def test_rank_failing_before_its_vote_means_no_commit(self):
+        """Two-phase commit: rank 1 dies with its shard durable but before voting, at the last
+        step: nothing is committed for that step, rank 0 fails fast, and the next start
+        resumes from the previous snapshot to the uninterrupted result."""
+        ref = ok(self, 1, MB3)
+        d = self.ckpt()
+        t0 = time.time()
+        ranks, codes = launch(self, 2, MB3 + ["--ckpt-dir", d, "--ckpt-every", "3"],
+                              rank_env={1: {"CKPT_FAULT_POINT": "after-part@6"}})
+        self.assertLess(time.time() - t0, 60)
+        self.assertEqual(codes[1], -signal.SIGKILL)
+        self.assertNotEqual(codes[0], 0)
+        self.assertEqual(snapshot_dirs(d), ["step-000000003"])
+        got = ok(self, 2, MB3 + ["--ckpt-dir", d, "--ckpt-every", "3", "--resume", "auto"])
+        self.assertEqual(got["digest"], ref["digest"])
+        self.assertEqual(temp_dirs(d), [])
+        self.assertEqual(snapshot_dirs(d), ["step-000000003", "step-000000006"])
+
+    def test_rank_failing_mid_shard_means_no_commit(self):
+        d = self.ckpt()
+        ranks, codes = launch(self, 4, MB3 + ["--ckpt-dir", d, "--ckpt-every", "3"],
+                              rank_env={3: {"CKPT_FAULT_POINT": "mid-data@3"}})
+        self.assertEqual(codes[3], -signal.SIGKILL)
+        self.assertTrue(all(c not in (0, None) for c in codes[:3]), codes)
+        self.assertEqual(snapshot_dirs(d), [])
+
+    def test_sigterm_to_one_rank_stops_all_at_the_same_step(self):
+        d = self.ckpt()
+        ranks = Ranks(2, MB3 + ["--steps", "100000", "--ckpt-dir", d, "--ckpt-every", "1000"],
+                      self.tmp, base=DIST)
+        try:
+            self.assertTrue(ranks.wait_for_step(3))
+            ranks.procs[1].send_signal(signal.SIGTERM)
+            codes = ranks.wait(120)
+        finally:
+            ranks.kill()
+        self.assertEqual(codes, [128 + signal.SIGTERM] * 2, ranks.stderr(0)[-2000:])
+        fin = ranks.final()
+        self.assertEqual(snapshot_dirs(d), [f"step-{fin['step']:09d}"])
+        p = run([harness.INSPECT, "verify", os.path.join(d, snapshot_dirs(d)[0])])
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+
+    def test_batch_rules(self):
+        # an explicit global batch that differs from the snapshot's is refused
+        d = self.ckpt()
+        ok(self, 2, MB3 + ["--ckpt-dir", d, "--ckpt-every", "3", "--steps", "3"])
+        ranks, codes = launch(self, 2, ["--micro-batch", "3", "--ckpt-dir", d, "--ckpt-every", "3",
+                                        "--resume", "auto", "--global-batch", "12"])
+        self.assertEqual(codes, [2, 2])
+        self.assertIn("global batch differs", ranks.stderr(0))
+        # without a batch flag the snapshot's global batch is kept (24 = 1 rank x 8 x 3)
+        args = [a for a in DIST if a not in ("--global-batch", "24")]
+        ranks, codes = launch(self, 1, MB3 + ["--ckpt-dir", d, "--ckpt-every", "3", "--resume",
+                                              "auto"], base=args)
+        self.assertEqual(codes, [0], ranks.stderr(0)[-2000:])
+        self.assertIn("global batch 24 = 1 ranks x 8 micro-batches", ranks.stderr(0))
+        # --global-batch and --grad-accum together are a usage error
+        p = run([harness.TRAIN] + harness.data_args() + ["--global-batch", "8", "--grad-accum", "2"])
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("not both", p.stderr)
+
+
+if __name__ == "__main__":
+    harness.main()
