@@ -1094,13 +1094,16 @@ static int resume_rank0(state *s)
             continue;
         }
         if (e[i].status == CKPT_STATUS_COMMITTED) {
+            double t0 = now_s();
             rc = try_snapshot(s, path, why, sizeof why, &fatal);
+            double load_s = now_s() - t0;
             if (fatal) {
                 result = 1;
                 break;
             }
             if (rc == 0) {
-                LOG_I(TAG, "resumed from %s at step %" PRId64 " (run %s)", path, s->step, s->run_id);
+                LOG_I(TAG, "resumed from %s at step %" PRId64 " (run %s): loaded and checked in "
+                      "%.0f ms", path, s->step, s->run_id, load_s * 1e3);
                 result = 0;
                 break;
             }

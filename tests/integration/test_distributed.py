@@ -211,6 +211,47 @@ class Distributed(TempDirTest):
         p = run([harness.INSPECT, "verify", os.path.join(d, snapshot_dirs(d)[0])])
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
 
+    def test_deepspeed_config(self):
+        """--config FILE (DeepSpeed JSON) sets batch, ZeRO stage, optimizer, schedule, clipping
+        and snapshots; flags override it; unknown keys are named in one warning."""
+        ref = ok(self, 1, MB3)
+        cfg = {
+            "train_batch_size": 24, "train_micro_batch_size_per_gpu": 3,
+            "gradient_accumulation_steps": 4, "gradient_clipping": 1.0, "seed": 7,
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95],
+                                                      "eps": 1e-8, "weight_decay": 0.1}},
+            "scheduler": {"type": "WarmupCosineLR",
+                          "params": {"warmup_num_steps": 2, "total_num_steps": 6,
+                                     "cos_min_ratio": 0.1}},
+            "checkpoint": {"dir": self.ckpt(), "every": 3, "keep_last": 1},
+            "wall_clock_breakdown": False,
+        }
+        path = os.path.join(self.tmp, "ds.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        model = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--seq-len", "64",
+                 "--val-samples", "12"]
+        ranks, codes = launch(self, 2, ["--config", path], base=model)
+        self.assertEqual(codes, [0, 0], ranks.stderr(0)[-2000:])
+        self.assertEqual(ranks.final()["digest"], ref["digest"])
+        err = ranks.stderr(0)
+        self.assertIn("ZeRO stage 3", err)
+        self.assertIn("zero_optimization.offload_optimizer", err)
+        self.assertIn("wall_clock_breakdown", err)
+        self.assertEqual(snapshot_dirs(self.ckpt()), ["step-000000006"])  # keep_last 1
+        # a flag overrides the file; the file's batch rule is checked against W
+        ranks, codes = launch(self, 1, ["--config", path, "--zero-stage", "1", "--steps", "2",
+                                        "--ckpt-every", "0"], base=model)
+        self.assertEqual(codes, [2], ranks.stderr(0)[-2000:])
+        self.assertIn("gradient_accumulation_steps 4 x world size 1", ranks.stderr(0))
+        bad = os.path.join(self.tmp, "bad.json")
+        with open(bad, "w") as f:
+            f.write('{"optimizer": {"type": "AdamW", "params": {"lr": "fast"}}}')
+        p = run([harness.TRAIN] + harness.data_args() + ["--config", bad])
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("optimizer.params.lr", p.stderr)
+
     def test_batch_rules(self):
         # an explicit global batch that differs from the snapshot's is refused
         d = self.ckpt()
