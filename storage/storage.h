@@ -20,7 +20,8 @@
  * (N >= 1) submitted by any store_writer of the process fail with -ENOSPC or -EIO, as if
  * the device had returned it. Writes are counted from the start of the process across all
  * writers and threads; resubmissions of a short write do not count. The variable is read
- * once, at the first write; a malformed value is logged and ignored.
+ * once, at the first write; a malformed value is logged and ignored. "slow:MS" instead
+ * delays every data write by MS milliseconds on the submitting thread (a slow disk).
  *
  * Thread-safety: a writer or reader handle is used by one thread at a time; different
  * handles are independent (each owns its ring).

@@ -45,6 +45,7 @@ static atomic_int fault_parsed;       /* 0 not yet, 1 parsed */
 static atomic_int fault_err;          /* -ENOSPC / -EIO, 0 = off */
 static atomic_ullong fault_nth;       /* 1-based index of the write that fails */
 static atomic_ullong fault_count;     /* data writes submitted so far in this process */
+static atomic_ullong fault_slow_ms;   /* slow:MS - every data write waits MS milliseconds */
 
 static void fault_parse(void)
 {
@@ -61,6 +62,9 @@ static void fault_parse(void)
         } else if (!strncmp(s, "eio:", 4)) {
             err = -EIO;
             num = s + 4;
+        } else if (!strncmp(s, "slow:", 5)) {
+            err = 1; /* not an error: a delay */
+            num = s + 5;
         }
         char *end = NULL;
         if (num) {
@@ -68,11 +72,16 @@ static void fault_parse(void)
             n = strtoull(num, &end, 10);
         }
         if (!num || errno || end == num || *end || n == 0) {
-            LOG_W(TAG, "ignoring malformed CKPT_FAULT_STORE=\"%s\" (want enospc:N or eio:N)",
-                  s);
+            LOG_W(TAG, "ignoring malformed CKPT_FAULT_STORE=\"%s\" (want enospc:N, eio:N or "
+                  "slow:MS)", s);
             err = 0;
             n = 0;
         }
+    }
+    if (err == 1) {
+        atomic_store(&fault_slow_ms, n);
+        err = 0;
+        n = 0;
     }
     atomic_store(&fault_nth, n);
     atomic_store(&fault_err, err);
@@ -83,6 +92,11 @@ static void fault_parse(void)
 static int fault_next(void)
 {
     fault_parse();
+    unsigned long long slow = atomic_load(&fault_slow_ms);
+    if (slow) {
+        struct timespec ts = {(time_t)(slow / 1000), (long)(slow % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+    }
     int err = atomic_load(&fault_err);
     if (!err) return 0;
     unsigned long long k = atomic_fetch_add(&fault_count, 1) + 1;

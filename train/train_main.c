@@ -1313,6 +1313,36 @@ static int train_step(state *s, double *loss_out, double *norm_out, float *lr_ou
     return 0;
 }
 
+/* ------------------------------------------------------------------ launcher heartbeat */
+
+/* ELASTIC_HEARTBEAT_FD: the write end of a pipe from the elastic agent; -1 when absent. The
+ * fd is made non-blocking: a full pipe or a gone agent never stalls training. */
+static int heartbeat_open(void)
+{
+    const char *v = getenv("ELASTIC_HEARTBEAT_FD");
+    if (!v || !*v) return -1;
+    char *end;
+    errno = 0;
+    long fd = strtol(v, &end, 10);
+    if (errno || *end || fd < 0 || fd > 65535 || fcntl((int)fd, F_GETFD) < 0) {
+        LOG_W(TAG, "ignoring ELASTIC_HEARTBEAT_FD=%s: not an open file descriptor", v);
+        return -1;
+    }
+    int fl = fcntl((int)fd, F_GETFL);
+    if (fl >= 0) fcntl((int)fd, F_SETFL, fl | O_NONBLOCK);
+    fcntl((int)fd, F_SETFD, FD_CLOEXEC);
+    return (int)fd;
+}
+
+/* One progress line after each step; errors (EAGAIN, EPIPE) are ignored. */
+static void heartbeat(int fd, int64_t step)
+{
+    if (fd < 0) return;
+    char line[40];
+    int n = snprintf(line, sizeof line, "step %" PRId64 "\n", step);
+    if (write(fd, line, (size_t)n) < 0) { /* the agent notices silence, not our errors */ }
+}
+
 /* ------------------------------------------------------------------ ranks */
 
 /* Slurm's variables stand in for torchrun's when those are absent (srun without torchrun). */
@@ -1450,6 +1480,7 @@ int main(int argc, char **argv)
     o.zero_stage = 2;
     o.comm_timeout = 60.0;
     static train_ds_config dc;
+    signal(SIGPIPE, SIG_IGN); /* a gone launcher pipe is an EPIPE, not a death */
     if (read_config(argc, argv, &o, &dc) < 0) return 2;
     if (parse_args(argc, argv, &o) < 0) return 2;
     openblas_set_num_threads(1);
@@ -1544,6 +1575,7 @@ int main(int argc, char **argv)
     }
     if (o.ckpt_every > 0 && make_engine(&s) < 0) goto out;
     install_stop_handlers();
+    int heartbeat_fd = heartbeat_open();
     if (s.step >= o.steps && s.rank == 0)
         LOG_I(TAG, "already at step %" PRId64 " of %d: nothing to train", s.step, o.steps);
     int stopped_by = 0;
@@ -1557,6 +1589,7 @@ int main(int argc, char **argv)
             goto out;
         }
         double dt = now_s() - t0;
+        heartbeat(heartbeat_fd, s.step);
         s.last_loss = loss;
         if (!isfinite(loss)) {
             LOG_E(TAG, "step %" PRId64 ": loss is %f; stopping", s.step, loss);

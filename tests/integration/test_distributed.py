@@ -187,6 +187,22 @@ class Distributed(TempDirTest):
         self.assertEqual(temp_dirs(d), [])
         self.assertEqual(snapshot_dirs(d), ["step-000000003", "step-000000006"])
 
+    def test_slow_snapshot_writes_do_not_time_out_training(self):
+        """C18: rank 0's snapshot writes take longer than the collective timeout; persisting is
+        off the training path, so no timeout fires and the result is unchanged."""
+        ref = ok(self, 1, MB3)
+        d = self.ckpt()
+        t0 = time.time()
+        ranks, codes = launch(self, 2, MB3 + ["--ckpt-dir", d, "--ckpt-every", "2",
+                                              "--comm-timeout", "1", "--no-direct-io"],
+                              rank_env={0: {"CKPT_FAULT_STORE": "slow:2500"}})
+        self.assertEqual(codes, [0, 0], ranks.stderr(0)[-2000:] + ranks.stderr(1)[-2000:])
+        self.assertGreater(time.time() - t0, 2.5)
+        self.assertEqual(ranks.final()["digest"], ref["digest"])
+        persists = [int(x) for x in __import__("re").findall(r"persist (\d+) ms", ranks.stderr(0))]
+        self.assertTrue(persists and max(persists) > 2000, persists)
+        self.assertEqual(snapshot_dirs(d), ["step-000000002", "step-000000004", "step-000000006"])
+
     def test_rank_failing_mid_shard_means_no_commit(self):
         d = self.ckpt()
         ranks, codes = launch(self, 4, MB3 + ["--ckpt-dir", d, "--ckpt-every", "3"],
