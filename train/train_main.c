@@ -691,7 +691,6 @@ static int take_snapshot(state *s, int last)
               strerror(-rc));
         return 0;
     }
-    if (rc == 1) s->skipped++;
     if (rc == 0)
         LOG_I(TAG, "snapshot step %" PRId64 " staged: stall %.1f ms for %.2f MiB; rss %.1f MiB",
               s->step, stall * 1e3, 3.0 * (double)sb / 1048576.0, (double)rss_kib() / 1024.0);
