@@ -89,7 +89,7 @@ class Misuse(h.TempDirTest):
             out, _ = p.communicate(timeout=60)
         text = h.read(log)
         self.assertEqual(p.returncode, 128 + signal.SIGTERM, text[-1500:])
-        m = re.search(r"received Terminated: stopping after step (\d+) with a final snapshot", text)
+        m = re.search(r"stop requested \(Terminated\): stopping after step (\d+) with a final snapshot", text)
         self.assertIsNotNone(m, text[-1500:])
         stop = int(m.group(1))
         self.assertRegex(out, rf"final step={stop} ")
