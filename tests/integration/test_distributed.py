@@ -65,13 +65,22 @@ class Distributed(TempDirTest):
             self.assertEqual(got["val_loss"], ref["val_loss"])
         self.assertTrue(ref["val_loss"] < 5.6)
 
-    def test_world_size_8_tiny_model(self):
-        tiny = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32",
+    def test_world_size_8_tiny_model_with_empty_shards(self):
+        """W = 8 on a model of 4 blocks (8192 floats): ranks 4-7 own nothing; the digest still
+        equals W = 1, their shards are empty in the manifest, and W = 2 resumes from it."""
+        tiny = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--seq-len", "16",
                 "--micro-batch", "1", "--global-batch", "8", "--steps", "4", "--seed", "3",
                 "--val-samples", "8"]
         ref = ok(self, 1, [], base=tiny)
-        got = ok(self, 8, ["--zero-stage", "3"], base=tiny)
+        d = self.ckpt()
+        got = ok(self, 8, ["--zero-stage", "3", "--ckpt-dir", d, "--ckpt-every", "2"], base=tiny)
         self.assertEqual(got["digest"], ref["digest"])
+        with open(os.path.join(d, "step-000000004", "manifest.json")) as f:
+            shards = json.load(f)["buffers"][0]["shards"]
+        self.assertEqual([s["bytes"] for s in shards], [8192] * 4 + [0] * 4)
+        shutil.rmtree(os.path.join(d, "step-000000004"))
+        got2 = ok(self, 2, ["--ckpt-dir", d, "--ckpt-every", "2", "--resume", "auto"], base=tiny)
+        self.assertEqual(got2["digest"], ref["digest"])
 
     def test_save_at_4_resume_at_2_1_and_3(self):
         ref_dir = self.ckpt("ref")
