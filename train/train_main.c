@@ -8,6 +8,7 @@
 #include "log.h"
 #include "model.h"
 #include "optim.h"
+#include "prefetch.h"
 #include "store.h"
 #include "vote.h"
 
@@ -402,8 +403,10 @@ typedef struct state {
     double *blocks;          /* (nb) squared norms of gradient blocks */
     double *xchg;            /* (W x (A + 1)) per-micro-batch losses and stop flags */
     train_tree *tree;
-    int32_t *inputs, *targets;
+    int32_t *inputs, *targets;   /* (b x T) for validation */
+    int32_t *step_inputs, *step_targets; /* (A x b x T) this rank's samples of the step */
     uint64_t *step_samples;  /* (A x b) sample indices of the step, for --sample-log */
+    train_prefetch *prefetch; /* reads the next steps' samples ahead on its own thread */
     int grad_accum;          /* micro-batches per rank per step (A) */
     int global_batch;        /* sequences per step over all ranks (B = A x b x W) */
     int64_t step;             /* completed optimizer steps */
@@ -1214,25 +1217,26 @@ static int train_step(state *s, double *loss_out, double *norm_out, float *lr_ou
     double *mine = s->xchg + (size_t)s->rank * (size_t)(A + 1);
     int rc;
     train_tree_reset(s->tree);
+    /* this rank's samples: numbers [samples + rank*A*b, +A*b) of the global order, read ahead
+     * by the prefetch thread */
+    char why[512];
+    uint64_t first = s->samples + (uint64_t)s->rank * (uint64_t)A * (uint64_t)b;
+    rc = train_prefetch_get(s->prefetch, first, s->step_inputs, s->step_targets, s->step_samples,
+                            300.0, why, sizeof why);
+    if (rc < 0) {
+        LOG_E(TAG, "training data for step %" PRId64 ": %s", s->step + 1,
+              rc == -ETIMEDOUT ? "the prefetch thread did not deliver within 300 s" : why);
+        return rc;
+    }
     for (int jl = 0; jl < A; jl++) {
-        int j = s->rank * A + jl;
-        for (int k = 0; k < b; k++) {
-            uint64_t kth = s->samples + (uint64_t)j * (uint64_t)b + (uint64_t)k;
-            int64_t idx = train_dataset_order(s->train, o->seed, kth);
-            if (idx < 0) return (int)idx;
-            s->step_samples[(size_t)jl * (size_t)b + (size_t)k] = (uint64_t)idx;
-            char why[512];
-            int sr = train_dataset_sample(s->train, (uint64_t)idx, s->inputs + (size_t)k * T,
-                                          s->targets + (size_t)k * T, why, sizeof why);
-            if (sr < 0) {
-                LOG_E(TAG, "training data: %s", why);
-                return sr;
-            }
-        }
-        mine[jl] = train_model_forward(s->model, s->inputs, s->targets, b);
+        size_t at = (size_t)jl * (size_t)b * (size_t)T;
+        mine[jl] = train_model_forward(s->model, s->step_inputs + at, s->step_targets + at, b);
         train_model_backward(s->model, loss_scale);
-        if ((rc = train_model_hook_status(s->model)) < 0) return rc;
-        if ((rc = train_tree_push(s->tree, train_model_grads(s->model))) < 0) return rc;
+        if ((rc = train_model_hook_status(s->model)) < 0) return rc; /* logged by the hook */
+        if ((rc = train_tree_push(s->tree, train_model_grads(s->model))) < 0) {
+            LOG_E(TAG, "step %" PRId64 ": gradient accumulator full", s->step + 1);
+            return rc;
+        }
     }
     train_tree_result(s->tree, s->gsum);
     /* losses of all M micro-batches and the ranks' stop flags, in one exchange */
@@ -1246,7 +1250,10 @@ static int train_step(state *s, double *loss_out, double *norm_out, float *lr_ou
         }
     }
     double *losses = malloc((size_t)M * sizeof(double));
-    if (!losses) return -ENOMEM;
+    if (!losses) {
+        LOG_E(TAG, "step %" PRId64 ": out of memory", s->step + 1);
+        return -ENOMEM;
+    }
     *stop_any = 0;
     for (int r = 0; r < W; r++) {
         memcpy(losses + (size_t)r * A, s->xchg + (size_t)r * (A + 1), (size_t)A * sizeof(double));
@@ -1551,8 +1558,16 @@ int main(int argc, char **argv)
     make_config_hash(&s, s.config_hash);
     s.xchg = calloc((size_t)s.world * (size_t)(s.grad_accum + 1), sizeof(double));
     s.step_samples = calloc((size_t)s.grad_accum * b, sizeof(uint64_t));
-    if (!s.xchg || !s.step_samples || train_tree_create(&s.tree, s.np, s.grad_accum) < 0) {
+    s.step_inputs = calloc((size_t)s.grad_accum * b * T, sizeof(int32_t));
+    s.step_targets = calloc((size_t)s.grad_accum * b * T, sizeof(int32_t));
+    if (!s.xchg || !s.step_samples || !s.step_inputs || !s.step_targets ||
+        train_tree_create(&s.tree, s.np, s.grad_accum) < 0) {
         fprintf(stderr, "train: out of memory for %zu parameters\n", s.np);
+        goto out;
+    }
+    if ((rc = train_prefetch_create(&s.prefetch, s.train, o.seed, o.model.seq_len,
+                                    s.grad_accum * o.micro_batch, (uint64_t)s.global_batch, 2)) < 0) {
+        fprintf(stderr, "train: cannot start the data prefetch thread: %s\n", strerror(-rc));
         goto out;
     }
     if (s.rank == 0)
@@ -1583,9 +1598,7 @@ int main(int argc, char **argv)
         float lr = 0;
         int stop_any = 0;
         if ((rc = train_step(&s, &loss, &norm, &lr, &stop_any)) < 0) {
-            if (rc != -ECONNRESET && rc != -EPIPE && rc != -ETIMEDOUT && rc != -EBADMSG)
-                LOG_E(TAG, "step %" PRId64 " failed: %s", s.step + 1, strerror(-rc));
-            goto out;
+            goto out; /* train_step logged the reason */
         }
         double dt = now_s() - t0;
         heartbeat(heartbeat_fd, s.step);
@@ -1659,6 +1672,9 @@ out:
     train_comm_free(s.comm);
     elastic_store_server_stop(s.server);
     if (s.sample_fd >= 0) close(s.sample_fd);
+    train_prefetch_free(s.prefetch);
+    free(s.step_inputs);
+    free(s.step_targets);
     train_tree_free(s.tree);
     free(s.m);
     free(s.v);

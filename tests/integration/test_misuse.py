@@ -115,7 +115,7 @@ class Misuse(h.TempDirTest):
             p.wait(timeout=60)
         text = h.read(log)
         self.assertEqual(p.returncode, 1, text[-1000:])
-        self.assertRegex(text, rf"training data: {re.escape(shard)}: short read reading sample \d+: "
+        self.assertRegex(text, rf"training data for step \d+: {re.escape(shard)}: short read reading sample \d+: "
                                r"the file changed while training")
 
 
