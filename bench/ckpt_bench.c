@@ -373,7 +373,7 @@ static int measure_mode(const bench_opts *bo, const state *st, uint8_t *dst, con
             goto out;
         }
         rc = ckpt_engine_wait(e, wait_s);
-        if (rc == -ETIMEDOUT) {
+        if (rc == -EINPROGRESS) {
             /* A stuck persist cannot be destroyed without waiting for it as well: leave the
              * snapshot folder for inspection and end the process. */
             fprintf(stderr, "ckpt_bench: persist of step %u did not finish within %.0f s: the "

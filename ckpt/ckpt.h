@@ -137,7 +137,10 @@ enum ckpt_policy { CKPT_POLICY_WAIT = 0, CKPT_POLICY_SKIP = 1 };
  *               any failure (a negative vote, a vote missing at the timeout, its own error) it
  *               removes the temp folder and calls decide(step, -errno);
  *   ranks != 0: outcome(step, timeout) waits for rank 0's decision, which becomes the
- *               result of their persist (ckpt_engine_last): 0 means committed.
+ *               result of their persist (ckpt_engine_last): 0 means committed. A rank that
+ *               failed before voting, or learned a negative decision, removes its own files
+ *               from the temp folder (and the folder when it is then empty), so that a rank
+ *               arriving after rank 0 gave up leaves nothing behind.
  * A rank that dies before voting means no commit (rank 0 times out); rank 0 dying means no
  * commit (the temp folder is left for the next start's ckpt_remove_temp). Nothing ever
  * becomes visible under a step-* name unless every shard is durable and the merged manifest
@@ -156,8 +159,12 @@ typedef struct ckpt_group {
     int (*collect)(void *ctx, uint64_t step, double timeout_s);   /* rank 0: 0 when every other
                                                                      rank voted 0 */
     int (*decide)(void *ctx, uint64_t step, int result);          /* rank 0 */
-    int (*outcome)(void *ctx, uint64_t step, double timeout_s);   /* ranks != 0: rank 0's
-                                                                     decision */
+    int (*outcome)(void *ctx, uint64_t step, double timeout_s, int *decision);
+                          /* ranks != 0: 0 when rank 0's decision was read into *decision
+                             (0 committed, or the negative errno of the failure); a negative
+                             errno when none could be read (timeout, channel gone) - then
+                             the rank cannot know whether the snapshot was committed and
+                             leaves its files alone */
     double timeout_s;     /* bound of collect and outcome, seconds; > 0; e.g. 600 */
 } ckpt_group;
 
@@ -209,7 +216,9 @@ int ckpt_engine_stage(ckpt_engine *e, uint64_t step, const char *run_id, const c
                       double *stall_s);
 
 /* Wait until no persist is in flight, at most timeout_s seconds. Returns the result of the
- * last persist (0 or its negative errno; 0 if none ran), or -ETIMEDOUT. */
+ * last persist (0 or its negative errno, which may itself be -ETIMEDOUT, e.g. a group vote
+ * that timed out; 0 if none ran), or -EINPROGRESS when a persist is still in flight at the
+ * end of the wait. */
 int ckpt_engine_wait(ckpt_engine *e, double timeout_s);
 
 /* Non-zero while a persist is in flight. */
@@ -224,7 +233,9 @@ uint64_t ckpt_engine_completed(ckpt_engine *e);
 uint64_t ckpt_engine_skipped(ckpt_engine *e);
 
 /* Wait for the persist in flight (at most wait_timeout_s), stop the threads and free
- * everything. Returns the last persist's result like ckpt_engine_wait. Accepts NULL. */
+ * everything. Returns the last persist's result like ckpt_engine_wait; -EINPROGRESS when the
+ * persist did not finish in time: the engine is then abandoned (its memory leaked, never
+ * freed under a running thread). Accepts NULL. */
 int ckpt_engine_destroy(ckpt_engine *e);
 
 /* Apply retention to dir now. Considers the committed snapshots of lineage run_id (all

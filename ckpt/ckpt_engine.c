@@ -325,6 +325,7 @@ int ckpt_engine_wait(ckpt_engine *e, double timeout_s)
     pthread_mutex_lock(&e->mu);
     int rc = wait_idle_locked(e, timeout_s);
     if (rc == 0) rc = e->have_last ? e->last.result : 0;
+    else if (rc == -ETIMEDOUT) rc = -EINPROGRESS;
     pthread_mutex_unlock(&e->mu);
     return rc;
 }
@@ -366,7 +367,7 @@ int ckpt_engine_destroy(ckpt_engine *e)
 {
     if (!e) return 0;
     int rc = ckpt_engine_wait(e, e->o.wait_timeout_s);
-    if (rc == -ETIMEDOUT) {
+    if (rc == -EINPROGRESS) {
         /* the persist thread still reads the staging area: leak it rather than free it */
         LOG_E(TAG, "snapshot of step %llu still persisting after %.0f s; abandoning it",
               (unsigned long long)e->step, e->o.wait_timeout_s);

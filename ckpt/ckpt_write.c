@@ -527,46 +527,56 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
 
-    json_error_t jerr;
-    json_t *trainer = json_loads(trainer_json ? trainer_json : "{}", 0, &jerr);
-    if (!trainer || !json_is_object(trainer)) {
-        LOG_E(TAG, "trainer record for step %llu is not a JSON object: %s",
-              (unsigned long long)step, trainer ? "not an object" : jerr.text);
-        json_decref(trainer);
-        return -EINVAL;
-    }
-
-    char final_dir[CKPT_PATH_MAX], tmp_dir[CKPT_PATH_MAX], path[CKPT_PATH_MAX], name[32];
-    json_t *body = NULL, *jbufs = NULL, **jchunks = NULL, *files = NULL;
+    char final_dir[CKPT_PATH_MAX], tmp_dir[CKPT_PATH_MAX] = "", path[CKPT_PATH_MAX], name[32];
+    json_t *body = NULL, *jbufs = NULL, **jchunks = NULL, *files = NULL, *trainer = NULL;
     chunk_job *chunks = NULL;
     size_t nchunks = 0;
     store_writer *w = NULL;
     uint64_t raw_total = 0, stored_total = 0;
-    int tmp_made = 0;
+    int tmp_made = 0;  /* remove tmp_dir on failure (a world of one, or rank 0 of a group) */
+    int own_files = 0; /* rank != 0: its files may lie in tmp_dir */
+    int decision_known = 0; /* rank != 0: rank 0's negative decision was read */
+    char file_name[32];
+    snprintf(file_name, sizeof file_name, "rank-%05u.bin", rank);
 
+    ckpt_step_dirname(step, name, sizeof name);
+    char tmp_name[160];
+    if (group) snprintf(tmp_name, sizeof tmp_name, ".tmp-%s-%s-%s", name, run_id, group->tag);
+    else snprintf(tmp_name, sizeof tmp_name, ".tmp-%s-%s-%ld", name, run_id, (long)getpid());
+    if ((rc = ckpt_path_join(tmp_dir, sizeof tmp_dir, opts->dir, tmp_name)) < 0 ||
+        (rc = ckpt_path_join(final_dir, sizeof final_dir, opts->dir, name)) < 0) {
+        tmp_dir[0] = '\0';
+        goto out;
+    }
+    /* rank 0 removes the shared folder after any failure: other ranks may have written there */
+    tmp_made = group && rank == 0;
+
+    json_error_t jerr;
+    trainer = json_loads(trainer_json ? trainer_json : "{}", 0, &jerr);
+    if (!trainer || !json_is_object(trainer)) {
+        LOG_E(TAG, "trainer record for step %llu is not a JSON object: %s",
+              (unsigned long long)step, trainer ? "not an object" : jerr.text);
+        rc = -EINVAL;
+        goto out;
+    }
     if ((rc = mkdir_p(opts->dir)) < 0) {
         LOG_E(TAG, "cannot create snapshot folder %s: %s", opts->dir, strerror(-rc));
         goto out;
     }
-    ckpt_step_dirname(step, name, sizeof name);
-    if ((rc = ckpt_path_join(final_dir, sizeof final_dir, opts->dir, name)) < 0) goto out;
     struct stat st;
     if (stat(final_dir, &st) == 0) {
         LOG_E(TAG, "snapshot %s already exists; not overwriting it", final_dir);
         rc = -EEXIST;
         goto out;
     }
-    char tmp_name[160];
-    if (group) snprintf(tmp_name, sizeof tmp_name, ".tmp-%s-%s-%s", name, run_id, group->tag);
-    else snprintf(tmp_name, sizeof tmp_name, ".tmp-%s-%s-%ld", name, run_id, (long)getpid());
-    if ((rc = ckpt_path_join(tmp_dir, sizeof tmp_dir, opts->dir, tmp_name)) < 0) goto out;
     /* in a group every rank creates the shared temp folder (the first one wins) */
     if (mkdir(tmp_dir, 0755) != 0 && !(group && errno == EEXIST)) {
         rc = -errno;
         LOG_E(TAG, "cannot create %s: %s", tmp_dir, strerror(errno));
         goto out;
     }
-    tmp_made = rank == 0; /* only rank 0 removes the shared folder after a failure */
+    if (!group) tmp_made = 1;
+    else if (rank != 0) own_files = 1;
 
     jbufs = json_array();
     jchunks = calloc(nbufs ? nbufs : 1, sizeof *jchunks);
@@ -574,8 +584,6 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
         rc = -ENOMEM;
         goto out;
     }
-    char file_name[32];
-    snprintf(file_name, sizeof file_name, "rank-%05u.bin", rank);
     for (size_t i = 0; i < nbufs; i++) {
         const ckpt_buffer *b = &bufs[i];
         jchunks[i] = json_array();
@@ -654,10 +662,17 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
                   strerror(-rc));
             goto out;
         }
-        rc = group->outcome(group->ctx, step, group->timeout_s);
-        if (rc < 0)
-            LOG_E(TAG, "step %llu was not committed: %s", (unsigned long long)step,
-                  rc == -ETIMEDOUT ? "no decision from rank 0 in time" : strerror(-rc));
+        int decision = 0;
+        rc = group->outcome(group->ctx, step, group->timeout_s, &decision);
+        if (rc < 0) {
+            LOG_E(TAG, "step %llu: no decision from rank 0 (%s); leaving this rank's shard in "
+                  "place", (unsigned long long)step,
+                  rc == -ETIMEDOUT ? "timed out" : strerror(-rc));
+        } else if (decision < 0) {
+            rc = decision;
+            decision_known = 1;
+            LOG_E(TAG, "step %llu was not committed: %s", (unsigned long long)step, strerror(-rc));
+        }
         goto done;
     }
     if (group) {
@@ -740,7 +755,16 @@ out:
         int vr = rank == 0 ? group->decide(group->ctx, step, rc) : group->vote(group->ctx, step, rc);
         if (vr < 0) LOG_W(TAG, "rank %u could not report its failure: %s", rank, strerror(-vr));
     }
-    if (tmp_made) store_remove_tree(tmp_dir);
+    if (tmp_made && tmp_dir[0]) store_remove_tree(tmp_dir);
+    if (own_files && rc < 0 && (!voted || decision_known)) {
+        /* this rank's shard can never be part of a commit: take it back; the folder goes too
+         * once it is empty (rank 0 may have given up and removed it already) */
+        char pname[64];
+        snprintf(pname, sizeof pname, "rank-%05u" PART_SUFFIX, rank);
+        if (ckpt_path_join(path, sizeof path, tmp_dir, file_name) == 0) unlink(path);
+        if (ckpt_path_join(path, sizeof path, tmp_dir, pname) == 0) unlink(path);
+        rmdir(tmp_dir);
+    }
     for (size_t i = 0; jchunks && i < nbufs; i++) json_decref(jchunks[i]);
     free(jchunks);
     free(chunks);

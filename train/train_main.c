@@ -625,7 +625,7 @@ static int wait_engine(state *s, double timeout_s)
         double left = end - now_s();
         if (s->world == 1) return ckpt_engine_wait(s->engine, left > 0 ? left : 0);
         int rc = ckpt_engine_wait(s->engine, left < 0.5 ? (left > 0 ? left : 0) : 0.5);
-        if (rc != -ETIMEDOUT || left <= 0.5) return rc;
+        if (rc != -EINPROGRESS || left <= 0.5) return rc;
         if ((rc = train_comm_probe(s->comm)) < 0) {
             LOG_E(TAG, "rank %d, step %" PRId64 ": a rank died while a snapshot persisted; it will "
                   "not be committed", s->rank, s->step);
@@ -1641,7 +1641,7 @@ int main(int argc, char **argv)
                   strerror(-ps.result));
             final_status = 1;
         }
-        if (rc == -ETIMEDOUT) {
+        if (rc == -EINPROGRESS) {
             LOG_E(TAG, "the snapshot of step %" PRId64 " did not finish within an hour", s.step);
             final_status = 1;
         }

@@ -34,8 +34,9 @@ static int put(train_vote *v, const char *key, int result)
     return elastic_store_set(v->c, key, val, (size_t)n);
 }
 
-/* Read a result key, waiting up to timeout_s: 0, the negative result stored, or the error. */
-static int get_result(train_vote *v, const char *key, double timeout_s)
+/* Read a result key, waiting up to timeout_s, into *result. Returns 0, or the error of the
+ * store (-ETIMEDOUT: the key did not appear; -EBADMSG: not a result). */
+static int get_value(train_vote *v, const char *key, double timeout_s, int *result)
 {
     void *val = NULL;
     size_t len = 0;
@@ -53,7 +54,16 @@ static int get_result(train_vote *v, const char *key, double timeout_s)
         if (errno || *end || r > 0 || r < -4095) rc = -EBADMSG;
     }
     free(val);
-    return rc < 0 ? rc : (int)r;
+    if (rc == 0) *result = (int)r;
+    return rc;
+}
+
+/* The result stored at key (0 or negative), or the store's error reading it. */
+static int get_result(train_vote *v, const char *key, double timeout_s)
+{
+    int result = 0;
+    int rc = get_value(v, key, timeout_s, &result);
+    return rc < 0 ? rc : result;
 }
 
 static int vote_cb(void *ctx, uint64_t step, int result)
@@ -94,12 +104,15 @@ static int decide_cb(void *ctx, uint64_t step, int result)
     return put(v, key, result);
 }
 
-static int outcome_cb(void *ctx, uint64_t step, double timeout_s)
+static int outcome_cb(void *ctx, uint64_t step, double timeout_s, int *decision)
 {
     train_vote *v = ctx;
     char key[300];
     snprintf(key, sizeof key, "%s/%" PRIu64 "/decision", v->prefix, step);
-    return get_result(v, key, timeout_s);
+    int result = 0;
+    int rc = get_value(v, key, timeout_s, &result);
+    if (rc == 0) *decision = result;
+    return rc;
 }
 
 int train_vote_create(train_vote **out, ckpt_group *group, const char *host, int port,
