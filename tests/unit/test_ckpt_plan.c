@@ -3,8 +3,11 @@
  * (a) ckpt_plan_reshard against brute force on every pair of small world sizes with random
  *     bounds (empty shards, 1-byte and empty buffers), and its argument checks;
  *     ckpt_even_bounds against its definition;
- * (b) C11: a 70B-scale layout of 5000 tensors planned 8 -> 16 and 64 -> 128 in the planner
- *     alone; the time must grow with the layout's size (about 8x), not with W x W' (64x);
+ * (b) C11: a 70B-scale layout of 5000 tensors planned 64 -> 128 in the planner alone must
+ *     cost about what 40000 tensors planned 8 -> 16 cost (the same tensors x (W + W'), so
+ *     linear planning gives a ratio near 1; planning that grows with W x W' gives 8). Both
+ *     plans are far larger than the caches, so the comparison is not skewed by one of them
+ *     fitting in L2 (an 8 -> 16 plan of 5000 tensors does, and is printed for reference);
  * (c) ckpt_snapshot_plan on a snapshot written by ckpt_save, against brute force over its
  *     chunks. */
 #include "ckpt.h"
@@ -191,18 +194,18 @@ static void test_even_bounds(void)
 
 /* ------------------------------------------------------------------ (b) C11 scaling */
 
-enum { NT = 5000 };
+enum { NT = 5000, NT_BIG = 40000 };
 
 /* Tensor sizes of a Llama-70B-like model (fp32 bytes): embedding and head (32000 x 8192),
  * attention and MLP matrices (8192 x 8192, 1024 x 8192, 28672 x 8192), norms and biases
  * (8192, 1024), and a few odd small ones (scalars, rotary tables). */
-static void llama_layout(uint64_t *bytes)
+static void llama_layout(uint64_t *bytes, size_t nt)
 {
     static const uint64_t mats[][2] = {{8192, 8192}, {1024, 8192}, {1024, 8192}, {8192, 8192},
                                        {28672, 8192}, {28672, 8192}, {8192, 28672}};
-    for (size_t t = 0; t < NT; t++) {
+    for (size_t t = 0; t < nt; t++) {
         uint64_t u = rnd_below(100), e;
-        if (t == 0 || t == NT - 1) e = 32000ull * 8192;
+        if (t == 0 || t == nt - 1) e = 32000ull * 8192;
         else if (u < 45) {
             const uint64_t *m = mats[rnd_below(sizeof mats / sizeof *mats)];
             e = m[0] * m[1];
@@ -213,28 +216,38 @@ static void llama_layout(uint64_t *bytes)
     }
 }
 
-static uint64_t *layout_bounds(const uint64_t *bytes, uint32_t world)
+static uint64_t *layout_bounds(const uint64_t *bytes, size_t nt, uint32_t world)
 {
-    uint64_t *bd = malloc((size_t)NT * (world + 1) * sizeof *bd);
+    uint64_t *bd = malloc(nt * (world + 1) * sizeof *bd);
     T_REQUIRE(bd != NULL, "malloc bounds");
     /* per-tensor sharding by whole elements, as FSDP2 / DCP shard each parameter */
-    for (size_t t = 0; t < NT; t++) ckpt_even_bounds(bytes[t], 4, world, bd + t * (world + 1));
+    for (size_t t = 0; t < nt; t++) ckpt_even_bounds(bytes[t], 4, world, bd + t * (world + 1));
     return bd;
 }
 
-/* Best time of repeated plans (seconds): at least 9 runs and 0.3 s, so that first touches
+/* Best CPU time of repeated plans (seconds): at least 9 runs and 0.3 s, so that first touches
  * of fresh memory (a VM backs guest pages lazily) and noisy neighbours drop out of the
  * minimum. Also checks each new rank's bytes. */
-static double time_plan(const uint64_t *bytes, uint32_t ow, uint32_t nw, size_t *npieces)
+/* CPU time of this thread, seconds: other processes on a busy machine stretch wall time,
+ * not the CPU time the planner itself uses. */
+static double cpu_now_s(void)
 {
-    uint64_t *ob = layout_bounds(bytes, ow), *nbd = layout_bounds(bytes, nw);
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static double time_plan(const uint64_t *bytes, size_t nt, uint32_t ow, uint32_t nw,
+                        size_t *npieces)
+{
+    uint64_t *ob = layout_bounds(bytes, nt, ow), *nbd = layout_bounds(bytes, nt, nw);
     double best = 1e30, start = t_now_s();
     for (int i = 0; i < 9 || (t_now_s() - start < 0.3 && i < 1000); i++) {
         ckpt_plan_piece *p = NULL;
         size_t np = 0;
-        double t0 = t_now_s();
-        int rc = ckpt_plan_reshard(NT, ow, ob, nw, nbd, &p, &np);
-        double dt = t_now_s() - t0;
+        double t0 = cpu_now_s();
+        int rc = ckpt_plan_reshard(nt, ow, ob, nw, nbd, &p, &np);
+        double dt = cpu_now_s() - t0;
         T_REQUIRE(rc == 0, "plan %u -> %u: %d", ow, nw, rc);
         if (dt < best) best = dt;
         *npieces = np;
@@ -243,7 +256,7 @@ static double time_plan(const uint64_t *bytes, uint32_t ow, uint32_t nw, size_t 
             size_t k = 0;
             for (uint32_t r = 0; r < nw; r++) {
                 uint64_t want = 0, got = 0;
-                for (size_t t = 0; t < NT; t++)
+                for (size_t t = 0; t < nt; t++)
                     want += nbd[t * (nw + 1) + r + 1] - nbd[t * (nw + 1) + r];
                 for (; k < np && p[k].new_rank == r; k++) {
                     got += p[k].bytes;
@@ -268,21 +281,32 @@ static double time_plan(const uint64_t *bytes, uint32_t ow, uint32_t nw, size_t 
 
 static void test_c11_scaling(void)
 {
-    uint64_t *bytes = malloc(NT * sizeof *bytes);
+    uint64_t *bytes = malloc(NT_BIG * sizeof *bytes);
     T_REQUIRE(bytes != NULL, "malloc");
-    llama_layout(bytes);
+    llama_layout(bytes, NT_BIG); /* the first NT tensors form the 70B-like layout */
     uint64_t total = 0;
     for (size_t t = 0; t < NT; t++) total += bytes[t];
-    size_t np_small = 0, np_big = 0;
-    double small = time_plan(bytes, 8, 16, &np_small);
-    double big = time_plan(bytes, 64, 128, &np_big);
+    size_t np_ref = 0, np_small = 0, np_big = 0;
+    double ref = time_plan(bytes, NT, 8, 16, &np_ref);
+    /* interleaved rounds, best of each: a burst of load elsewhere hits both alike */
+    double small = 1e30, big = 1e30;
+    for (int round = 0; round < 3; round++) {
+        double a = time_plan(bytes, NT_BIG, 8, 16, &np_small);
+        double b = time_plan(bytes, NT, 64, 128, &np_big);
+        if (a < small) small = a;
+        if (b < big) big = b;
+    }
     double ratio = big / (small > 1e-9 ? small : 1e-9);
     printf("C11: %d tensors, %.1f G fp32 elements (%.0f GiB per buffer)\n", NT,
            (double)total / 4e9, (double)total / (1u << 30));
-    printf("C11: plan 8 -> 16:   %9.3f ms, %zu pieces\n", small * 1e3, np_small);
-    printf("C11: plan 64 -> 128: %9.3f ms, %zu pieces\n", big * 1e3, np_big);
-    printf("C11: ratio %.2f (linear in the layout ~8, product W x W' ~64; limit 24)\n", ratio);
-    T_CHECK(ratio < 24, "planning time grows like W x W': ratio %.2f", ratio);
+    printf("C11: plan %5d tensors 8 -> 16:   %9.3f ms, %zu pieces (fits in cache; reference)\n",
+           NT, ref * 1e3, np_ref);
+    printf("C11: plan %5d tensors 8 -> 16:   %9.3f ms, %zu pieces\n", NT_BIG, small * 1e3,
+           np_small);
+    printf("C11: plan %5d tensors 64 -> 128: %9.3f ms, %zu pieces\n", NT, big * 1e3, np_big);
+    printf("C11: ratio %.2f (same tensors x (W + W'): linear ~1, product W x W' ~8; limit 4)\n",
+           ratio);
+    T_CHECK(ratio < 4, "planning time grows like W x W': ratio %.2f", ratio);
     free(bytes);
 }
 
