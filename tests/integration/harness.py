@@ -23,6 +23,7 @@ TRAIN = os.path.join(BUILD, "train")
 INSPECT = os.path.join(BUILD, "ckpt-inspect")
 PREPARE = os.path.join(BUILD, "train-prepare")
 RESEAL = os.environ.get("CKPT_RESEAL", os.path.join(BUILD, "tests", "reseal_manifest"))
+ELASTIC = os.path.join(BUILD, "elastic", "elastic")
 
 # A small model that trains 60 steps in a few seconds on one core.
 SMALL = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--seq-len", "64",

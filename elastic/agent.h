@@ -1,0 +1,99 @@
+/* agent.h - the elastic agent (the role torchrun's agent plays): start the worker processes of
+ * one node, watch them, and when anything fails stop the whole group and start it again,
+ * possibly with another world size; rendezvous with the agents of other nodes through the
+ * elastic store (store.h). The program `elastic` (elastic_main.c) is a thin CLI around
+ * elastic_agent_run.
+ *
+ * Workers: nproc_per_node processes of the user's command, each in its own process group
+ * (setpgid) with a parent-death signal (SIGKILL when the agent dies), stdin from /dev/null,
+ * stdout/stderr relayed line by line with a "[rank <r>] " prefix (stdout to the agent's
+ * stdout, stderr to its stderr). Environment of each worker, on top of the agent's own:
+ *   RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (node rank), GROUP_WORLD_SIZE
+ *   (nodes of the round), MASTER_ADDR, MASTER_PORT (the store), ELASTIC_STORE_HOSTED=1,
+ *   ELASTIC_STORE_TOKEN (the store's secret; never logged), ELASTIC_RESTART_COUNT and
+ *   TORCHELASTIC_RESTART_COUNT (the round number, unique per round of a job: 0, 1, 2, ...;
+ *   on one node it equals the number of restarts so far), ELASTIC_RUN_ID and
+ *   TORCHELASTIC_RUN_ID (the rendezvous id), TORCHELASTIC_MAX_RESTARTS, and
+ *   ELASTIC_HEARTBEAT_FD (the write end of a pipe: a worker writes one line, e.g. "step 12\n",
+ *   after each unit of progress; every line counts for the hang watchdog).
+ *
+ * Restart semantics: a restart starts every worker of the node again from its command line;
+ * continuing where the job stopped is the worker's business (train: `--resume auto`).
+ *
+ * Single node (max_nodes == 1): the agent hosts the store on rdzv_host:rdzv_port (default
+ * 127.0.0.1, a free port) with a random token; a busy explicit port is replaced by a free one
+ * (logged, not a restart). Several nodes (max_nodes > 1): every agent tries to bind the
+ * endpoint; the one that succeeds hosts the store, the others (EADDRINUSE/EADDRNOTAVAIL)
+ * connect to it; the token is ELASTIC_STORE_TOKEN of the agent's environment (the same on
+ * every node), none when unset. The rendezvous protocol is described in agent_rdzv.c.
+ *
+ * Signals: SIGTERM or SIGINT to the agent is a preemption notice: SIGTERM to every worker
+ * group, up to preempt_grace_s for them to exit (train takes a final snapshot), SIGKILL for
+ * the rest, exit status ELASTIC_EXIT_PREEMPTED. A second SIGTERM/SIGINT during that wait
+ * sends SIGKILL at once.
+ *
+ * Thread-safety: elastic_agent_run is meant to be the one thing a process does: it blocks
+ * SIGCHLD/SIGTERM/SIGINT (and leaves them blocked on return, so that a late signal cannot turn
+ * the exit status into a signal death), ignores SIGPIPE and makes the process a child
+ * subreaper. Call it from the main thread, once, before any other thread exists.
+ */
+#ifndef ELASTIC_AGENT_H
+#define ELASTIC_AGENT_H
+
+/* Exit statuses of elastic_agent_run (and of the program). */
+enum elastic_exit {
+    ELASTIC_EXIT_OK = 0,         /* every worker of the final round exited 0 (on every node) */
+    ELASTIC_EXIT_FAILED = 1,     /* restart budget spent, store lost, cannot start, ... */
+    ELASTIC_EXIT_USAGE = 2,      /* a worker exited 2 (usage/config error, never retried) or
+                                    the agent's own configuration is unusable */
+    ELASTIC_EXIT_PREEMPTED = 143 /* SIGTERM/SIGINT to the agent; workers were stopped */
+};
+
+typedef struct elastic_agent_opts {
+    int min_nodes;              /* nodes needed to start a round, [1, max_nodes]; default 1 */
+    int max_nodes;              /* nodes that close a round at once, [1, 4096]; default 1;
+                                   > 1 selects the multi-node rendezvous */
+    int nproc_per_node;         /* workers on this node, [1, 4096]; default 1 */
+    int max_restarts;           /* restarts after failures before giving up, [0, 1e6]; default 3.
+                                   Counted per agent: every round that this agent took part in
+                                   and that ended by a failure (a worker exiting non-zero or by
+                                   a signal, a hang, a dead node). Scale-ups and preemptions of
+                                   other nodes are not counted */
+    const char *rdzv_host;      /* store endpoint host; NULL = "127.0.0.1" (single node only;
+                                   required for several nodes) */
+    int rdzv_port;              /* store endpoint port, [0, 65535]; 0 = a free port (single node
+                                   only) */
+    const char *rdzv_id;        /* job id: key namespace in the store, ELASTIC_RUN_ID; 1..64
+                                   chars of [A-Za-z0-9_.-]; NULL = "none" (single node only) */
+    double monitor_interval_s;  /* tick of the monitor loop (waitpid, watchdog), seconds,
+                                   [0.001, 60]; default 0.1. Worker exits are noticed at once
+                                   (SIGCHLD) whatever the tick */
+    double hang_timeout_s;      /* a worker that wrote no progress line for this long (counted
+                                   from its start) is hung: the group is stopped and restarted
+                                   (a counted restart); seconds, [0, 1e6]; 0 (default) = off */
+    double preempt_grace_s;     /* after forwarding SIGTERM on preemption or a graceful stop
+                                   (scale-up), time for workers to exit before SIGKILL; seconds,
+                                   [0, 86400]; default 60 */
+    double stop_grace_s;        /* the same after a failure; seconds, [0, 86400]; default 10 */
+    double heartbeat_timeout_s; /* several nodes: an agent whose store heartbeat did not move
+                                   for this long is dead; also the deadline of each store call;
+                                   seconds, [0.1, 3600]; default 5 */
+    double last_call_s;         /* several nodes: a round closes this long after min_nodes
+                                   joined (at once when max_nodes joined); seconds, [0, 3600];
+                                   default 2 */
+    double join_timeout_s;      /* several nodes: give up (exit 1) when no round could be
+                                   formed within this long, and the time to wait for the store
+                                   host at start; seconds, [1, 86400]; default 600 */
+} elastic_agent_opts;
+
+#define ELASTIC_AGENT_OPTS_INIT {1, 1, 1, 3, NULL, 0, NULL, 0.1, 0.0, 60.0, 10.0, 5.0, 2.0, 600.0}
+
+/* Run the job: rendezvous, start argv (argv[0] searched in PATH when it has no '/'; argv is
+ * NULL-terminated, argv[0] non-empty) nproc_per_node times per round, watch, restart, until the
+ * job succeeds or fails. Logs through common/log.h with the tag "elastic"; worker output is
+ * relayed as described at the top. Never exits the process; returns its exit status.
+ * Returns: an enum elastic_exit value (0, 1, 2 or 143). Bad options or argv give
+ * ELASTIC_EXIT_USAGE with one logged line; nothing is started then. */
+int elastic_agent_run(const elastic_agent_opts *o, char *const argv[]);
+
+#endif /* ELASTIC_AGENT_H */

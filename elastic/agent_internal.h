@@ -1,0 +1,226 @@
+/* agent_internal.h - the two halves of the elastic agent (agent.h) shared with agent.c: the
+ * local worker group (agent_workers.c) and the rendezvous over the store (agent_rdzv.c). Not a
+ * public API: everything here is called from the agent's main thread unless noted. */
+#ifndef ELASTIC_AGENT_INTERNAL_H
+#define ELASTIC_AGENT_INTERNAL_H
+
+#include <poll.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#define EA_TAG "elastic"
+
+/* ------------------------------------------------------------------ output sinks */
+
+/* Longest relayed line body, bytes: with the "[rank r] " prefix and the newline a line stays
+ * within PIPE_BUF, so each is one atomic write. Longer lines are cut into several. */
+#define ELASTIC_LINE_MAX 3968
+
+/* One of the agent's own output fds (1 or 2). A reader that does not take a line within
+ * ELASTIC_SINK_WAIT_S makes the sink "stalled": lines are then dropped (counted) without
+ * waiting until the fd is writable again, when one note with the count is written. So a slow
+ * or stopped reader costs the agent at most that wait per stall. */
+#define ELASTIC_SINK_WAIT_S 2.0
+
+typedef struct elastic_sink {
+    int fd;
+    int stalled;
+    int dead;               /* EPIPE or another hard error: everything is dropped */
+    unsigned long dropped;  /* lines dropped since the sink stalled */
+} elastic_sink;
+
+/* At the end of the job: report lines still counted as dropped (on the sink when it is
+ * writable now, else in the log unless the sink is stderr). */
+void elastic_sink_finish(elastic_sink *s);
+
+/* Write prefix + line + "\n" (plen + len <= ELASTIC_LINE_MAX + 32). */
+void elastic_sink_line(elastic_sink *s, const char *prefix, size_t plen, const char *line,
+                       size_t len);
+
+/* ------------------------------------------------------------------ worker group */
+
+typedef struct elastic_stream {
+    int fd;                     /* read end of the worker's pipe; -1 once closed */
+    elastic_sink *sink;
+    size_t len;                 /* bytes of an unfinished line in buf */
+    char buf[ELASTIC_LINE_MAX];
+} elastic_stream;
+
+typedef struct elastic_worker {
+    int local_rank, rank;
+    pid_t pid;                  /* also its process group id; 0 = never started */
+    int reaped;                 /* the worker itself was waited for; wstatus is valid */
+    int gone;                   /* reaped and no process of its group is left */
+    int wstatus;                /* waitpid status */
+    int killed;                 /* SIGKILL was sent to its group */
+    double started, exited;     /* monotonic seconds */
+    double last_progress;       /* monotonic time of the last progress line (start at first) */
+    long long last_step;        /* from "step <n>" lines; -1 none */
+    long long beats;            /* progress lines read */
+    elastic_stream out, err;
+    int hb_fd;                  /* read end of the heartbeat pipe; -1 once closed */
+    size_t hb_len;
+    char hb_buf[64];
+    char prefix[32];            /* "[rank <r>] " */
+    size_t prefix_len;
+} elastic_worker;
+
+typedef struct elastic_wg_spec {
+    const char *path;           /* resolved executable */
+    char *const *argv;          /* NULL-terminated */
+    int nproc, node_rank, nnodes, gen, max_restarts;
+    const char *master_addr;
+    int master_port;
+    const char *token;          /* NULL or "" = none; never logged */
+    const char *run_id;
+} elastic_wg_spec;
+
+typedef struct elastic_wg {
+    int n;
+    elastic_worker *w;          /* n workers, local rank order */
+    int gen;
+    int sigfd;                  /* the agent's signalfd (SIGCHLD, SIGTERM, SIGINT) */
+    int term_signal;            /* a SIGTERM/SIGINT that arrived while serving (0 = none) */
+    int escalate;               /* set by elastic_wg_stop: a further signal kills at once */
+    int stopping;               /* inside elastic_wg_stop */
+    double started;
+    int progress_logged;        /* the first progress line of the round was logged */
+    elastic_sink *out, *err;
+    struct pollfd *pfd;         /* 3 n + 1 + ELASTIC_WG_EXTRA_MAX entries */
+} elastic_wg;
+
+/* Most extra fds elastic_wg_wait takes. */
+#define ELASTIC_WG_EXTRA_MAX 8
+
+/* Start spec->nproc workers (see agent.h for what each gets). The workers that could be
+ * started stay in wg even on failure (stop them with elastic_wg_stop, then elastic_wg_free).
+ * Errors: -ENOEXEC with *exec_errno set: the command could not be executed (not retried);
+ * -ENOMEM, other -errno of pipe/fork (logged). */
+int elastic_wg_start(elastic_wg *wg, const elastic_wg_spec *spec, int sigfd, elastic_sink *out,
+                     elastic_sink *err, int *exec_errno);
+
+/* Wait up to timeout_s for worker output, progress lines, signals or the nextra extra fds;
+ * relay output, read progress, reap exited processes (waitpid(-1, WNOHANG) every call), and
+ * remember a SIGTERM/SIGINT in wg->term_signal. Returns the number of extra fds with revents
+ * set, 0 otherwise. nextra <= ELASTIC_WG_EXTRA_MAX (more are ignored). */
+int elastic_wg_wait(elastic_wg *wg, struct pollfd *extra, int nextra, double timeout_s);
+
+/* Workers not yet reaped. */
+int elastic_wg_running(const elastic_wg *wg);
+
+/* The worker whose exit decides the round: the first that exited 2, else the first that
+ * exited non-zero or by a signal (earliest exit time); NULL when none did. */
+const elastic_worker *elastic_wg_failed(const elastic_wg *wg);
+
+/* Non-zero when a worker exited with status 2. */
+int elastic_wg_any_usage_error(const elastic_wg *wg);
+
+/* A worker that is still running and whose last progress is older than timeout_s at now;
+ * NULL when none. desc (may be NULL) gets every silent rank listed. */
+const elastic_worker *elastic_wg_hung(const elastic_wg *wg, double timeout_s, double now,
+                                      char *desc, size_t desc_len);
+
+/* "exited with status 1" / "was killed by signal 9 (Killed)". */
+void elastic_wg_exit_text(const elastic_worker *w, char *buf, size_t len);
+
+/* Stop the group: sig (and SIGCONT, so that stopped processes take it) to the process group
+ * of every worker, wait up to grace_s while relaying output, then SIGKILL every group that is
+ * still there (each logged with its pid), and wait until every process of every group is gone
+ * and reaped (bounded: after 10 s more it gives up with an error line). Output left in the
+ * pipes is relayed and partial lines are flushed. why is logged. A SIGTERM/SIGINT during the
+ * wait is kept in wg->term_signal; with escalate_on_signal it also SIGKILLs at once. */
+void elastic_wg_stop(elastic_wg *wg, int sig, double grace_s, int escalate_on_signal,
+                     const char *why);
+
+/* Close the pipes and free the workers (the processes must be gone). Accepts an empty wg. */
+void elastic_wg_free(elastic_wg *wg);
+
+/* ------------------------------------------------------------------ rendezvous */
+
+typedef struct elastic_rdzv elastic_rdzv;
+
+typedef struct elastic_rdzv_opts {
+    const char *host;           /* store endpoint */
+    int port;
+    const char *token;          /* NULL/"" = none; never logged */
+    const char *run_id;         /* key namespace */
+    int min_nodes, max_nodes;
+    double last_call_s, heartbeat_timeout_s, join_timeout_s;
+    int hosting;                /* this agent runs the store server: elastic_rdzv_close then
+                                   waits for the other agents to leave */
+    int (*interrupted)(void *); /* polled between connection attempts; non-zero = give up */
+    void *arg;
+} elastic_rdzv_opts;
+
+typedef struct elastic_round {
+    int gen;                    /* round number, unique in the job */
+    int node_rank;              /* this agent's node rank in the round (join order) */
+    int nnodes;                 /* nodes in the round */
+} elastic_round;
+
+/* Event bits of elastic_rdzv_events. */
+#define ELASTIC_EV_STOP 1u      /* the watched round got a stop request */
+#define ELASTIC_EV_END 2u       /* the job was ended (end key) */
+#define ELASTIC_EV_LOST 4u      /* the store is gone */
+
+/* Connect (two connections: one for the main thread, one for the watcher thread), register
+ * this agent, start the watcher thread (heartbeats every min(1, timeout / 3) s).
+ * Errors: -ETIMEDOUT no store within join_timeout_s, -EINTR o->interrupted said so while
+ * waiting for the store, -EACCES token refused, -errno. */
+int elastic_rdzv_open(elastic_rdzv **out, const elastic_rdzv_opts *o);
+
+/* Join the next round (the first open one at or after from_gen) and wait until it closes.
+ * interrupted(arg) is called about every 0.1 s; non-zero stops the wait.
+ * Errors: -EINTR interrupted, -ECANCELED the job ended (see elastic_rdzv_end_code),
+ * -ETIMEDOUT no round within join_timeout_s, -ECONNRESET/-EPIPE/-ETIMEDOUT store lost. */
+int elastic_rdzv_join(elastic_rdzv *r, int from_gen, elastic_round *out,
+                      int (*interrupted)(void *), void *arg);
+
+/* Watch round rd as one of its members: the watcher reports a stop request of the round,
+ * requests one itself when a member's heartbeat stalls (kind 'F') or when an agent waits to
+ * join and the round has fewer than max_nodes (kind 'S'), and reports the end of the job.
+ * done != 0: this node finished; the watcher waits for the end key instead. */
+void elastic_rdzv_watch(elastic_rdzv *r, const elastic_round *rd, int done);
+
+/* Stop watching (between rounds). */
+void elastic_rdzv_unwatch(elastic_rdzv *r);
+
+/* Readable when elastic_rdzv_events has something new. */
+int elastic_rdzv_notify_fd(const elastic_rdzv *r);
+
+/* Take the events seen since the last call (ELASTIC_EV_* bits). */
+unsigned elastic_rdzv_events(elastic_rdzv *r);
+
+/* Ask every member of round gen to stop it: kind 'F' failure (counted as a restart), 'S'
+ * scale-up, 'P' preemption of a node (graceful, not counted). The first request wins;
+ * *winner_kind (may be NULL) gets the kind of the request in force and why_out its text.
+ * Errors: store errors (-ECONNRESET, ...). */
+int elastic_rdzv_stop_round(elastic_rdzv *r, int gen, char kind, const char *why,
+                            char *winner_kind, char *why_out, size_t why_len);
+
+/* This node's workers all exited 0 in round rd: counted in the store; the last node of the
+ * round ends the job with status 0. Errors: store errors. */
+int elastic_rdzv_finish(elastic_rdzv *r, const elastic_round *rd);
+
+/* Wait up to timeout_s for the end of the job (main thread). Returns 1 ended (the code is then
+ * in elastic_rdzv_end_code), 0 not yet. Errors: store errors (the store is then lost). */
+int elastic_rdzv_wait_end(elastic_rdzv *r, double timeout_s);
+
+/* End the job with code (0, 1, 2) and a reason (the first end wins). Errors: store errors. */
+int elastic_rdzv_end(elastic_rdzv *r, int code, const char *why);
+
+/* The end of the job once seen: returns its code (0, 1, 2), -1 when not ended; why (may be
+ * NULL) gets the reason. */
+int elastic_rdzv_end_code(elastic_rdzv *r, char *why, size_t why_len);
+
+/* The errno (negative) that made the store count as lost, 0 while healthy. */
+int elastic_rdzv_lost(const elastic_rdzv *r);
+
+/* Leave: say goodbye in the store (unless it is lost), stop the watcher, close the
+ * connections. The hosting agent first waits (at most heartbeat_timeout_s + 1 s) until every
+ * other registered agent said goodbye or has a stale heartbeat, so that nobody loses the store
+ * while reading the end of the job. Accepts NULL. */
+void elastic_rdzv_close(elastic_rdzv *r);
+
+#endif /* ELASTIC_AGENT_INTERNAL_H */

@@ -1,0 +1,595 @@
+"""The elastic launcher (issue 5): spawning, output relay, restarts, the restart budget, usage
+errors, the store token, bounded stops (C19, C29), the hang watchdog (C17), preemption, a busy
+store port, several agents on one machine (C27 dead node, scale-up, C28 leave/rejoin cycles,
+C30 store host killed) and, with train, kill-a-rank and preempt-and-resume with the digest of an
+uninterrupted run.
+
+Most tests run tests/tools/elastic_worker.py, a stand-in worker that prints its environment,
+writes progress lines and fails, hangs or ignores SIGTERM on request. Every worker carries a
+marker unique to the test in its argv; tearDown checks that no process with it is left.
+Synchronisation is by log lines (the agent's and the workers'), never by sleeping.
+"""
+import os
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import harness
+from harness import TempDirTest
+
+ELASTIC = harness.ELASTIC
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools", "elastic_worker.py")
+SLOW = os.environ.get("CKPT_SANITIZED") == "1"
+T = 3.0 if SLOW else 1.0  # time scale for bounds
+
+# 24 sequences per step; W=1 and W=2 give identical bits (4 micro-batches of 3 per rank at W=2).
+TRAIN_ARGS = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--seq-len", "64",
+              "--global-batch", "24", "--micro-batch", "3", "--steps", "30", "--lr", "3e-3",
+              "--warmup", "2", "--seed", "7", "--log-every", "1"]
+FINAL_RE = re.compile(r"^\[rank 0\] final step=(\d+) loss=(\S+) val_loss=(\S+) "
+                      r"params_digest=([0-9a-f]{32})$", re.M)
+STARTED_RE = re.compile(r"round (\d+): started ranks (\d+)\.\.(\d+) of (\d+) \(pids ([0-9 ]+)\)")
+
+
+def free_port():
+    return harness.free_port()
+
+
+def procs_with(marker):
+    """pids of processes whose command line holds marker."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+def hello_status(port, token):
+    """Speak the store's HELLO (store.h) with token; returns the status byte (2 = DENIED)."""
+    tok = token.encode()
+    body = b"ESTR" + struct.pack("<H", 1) + struct.pack("<I", len(tok)) + tok
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(struct.pack("<IBI", 5 + len(body), 0x01, 1) + body)
+        hdr = b""
+        while len(hdr) < 10:
+            chunk = s.recv(10 - len(hdr))
+            if not chunk:
+                return -1
+            hdr += chunk
+        return hdr[9]
+
+
+class Agent:
+    """One elastic process; stdout and stderr go to files in tmp."""
+    count = 0
+
+    def __init__(self, tmp, args, cmd, extra_env=None, name=None):
+        Agent.count += 1
+        self.name = name or f"agent{Agent.count}"
+        self.out_path = os.path.join(tmp, self.name + ".out")
+        self.err_path = os.path.join(tmp, self.name + ".err")
+        self.t0 = time.time()
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.p = subprocess.Popen([ELASTIC] + list(args) + ["--"] + list(cmd), stdout=out,
+                                      stderr=err, env=harness.env(extra_env))
+
+    def out(self):
+        return harness.read(self.out_path)
+
+    def err(self):
+        return harness.read(self.err_path)
+
+    def wait_for(self, regex, timeout=30, stream="err", start=0):
+        """Block until regex matches the stream (from offset start); returns the match."""
+        rx = re.compile(regex, re.M)
+        deadline = time.time() + timeout * T
+        while time.time() < deadline:
+            m = rx.search((self.err() if stream == "err" else self.out())[start:])
+            if m:
+                return m
+            if self.p.poll() is not None:
+                m = rx.search((self.err() if stream == "err" else self.out())[start:])
+                if m:
+                    return m
+                raise AssertionError(f"{self.name} exited {self.p.returncode} before /{regex}/:\n"
+                                     f"{self.err()[-3000:]}")
+            time.sleep(0.01)
+        raise AssertionError(f"{self.name}: no /{regex}/ within {timeout * T} s:\n{self.err()[-3000:]}")
+
+    def pids(self, gen):
+        """pids of this node's workers in round gen (from the agent's log)."""
+        for m in STARTED_RE.finditer(self.err()):
+            if int(m.group(1)) == gen:
+                return [int(x) for x in m.group(5).split()]
+        return []
+
+    def wait(self, timeout=60):
+        try:
+            return self.p.wait(timeout=timeout * T)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+            raise AssertionError(f"{self.name} did not exit within {timeout * T} s:\n"
+                                 f"{self.err()[-3000:]}")
+
+    def kill(self):
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+
+class ElasticTest(TempDirTest):
+    def setUp(self):
+        super().setUp()
+        self.marker = f"elastic-test-{os.getpid()}-{self.id().split('.')[-1]}"
+        self.agents = []
+
+    def tearDown(self):
+        for a in self.agents:
+            a.kill()
+        deadline = time.time() + 5
+        left = procs_with(self.marker)
+        while left and time.time() < deadline:
+            time.sleep(0.05)
+            left = procs_with(self.marker)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        super().tearDown()
+        self.assertEqual(left, [], "worker processes left behind")
+
+    def stub(self, *args):
+        return [sys.executable, WORKER, "--marker", self.marker] + list(args)
+
+    def agent(self, args, cmd, extra_env=None, name=None):
+        a = Agent(self.tmp, args, cmd, extra_env, name)
+        self.agents.append(a)
+        return a
+
+    def run_agent(self, args, cmd, timeout=60, extra_env=None):
+        a = self.agent(args, cmd, extra_env)
+        rc = a.wait(timeout)
+        return rc, a.out(), a.err()
+
+    def rounds(self, err):
+        return [int(m.group(1)) for m in STARTED_RE.finditer(err)]
+
+
+class Cli(ElasticTest):
+    def test_help_and_usage_errors(self):
+        p = harness.run([ELASTIC, "--help"])
+        self.assertEqual(p.returncode, 0)
+        for word in ["--nproc-per-node", "--hang-timeout", "--resume auto", "Exit status", "143"]:
+            self.assertIn(word, p.stdout)
+        bad = [
+            [],
+            ["--nproc-per-node", "2"],
+            ["--", "true"],
+            ["--nproc-per-node", "0", "--", "true"],
+            ["--nproc-per-node", "x", "--", "true"],
+            ["--nproc-per-node", "1", "--nnodes", "3:2", "--", "true"],
+            ["--nproc-per-node", "1", "--nnodes", "2:3", "--", "true"],
+            ["--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400",
+             "--", "true"],
+            ["--nproc-per-node", "1", "--rdzv-id", "a/b", "--", "true"],
+            ["--nproc-per-node", "1", "--rdzv-endpoint", "nohostport", "--", "true"],
+            ["--nproc-per-node", "1", "--hang-timeout", "-1", "--", "true"],
+            ["--nproc-per-node", "1", "--bogus", "--", "true"],
+            ["--nproc-per-node"],
+            ["--nproc-per-node", "1", "--", "/no/such/program"],
+            ["--nproc-per-node", "1", "--", "no-such-program-in-path-xyz"],
+        ]
+        for args in bad:
+            p = harness.run([ELASTIC] + args, timeout=30)
+            self.assertEqual(p.returncode, 2, f"{args}: {p.stderr}")
+            lines = [l for l in p.stderr.splitlines() if l.strip()]
+            self.assertEqual(len(lines), 1, f"{args}: one line expected:\n{p.stderr}")
+
+    def test_train_without_resume_warns(self):
+        rc, out, err = self.run_agent(["--nproc-per-node", "1"], [harness.TRAIN, "--help"])
+        self.assertEqual(rc, 0, err)
+        self.assertIn("has no --resume", err)
+        rc, out, err = self.run_agent(["--nproc-per-node", "1"],
+                                      [harness.TRAIN, "--help", "--resume", "auto"])
+        self.assertEqual(rc, 0, err)
+        self.assertNotIn("has no --resume", err)
+
+
+class SingleNode(ElasticTest):
+    def test_environment_and_output_relay(self):
+        rc, out, err = self.run_agent(["--nproc-per-node", "3"], self.stub("--beats", "2"))
+        self.assertEqual(rc, 0, err)
+        port = re.search(r"store on 127\.0\.0\.1:(\d+)", err).group(1)
+        for r in range(3):
+            self.assertRegex(out, rf"(?m)^\[rank {r}\] start rank={r} gen=0 pid=\d+ world=3 local={r} "
+                             rf"lworld=3 group=0 groups=1 addr=127\.0\.0\.1:{port} hosted=1 run=none "
+                             rf"tgen=0 pgid=(\d+)")
+            self.assertRegex(out, rf"(?m)^\[rank {r}\] done rank={r} gen=0$")
+            # stderr, and the partial last line flushed at exit
+            self.assertRegex(err, rf"(?m)^\[rank {r}\] err rank={r} partial$")
+        # each worker leads its own process group
+        for m in re.finditer(r"start rank=\d+ gen=0 pid=(\d+) .* pgid=(\d+)", out):
+            self.assertEqual(m.group(1), m.group(2))
+        self.assertEqual(self.rounds(err), [0])
+
+    def test_failure_restarts_the_whole_group(self):
+        rc, out, err = self.run_agent(["--nproc-per-node", "2"],
+                                      self.stub("--beats", "4", "--fail", "1:0:1:2"))
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(self.rounds(err), [0, 1])
+        self.assertIn("rank 1 (pid", err)
+        self.assertRegex(err, r"round 0: rank 1 \(pid \d+\) exited with status 1")
+        self.assertIn("[rank 0] term rank=0 gen=0", out)  # the survivor got SIGTERM
+        self.assertIn("restart 1 of at most 3", err)
+        for r in range(2):
+            self.assertRegex(out, rf"\[rank {r}\] start rank={r} gen=1 .* tgen=1 ")
+            self.assertIn(f"[rank {r}] done rank={r} gen=1", out)
+
+    def test_restart_budget_exhausted(self):
+        rc, out, err = self.run_agent(["--nproc-per-node", "2", "--max-restarts", "2"],
+                                      self.stub("--beats", "4", "--fail", "1:*:1:1"))
+        self.assertEqual(rc, 1, err)
+        self.assertEqual(self.rounds(err), [0, 1, 2])
+        last = err.strip().splitlines()[-1]
+        self.assertRegex(last, r"ERROR .*giving up: restart budget exhausted: 2 restart\(s\) used of "
+                         r"--max-restarts 2; last failure: rank 1 \(pid \d+\) exited with status 1")
+
+    def test_usage_error_is_not_retried(self):
+        rc, out, err = self.run_agent(["--nproc-per-node", "2"],
+                                      self.stub("--beats", "4", "--fail", "0:*:2:1"))
+        self.assertEqual(rc, 2, err)
+        self.assertEqual(self.rounds(err), [0])
+        self.assertNotIn("restart 1", err)
+        self.assertRegex(err, r"rank 0 \(pid \d+\) exited with status 2: a usage or configuration "
+                         r"error, not restarting")
+
+    def test_store_token(self):
+        """Workers get the random token; the store refuses a wrong or missing one; never logged."""
+        check = os.path.join(self.tmp, "token.txt")
+        a = self.agent(["--nproc-per-node", "1"],
+                       self.stub("--beats", "0", "--token-check", check))
+        port = int(a.wait_for(r"store on 127\.0\.0\.1:(\d+)").group(1))
+        a.wait_for(r"first progress")
+        self.assertEqual(hello_status(port, ""), 2)         # DENIED: no token
+        self.assertEqual(hello_status(port, "0" * 32), 2)   # DENIED: wrong token
+        a.p.send_signal(signal.SIGTERM)
+        self.assertEqual(a.wait(), 143)
+        with open(check) as f:
+            m = re.match(r"ok=(\S+) wrong=(\S+) token=([0-9a-f]+)$", f.read().strip())
+        self.assertIsNotNone(m)
+        self.assertEqual(m.group(1), "0")   # OK with the worker's token
+        self.assertEqual(m.group(2), "2")   # DENIED with a wrong one
+        token = m.group(3)
+        self.assertEqual(len(token), 32)
+        self.assertNotIn(token, a.out() + a.err())
+
+    def test_ignored_sigterm_is_killed_after_grace_and_groups_are_gone(self):
+        """C19 and C29: rank 0 ignores SIGTERM and runs on; its group, grandchildren included,
+        is SIGKILLed after --stop-grace (pid logged) and gone before round 1 starts."""
+        t0 = time.time()
+        rc, out, err = self.run_agent(
+            ["--nproc-per-node", "2", "--stop-grace", "1"],
+            self.stub("--beats", "6", "--forever", "*:0", "--fail", "1:0:1:3", "--ignore-term",
+                      "--child", self.marker))
+        elapsed = time.time() - t0
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(self.rounds(err), [0, 1])
+        pid0 = self.pids_of(err, 0)[0]
+        self.assertRegex(err, rf"rank 0 \(pid {pid0}\) still running 1\.\d s after SIGTERM: SIGKILL "
+                         r"to its process group")
+        self.assertRegex(err, r"processes of its group \d+ are still running")
+        # round 1's workers found nothing of round 0 (the grandchildren of both ranks)
+        self.assertEqual(re.findall(r"\[rank \d\] stale=(\d+)", out), ["0", "0"])
+        self.assertLess(elapsed, 15 * T)
+        self.assertEqual(procs_with(self.marker + "-g"), [])
+
+    def pids_of(self, err, gen):
+        for m in STARTED_RE.finditer(err):
+            if int(m.group(1)) == gen:
+                return [int(x) for x in m.group(5).split()]
+        return []
+
+    def test_hang_watchdog_restarts_a_stopped_rank(self):
+        """C17: rank 1 is SIGSTOPped; the watchdog names it, stops the group (SIGCONT lets the
+        stopped one take SIGTERM) and restarts."""
+        a = self.agent(["--nproc-per-node", "2", "--hang-timeout", "1", "--stop-grace", "2"],
+                       self.stub("--beats", "30", "--forever", "*:0", "--interval", "0.05"))
+        a.wait_for(r"round 0: first progress")
+        pid1 = a.pids(0)[1]
+        os.kill(pid1, signal.SIGSTOP)
+        t_stop = time.time()
+        m = a.wait_for(r"hang watchdog \(--hang-timeout 1 s\): (.*)")
+        noticed = time.time() - t_stop
+        self.assertRegex(m.group(1), rf"^rank 1 \(pid {pid1}, (last step \d+|no progress line yet)\) "
+                         r"silent for 1\.\d s$")
+        self.assertEqual(a.wait(), 0, a.err())
+        self.assertEqual(self.rounds(a.err()), [0, 1])
+        self.assertIn("restart 1 of at most 3", a.err())
+        self.assertLess(noticed, 3 * T)
+
+    def test_preemption_forwards_sigterm(self):
+        a = self.agent(["--nproc-per-node", "2"], self.stub("--beats", "0"))
+        for r in range(2):  # each has its SIGTERM handler once it printed this
+            a.wait_for(rf"^\[rank {r}\] start rank={r} ", stream="out")
+        a.p.send_signal(signal.SIGTERM)
+        self.assertEqual(a.wait(10), 143)
+        for r in range(2):
+            self.assertIn(f"[rank {r}] term rank={r} gen=0", a.out())
+        self.assertIn("preempted", a.err())
+        self.assertEqual(self.rounds(a.err()), [0])
+
+    def test_busy_store_port_is_replaced(self):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen(1)
+            busy = s.getsockname()[1]
+            rc, out, err = self.run_agent(
+                ["--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{busy}"],
+                self.stub("--beats", "2"))
+        self.assertEqual(rc, 0, err)
+        self.assertIn(f"store port {busy} on 127.0.0.1 is busy: hosting the store on a free port", err)
+        port = int(re.search(r"store on 127\.0\.0\.1:(\d+)", err).group(1))
+        self.assertNotEqual(port, busy)
+        self.assertNotRegex(err, r"restart \d")
+
+    def test_slow_output_reader_does_not_block_the_agent(self):
+        """A worker floods stdout (4 MiB) while nobody reads the agent's stdout pipe: the agent
+        waits a bounded time, then drops lines (and says so) and still serves the workers."""
+        err_path = os.path.join(self.tmp, "slow.err")
+        with open(err_path, "w") as errf:
+            p = subprocess.Popen([ELASTIC, "--nproc-per-node", "1", "--"] +
+                                 self.stub("--beats", "2", "--spam", "4096"),
+                                 stdout=subprocess.PIPE, stderr=errf, env=harness.env())
+        try:
+            t0 = time.time()
+            while time.time() - t0 < 30 * T and "every worker exited 0" not in harness.read(err_path):
+                time.sleep(0.02)
+            took = time.time() - t0
+            err = harness.read(err_path)
+        finally:
+            out = p.stdout.read()
+            p.wait(timeout=30)
+            p.stdout.close()
+        self.assertEqual(p.returncode, 0, err[-2000:])
+        self.assertIn("every worker exited 0", err[-2000:])
+        self.assertLess(took, 15 * T)
+        self.assertRegex(err, r"output to the agent's stdout is blocked: dropping worker lines")
+        self.assertRegex(err, r"\d+ lines of worker output were dropped")
+        self.assertLess(out.count(b"\n"), 4096)
+
+
+class WithTrain(ElasticTest):
+    def setUp(self):
+        super().setUp()
+        self.ckpt = os.path.join(self.tmp, "ck")
+
+    def train_cmd(self, extra=()):
+        return [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS + [
+            "--ckpt-dir", self.ckpt, "--ckpt-every", "5", "--resume", "auto"] + list(extra)
+
+    def reference(self):
+        p = harness.run([harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS, check=True)
+        return harness.final(p)["digest"]
+
+    def final(self, out):
+        m = FINAL_RE.search(out)
+        self.assertIsNotNone(m, out[-2000:])
+        return int(m.group(1)), m.group(4)
+
+    def test_kill_one_rank_one_restart_same_digest(self):
+        """C16: W=4, SIGKILL rank 2 mid-run, while the others are in a collective: every survivor
+        fails at once, no process of the round is left, the agent restarts the group, the job
+        resumes from the newest snapshot and ends with the uninterrupted run's digest."""
+        ref = self.reference()
+        a = self.agent(["--nproc-per-node", "4", "--hang-timeout", "60"], self.train_cmd())
+        a.wait_for(r"\[rank 0\] .*step 12/")
+        old = a.pids(0)
+        t_kill = time.time()
+        os.kill(old[2], signal.SIGKILL)
+        m = a.wait_for(rf"(\d\d):(\d\d):(\d\d\.\d+) WARN  \[elastic\] rank 2 \(pid {old[2]}\) was "
+                       r"killed by signal 9")
+        a.wait_for(r"round 1: started")
+        for pid in old:  # the whole round is gone before round 1 starts
+            self.assertRaises(ProcessLookupError, os.kill, pid, 0)
+        self.assertEqual(a.wait(120), 0, a.err())
+        self.assertEqual(self.rounds(a.err()), [0, 1])
+        for r in (0, 1, 3):
+            self.assertRegex(a.err(), rf"rank {r} \(pid {old[r]}\) exited with status 1 ")
+        step, digest = self.final(a.out())
+        self.assertEqual(step, 30)
+        self.assertEqual(digest, ref)
+        self.assertRegex(a.err(), r"\[rank 0\] .*resumed from .*step-0000000(05|10) at step (5|10)")
+        lt = time.gmtime(t_kill)
+        noticed = (int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3))) - \
+            (lt.tm_hour * 3600 + lt.tm_min * 60 + lt.tm_sec + (t_kill % 1))
+        first = re.search(r"round 1: first progress after (\S+) s", a.err())
+        print(f"\n  dead rank noticed after {noticed * 1000:.1f} ms; round 1 first step after "
+              f"{first.group(1) if first else '?'} s", file=sys.stderr)
+
+    def test_train_usage_error_is_not_retried(self):
+        rc, out, err = self.run_agent(["--nproc-per-node", "2"], self.train_cmd(["--bogus-flag"]))
+        self.assertEqual(rc, 2, err)
+        self.assertEqual(self.rounds(err), [0])
+        self.assertIn("a usage or configuration error, not restarting", err)
+
+    def test_preempt_final_snapshot_then_resume(self):
+        """SIGTERM to the agent: the ranks finish the step, take a final snapshot and exit 143;
+        the agent exits 143; the relaunch resumes from that snapshot to the same digest."""
+        ref = self.reference()
+        a = self.agent(["--nproc-per-node", "2"], self.train_cmd())
+        a.wait_for(r"\[rank 0\] .*step 8/")
+        a.p.send_signal(signal.SIGTERM)
+        self.assertEqual(a.wait(60), 143, a.err())
+        m = re.search(r"stopping after step (\d+) with a final snapshot", a.out() + a.err())
+        self.assertIsNotNone(m, a.out()[-2000:])
+        last = int(m.group(1))
+        self.assertIn(f"step-{last:09d}", harness.snapshot_dirs(self.ckpt))
+        b = self.agent(["--nproc-per-node", "2"], self.train_cmd())
+        self.assertEqual(b.wait(120), 0, b.err())
+        self.assertRegex(b.err(), rf"resumed from \S*step-{last:09d} at step {last}\b")
+        self.assertEqual(self.final(b.out()), (30, ref))
+
+
+class MultiNode(ElasticTest):
+    def multi(self, port, nnodes, nproc, cmd, extra=(), env=None, name=None, rdzv_id="job", hb="1"):
+        return self.agent(["--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-endpoint",
+                           f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, "--heartbeat-timeout", hb,
+                           "--last-call", "0.5", "--stop-grace", "3"] + list(extra), cmd,
+                          extra_env=env, name=name)
+
+    def test_two_nodes_ranks_and_success(self):
+        port = free_port()
+        a = self.multi(port, "2", 2, self.stub("--beats", "3"), name="A")
+        a.wait_for(r"hosting the rendezvous store")
+        b = self.multi(port, "2", 2, self.stub("--beats", "3"), name="B")
+        self.assertEqual(a.wait(), 0, a.err())
+        self.assertEqual(b.wait(), 0, b.err())
+        out = a.out() + b.out()
+        ranks = sorted(int(x) for x in re.findall(r"start rank=(\d+) gen=0 pid=\d+ world=4 ", out))
+        self.assertEqual(ranks, [0, 1, 2, 3])
+        self.assertRegex(out, rf"addr=127\.0\.0\.1:{port} hosted=1 run=job ")
+        self.assertIn("job finished", a.err())
+        self.assertIn("joining the rendezvous store", b.err())
+
+    def test_wrong_token_agent_is_refused(self):
+        port = free_port()
+        a = self.multi(port, "1:2", 1, self.stub("--beats", "0"), env={"ELASTIC_STORE_TOKEN": "right"},
+                       name="A")
+        a.wait_for(r"round 0: first progress")
+        b = self.multi(port, "1:2", 1, self.stub("--beats", "0"), env={"ELASTIC_STORE_TOKEN": "wrong"},
+                       name="B")
+        self.assertEqual(b.wait(30), 1)
+        self.assertIn("Permission denied", b.err())
+        self.assertNotIn("wrong", b.err().replace("wrong token", ""))
+        a.p.send_signal(signal.SIGTERM)
+        self.assertEqual(a.wait(), 143)
+
+    def test_worker_usage_error_ends_every_agent(self):
+        port = free_port()
+        a = self.multi(port, "2", 1, self.stub("--beats", "0"), name="A")
+        a.wait_for(r"hosting the rendezvous store")
+        b = self.multi(port, "2", 1, self.stub("--beats", "0", "--fail", "1:0:2:2"), name="B")
+        self.assertEqual(b.wait(), 2, b.err())
+        self.assertEqual(a.wait(), 2, a.err())
+        self.assertIn("usage or configuration error", a.err())
+        self.assertEqual(self.rounds(a.err()), [0])
+
+    def test_kill_one_agent_of_three_finishes_smaller(self):
+        """C27: three agents (2:3), one rank each, train; SIGKILL the third agent: the other two
+        re-rendezvous as W=2, resume from the newest snapshot (re-sharded) and finish."""
+        port = free_port()
+        args = [harness.TRAIN] + harness.data_args()[:2] + [
+            "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32",
+            "--global-batch", "12", "--micro-batch", "2", "--steps", "80", "--seed", "3",
+            "--log-every", "1", "--ckpt-dir", os.path.join(self.tmp, "ck"), "--ckpt-every", "4",
+            "--resume", "auto"]
+        # three busy ranks on two cores: a generous heartbeat timeout (the dead rank is what
+        # the survivors notice first anyway)
+        a = self.multi(port, "2:3", 1, args, name="A", hb="5")
+        a.wait_for(r"hosting the rendezvous store")
+        b = self.multi(port, "2:3", 1, args, name="B", hb="5")
+        b.wait_for(r"registered")
+        c = self.multi(port, "2:3", 1, args, name="C", hb="5")
+        for x in (a, b, c):
+            x.wait_for(r"round 0: node \d of 3")
+        deadline = time.time() + 60 * T  # rank 0 (step lines) is on whichever agent is node 0
+        while (not any(re.search(r"\[rank 0\] .*step 9/80", x.err()) for x in (a, b, c))
+               and time.time() < deadline):
+            time.sleep(0.01)
+        self.assertIsNone(c.p.poll())
+        c.p.kill()
+        c.p.wait()
+        self.assertEqual(a.wait(120), 0, a.err())
+        self.assertEqual(b.wait(120), 0, b.err())
+        errs = a.err() + b.err()
+        self.assertRegex(errs, r"round 1: node \d of 2, ranks \d\.\.\d of world size 2")
+        self.assertRegex(errs, r"world size 2, ZeRO")
+        self.assertRegex(errs, r"resumed from \S*step-\d+ at step \d+")
+        self.assertRegex(a.out() + b.out(), r"\[rank 0\] final step=80 ")
+
+    def test_scale_up_when_an_agent_joins(self):
+        port = free_port()
+        cmd = self.stub("--beats", "5", "--forever", "*:0")
+        a = self.multi(port, "1:3", 1, cmd, name="A")
+        a.wait_for(r"hosting the rendezvous store")
+        b = self.multi(port, "1:3", 1, cmd, name="B")
+        a.wait_for(r"round 0: node \d of 2")
+        a.wait_for(r"round 0: first progress")
+        b.wait_for(r"round 0: first progress")
+        c = self.multi(port, "1:3", 1, cmd, name="C")
+        for x in (a, b, c):
+            self.assertEqual(x.wait(), 0, x.err())
+        self.assertIn("scale-up", a.err())
+        for x in (a, b, c):
+            self.assertRegex(x.err(), r"round 1: node \d of 3, ranks \d\.\.\d of world size 3")
+            self.assertNotIn("restart 1", x.err())  # a scale-up is not a failure
+
+    def test_leave_and_rejoin_cycles_are_counted(self):
+        """C28: node B leaves (SIGKILL) and rejoins at once, again and again; with
+        --max-restarts 3 the fourth departure ends the job with a clear message."""
+        port = free_port()
+        cmd = self.stub("--beats", "0")
+        extra = ["--max-restarts", "3"]
+        a = self.multi(port, "1:2", 1, cmd, extra, name="A")
+        a.wait_for(r"hosting the rendezvous store")
+        b = self.multi(port, "1:2", 1, cmd, extra, name="B0")
+        cycles = 0
+        while cycles < 5 and a.p.poll() is None:
+            # B is running a worker, or A has given up meanwhile
+            deadline = time.time() + 30 * T
+            while (a.p.poll() is None and b.p.poll() is None and
+                   not re.search(r"round \d+: first progress", b.err()) and time.time() < deadline):
+                time.sleep(0.01)
+            if a.p.poll() is not None or b.p.poll() is not None:
+                break
+            b.p.kill()  # leave ...
+            b.p.wait()
+            cycles += 1
+            b = self.multi(port, "1:2", 1, cmd, extra, name=f"B{cycles}")  # ... and rejoin at once
+        self.assertEqual(a.wait(60), 1, a.err())
+        err = a.err()
+        for k in (1, 2, 3):
+            self.assertIn(f"restart {k} of at most 3", err)
+        self.assertNotIn("restart 4", err)
+        self.assertRegex(err, r"giving up: restart budget exhausted: 3 restart\(s\) used of "
+                         r"--max-restarts 3")
+        self.assertEqual(cycles, 4)
+        self.assertEqual(b.wait(30), 1, b.err())
+        self.assertRegex(b.err(), r"job ended by another node \(exit 1\): .*restart budget exhausted")
+
+    def test_store_host_killed_others_fail_fast(self):
+        """C30: SIGKILL the agent that hosts the store: the others stop their workers and exit 1
+        within seconds, naming the endpoint."""
+        port = free_port()
+        cmd = self.stub("--beats", "0")
+        a = self.multi(port, "2:3", 1, cmd, name="A")
+        a.wait_for(r"hosting the rendezvous store")
+        b = self.multi(port, "2:3", 1, cmd, name="B")
+        c = self.multi(port, "2:3", 1, cmd, name="C")
+        for x in (b, c):
+            x.wait_for(r"round 0: first progress")
+        t0 = time.time()
+        a.p.kill()
+        a.p.wait()
+        for x in (b, c):
+            self.assertEqual(x.wait(20), 1, x.err())
+            self.assertIn(f"lost the rendezvous store at 127.0.0.1:{port}", x.err())
+        took = time.time() - t0
+        self.assertLess(took, 5 * T)
+        print(f"\n  store host killed: the other agents exited after {took:.2f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    harness.main()

@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""A stand-in worker for the elastic launcher's tests (tests/integration/test_elastic.py).
+
+It behaves like a training rank without training: prints what it was given, writes progress
+lines to ELASTIC_HEARTBEAT_FD, and exits, fails, hangs or ignores SIGTERM on request.
+
+  --beats N             progress lines to write before exiting 0 (0 = forever)
+  --interval S          seconds between progress lines (default 0.05)
+  --fail R:G:CODE[:K]   rank R (or *) in round G (ELASTIC_RESTART_COUNT, or *) exits CODE after
+                        K progress lines (default 0); may repeat
+  --forever R:G         rank R (or *) in round G (or *) writes progress lines until stopped
+  --spam N              print N lines of 1 KiB on stdout at start (a flood for slow readers)
+  --silent R:G[:K]      rank R in round G stops writing progress lines after K lines (hangs)
+  --ignore-term         ignore SIGTERM (the launcher must SIGKILL us)
+  --child MARKER        start a grandchild (same process group) that sleeps with
+                        "MARKER-g<round>-child" in its argv, ignoring SIGTERM when --ignore-term
+                        is given; in round G > 0 first print "stale=<n>", the number of
+                        processes left from round G-1 ("MARKER-g<G-1>-child")
+  --token-check FILE    connect to the store with ELASTIC_STORE_TOKEN and with a wrong token;
+                        write "ok=<status> wrong=<status> token=<token>" to FILE
+  --marker M            ignored (a tag in argv for pgrep)
+Lines on stdout: "start rank=.. gen=.. pid=.. world=.. local=.. group=.. groups=.. addr=..",
+"term rank=.." on SIGTERM (then exit 143), "done rank=.." at a clean end; "err rank=.." and a
+partial line without newline on stderr.
+"""
+import argparse
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+
+def env_int(name, default=-1):
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def match(spec, rank, gen):
+    parts = spec.split(":")
+    r, g = parts[0], parts[1]
+    return (r == "*" or int(r) == rank) and (g == "*" or int(g) == gen), parts[2:]
+
+
+def store_hello(host, port, token):
+    """HELLO with token; returns the status byte (0 OK, 2 DENIED) or -1 on a closed socket."""
+    tok = token.encode()
+    body = b"ESTR" + struct.pack("<H", 1) + struct.pack("<I", len(tok)) + tok
+    frame = struct.pack("<IBI", 5 + len(body), 0x01, 1) + body
+    with socket.create_connection((host, port), timeout=5) as s:
+        s.sendall(frame)
+        hdr = b""
+        while len(hdr) < 10:
+            chunk = s.recv(10 - len(hdr))
+            if not chunk:
+                return -1
+            hdr += chunk
+        return hdr[9]
+
+
+def stale(marker):
+    me = os.getpid()
+    n = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    n += 1
+        except OSError:
+            pass
+    return n
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--beats", type=int, default=5)
+    ap.add_argument("--interval", type=float, default=0.05)
+    ap.add_argument("--fail", action="append", default=[])
+    ap.add_argument("--silent", action="append", default=[])
+    ap.add_argument("--forever", action="append", default=[])
+    ap.add_argument("--spam", type=int, default=0)
+    ap.add_argument("--ignore-term", action="store_true")
+    ap.add_argument("--child")
+    ap.add_argument("--token-check")
+    ap.add_argument("--marker")
+    a = ap.parse_args()
+
+    rank, gen = env_int("RANK"), env_int("ELASTIC_RESTART_COUNT")
+    out = sys.stdout
+
+    def on_term(sig, frame):
+        print(f"term rank={rank} gen={gen}", flush=True)
+        os._exit(143)
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if a.ignore_term else on_term)
+    print(f"start rank={rank} gen={gen} pid={os.getpid()} world={env_int('WORLD_SIZE')} "
+          f"local={env_int('LOCAL_RANK')} lworld={env_int('LOCAL_WORLD_SIZE')} "
+          f"group={env_int('GROUP_RANK')} groups={env_int('GROUP_WORLD_SIZE')} "
+          f"addr={os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
+          f"hosted={os.environ.get('ELASTIC_STORE_HOSTED')} run={os.environ.get('ELASTIC_RUN_ID')} "
+          f"tgen={os.environ.get('TORCHELASTIC_RESTART_COUNT')} pgid={os.getpgid(0)}", file=out,
+          flush=True)
+    if a.child and gen > 0:
+        print(f"stale={stale(f'{a.child}-g{gen - 1}-child')}", flush=True)
+    if a.child:
+        code = ("import signal, time, sys\n"
+                + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if a.ignore_term else "")
+                + "time.sleep(1000)\n")
+        subprocess.Popen([sys.executable, "-c", code, f"{a.child}-g{gen}-child"], close_fds=True,
+                         stdin=subprocess.DEVNULL)
+    if a.token_check:
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        token = os.environ.get("ELASTIC_STORE_TOKEN", "")
+        ok = store_hello(host, port, token)
+        wrong = store_hello(host, port, token + "x")
+        with open(a.token_check, "w") as f:
+            f.write(f"ok={ok} wrong={wrong} token={token}\n")
+
+    fd = env_int("ELASTIC_HEARTBEAT_FD")
+    fail = None
+    for spec in a.fail:
+        hit, rest = match(spec, rank, gen)
+        if hit:
+            fail = (int(rest[0]), int(rest[1]) if len(rest) > 1 else 0)
+    silent_after = None
+    for spec in a.silent:
+        hit, rest = match(spec, rank, gen)
+        if hit:
+            silent_after = int(rest[0]) if rest else 0
+    beats = a.beats
+    for spec in a.forever:
+        if match(spec, rank, gen)[0]:
+            beats = 0
+    line = "x" * 1023
+    for i in range(a.spam):
+        print(f"{i:08d} {line}")
+    sys.stdout.flush()
+    n = 0
+    while beats == 0 or n < beats:
+        if fail and n >= fail[1]:
+            print(f"err rank={rank} failing with {fail[0]}", file=sys.stderr, flush=True)
+            sys.exit(fail[0])
+        if silent_after is None or n < silent_after:
+            if fd >= 0:
+                try:
+                    os.write(fd, f"step {n + 1}\n".encode())
+                except OSError:
+                    pass
+        n += 1
+        time.sleep(a.interval)
+    print(f"done rank={rank} gen={gen}", flush=True)
+    sys.stderr.write(f"err rank={rank} partial")
+    sys.stderr.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
