@@ -1,4 +1,5 @@
 /* ckpt_export.c - safetensors export of a snapshot's tensor table (see ckpt_export.h). */
+#include "log.h"
 #include "ckpt_export.h"
 #include "ckpt_internal.h"
 
@@ -32,17 +33,6 @@ static const struct {
     uint32_t elem_bytes;
 } dtypes[] = {{"f32", "F32", 4}, {"f16", "F16", 2}, {"bf16", "BF16", 2}, {"f64", "F64", 8}};
 
-static void set_why(char *why, size_t why_len, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static void set_why(char *why, size_t why_len, const char *fmt, ...)
-{
-    if (!why || !why_len) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(why, why_len, fmt, ap);
-    va_end(ap);
-}
 
 static double now_s(void)
 {
@@ -77,7 +67,7 @@ static int parse_table(const json_t *trainer, const char *bufname, uint64_t elem
 {
     const json_t *tensors = json_object_get(trainer, "tensors");
     if (!json_is_array(tensors) || json_array_size(tensors) == 0) {
-        set_why(why, why_len, "trainer record has no tensor table (\"tensors\")");
+        log_why(why, why_len, "trainer record has no tensor table (\"tensors\")");
         return -EINVAL;
     }
     size_t n = json_array_size(tensors);
@@ -91,17 +81,17 @@ static int parse_table(const json_t *trainer, const char *bufname, uint64_t elem
         const json_t *shape = json_object_get(e, "shape");
         const json_t *off = json_object_get(e, "offset");
         if (!name || !name[0]) {
-            set_why(why, why_len, "tensor %zu of the trainer record has no name", i);
+            log_why(why, why_len, "tensor %zu of the trainer record has no name", i);
             rc = -EINVAL;
             goto out;
         }
         if (!strcmp(name, "__metadata__") || json_object_get(hdr, name)) {
-            set_why(why, why_len, "tensor name %s is reserved or used twice", name);
+            log_why(why, why_len, "tensor name %s is reserved or used twice", name);
             rc = -EINVAL;
             goto out;
         }
         if (!json_is_array(shape) || !json_is_integer(off) || json_integer_value(off) < 0) {
-            set_why(why, why_len, "tensor %s: shape or offset missing or malformed", name);
+            log_why(why, why_len, "tensor %s: shape or offset missing or malformed", name);
             rc = -EINVAL;
             goto out;
         }
@@ -135,13 +125,13 @@ static int parse_table(const json_t *trainer, const char *bufname, uint64_t elem
         uint64_t first = (uint64_t)json_integer_value(off);
         if (bad_shape || json_array_size(dims) != json_array_size(shape)) {
             json_decref(dims);
-            set_why(why, why_len, "tensor %s: shape malformed", name);
+            log_why(why, why_len, "tensor %s: shape malformed", name);
             rc = -EINVAL;
             goto out;
         }
         if (numel > elems || first > elems - numel) {
             json_decref(dims);
-            set_why(why, why_len,
+            log_why(why, why_len,
                     "tensor %s: elements [%llu, %llu) lie outside buffer %s (%llu elements)", name,
                     (unsigned long long)first, (unsigned long long)(first + numel), bufname,
                     (unsigned long long)elems);
@@ -211,12 +201,12 @@ int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_e
     const uint64_t W = opts->window_bytes;
     if (!s || !out_path || !out_path[0] || W < 4096 || W > (4ull << 30)) return -EINVAL;
     if (strlen(out_path) >= CKPT_PATH_MAX) {
-        set_why(why, why_len, "%s: path too long", out_path);
+        log_why(why, why_len, "%s: path too long", out_path);
         return -EINVAL;
     }
     struct stat st;
     if (!force && lstat(out_path, &st) == 0) {
-        set_why(why, why_len, "%s: exists", out_path);
+        log_why(why, why_len, "%s: exists", out_path);
         return -EEXIST;
     }
     {
@@ -233,7 +223,7 @@ int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_e
         uint64_t step;
         if (lstat(mpath, &st) == 0 || ckpt_parse_step_dirname(base, &step) == 0 ||
             ckpt_parse_temp_dirname(base, &step) == 0) {
-            set_why(why, why_len, "%s: refusing to write inside a snapshot folder", out_path);
+            log_why(why, why_len, "%s: refusing to write inside a snapshot folder", out_path);
             return -EINVAL;
         }
     }
@@ -241,7 +231,7 @@ int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_e
     json_error_t jerr;
     trainer = json_loads(ckpt_snapshot_trainer_json(s), 0, &jerr);
     if (!json_is_object(trainer)) {
-        set_why(why, why_len, "trainer record is not a JSON object: %s", jerr.text);
+        log_why(why, why_len, "trainer record is not a JSON object: %s", jerr.text);
         rc = -EINVAL;
         goto out;
     }
@@ -253,7 +243,7 @@ int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_e
         if (ckpt_snapshot_buffer_info(s, bidx, &bi) == 0 && !strcmp(bi.name, bufname)) break;
     }
     if (bidx == nb) {
-        set_why(why, why_len, "no buffer %s (the trainer's tensor_buffer) in the snapshot",
+        log_why(why, why_len, "no buffer %s (the trainer's tensor_buffer) in the snapshot",
                 bufname);
         rc = -ENOENT;
         goto out;
@@ -264,7 +254,7 @@ int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_e
             st_dtype = dtypes[i].st;
     }
     if (!st_dtype) {
-        set_why(why, why_len, "buffer %s has dtype %s of %u bytes: no safetensors dtype for it",
+        log_why(why, why_len, "buffer %s has dtype %s of %u bytes: no safetensors dtype for it",
                 bufname, bi.dtype, bi.elem_bytes);
         rc = -EINVAL;
         goto out;
@@ -298,7 +288,7 @@ int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_e
     }
     size_t hlen = strlen(hdr_text), padded = (hlen + 7) & ~(size_t)7;
     if (padded > HEADER_MAX_BYTES) {
-        set_why(why, why_len, "safetensors header of %zu bytes is over the %u-byte limit", padded,
+        log_why(why, why_len, "safetensors header of %zu bytes is over the %u-byte limit", padded,
                 HEADER_MAX_BYTES);
         rc = -EINVAL;
         goto out;
@@ -317,12 +307,12 @@ int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_e
     fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (fd < 0) {
         rc = -errno;
-        set_why(why, why_len, "cannot create %s: %s", tmp, strerror(errno));
+        log_why(why, why_len, "cannot create %s: %s", tmp, strerror(errno));
         goto out;
     }
     tmp_made = 1;
     if ((rc = pwrite_all(fd, prefix, 8 + padded, 0)) < 0) {
-        set_why(why, why_len, "write %s: %s", tmp, strerror(-rc));
+        log_why(why, why_len, "write %s: %s", tmp, strerror(-rc));
         goto out;
     }
 
@@ -355,9 +345,9 @@ int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_e
             char bad[512] = "";
             rc = ckpt_snapshot_read(s, bufname, a, b - a, win, bad, sizeof bad);
             if (rc < 0) {
-                if (bad[0]) set_why(why, why_len, "%s", bad);
+                if (bad[0]) log_why(why, why_len, "%s", bad);
                 else
-                    set_why(why, why_len, "reading bytes [%llu, %llu) of %s: %s",
+                    log_why(why, why_len, "reading bytes [%llu, %llu) of %s: %s",
                             (unsigned long long)a, (unsigned long long)b, bufname, strerror(-rc));
                 goto out;
             }
@@ -368,7 +358,7 @@ int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_e
                 rc = pwrite_all(fd, win + (ia - a), (size_t)(ib - ia),
                                 data_start + t[i].out_off + (ia - t[i].offset));
                 if (rc < 0) {
-                    set_why(why, why_len, "write %s: %s", tmp, strerror(-rc));
+                    log_why(why, why_len, "write %s: %s", tmp, strerror(-rc));
                     goto out;
                 }
             }
@@ -377,25 +367,25 @@ int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_e
 
     if (fsync(fd)) {
         rc = -errno;
-        set_why(why, why_len, "fsync %s: %s", tmp, strerror(errno));
+        log_why(why, why_len, "fsync %s: %s", tmp, strerror(errno));
         goto out;
     }
     int cfd = fd;
     fd = -1;
     if (close(cfd)) {
         rc = -errno;
-        set_why(why, why_len, "close %s: %s", tmp, strerror(errno));
+        log_why(why, why_len, "close %s: %s", tmp, strerror(errno));
         goto out;
     }
     if ((rc = commit_rename(tmp, out_path, force)) < 0) {
-        if (rc == -EEXIST) set_why(why, why_len, "%s: exists", out_path);
-        else set_why(why, why_len, "rename %s to %s: %s", tmp, out_path, strerror(-rc));
+        if (rc == -EEXIST) log_why(why, why_len, "%s: exists", out_path);
+        else log_why(why, why_len, "rename %s to %s: %s", tmp, out_path, strerror(-rc));
         goto out;
     }
     tmp_made = 0;
     parent_of(out_path, dir, sizeof dir);
     if ((rc = store_fsync_dir(dir)) < 0) {
-        set_why(why, why_len, "fsync folder %s after renaming %s: %s", dir, out_path,
+        log_why(why, why_len, "fsync folder %s after renaming %s: %s", dir, out_path,
                 strerror(-rc));
         goto out;
     }

@@ -67,16 +67,6 @@ struct ckpt_snapshot {
     rctx *ctx;        /* (threads) decode states, allocated on first read */
 };
 
-static void set_bad(char *bad, size_t bad_len, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void set_bad(char *bad, size_t bad_len, const char *fmt, ...)
-{
-    if (!bad || !bad_len) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(bad, bad_len, fmt, ap);
-    va_end(ap);
-}
 
 static void rctx_free(rctx *c, size_t nfiles);
 
@@ -127,12 +117,12 @@ static int check_manifest_sum(const char *text, size_t len, char *why, size_t wh
     const char *last = NULL;
     for (const char *p = text; (p = strstr(p, key)) != NULL; p++) last = p;
     if (!last) {
-        set_bad(why, why_len, "manifest has no manifest_xxh3 member");
+        log_why(why, why_len, "manifest has no manifest_xxh3 member");
         return -EBADMSG;
     }
     const char *hex = last + klen;
     if ((size_t)(hex - text) + 16 > len) {
-        set_bad(why, why_len, "manifest checksum member is cut short");
+        log_why(why, why_len, "manifest checksum member is cut short");
         return -EBADMSG;
     }
     char tmp[17];
@@ -140,12 +130,12 @@ static int check_manifest_sum(const char *text, size_t len, char *why, size_t wh
     tmp[16] = '\0';
     uint64_t want;
     if (ckpt_parse_hex64(tmp, &want) < 0) {
-        set_bad(why, why_len, "manifest checksum is not 16 hex digits");
+        log_why(why, why_len, "manifest checksum is not 16 hex digits");
         return -EBADMSG;
     }
     uint64_t got = XXH3_64bits(text, (size_t)(last - text));
     if (got != want) {
-        set_bad(why, why_len, "manifest checksum mismatch (stored %016llx, computed %016llx)",
+        log_why(why, why_len, "manifest checksum mismatch (stored %016llx, computed %016llx)",
                 (unsigned long long)want, (unsigned long long)got);
         return -EBADMSG;
     }
@@ -160,7 +150,7 @@ static int parse_chunks(ckpt_snapshot *s, buffer *b, const json_t *jshards, char
     json_array_foreach(jshards, i, sh) {
         json_t *cs = json_object_get(sh, "chunks");
         if (!json_is_array(cs)) {
-            set_bad(why, why_len, "buffer %s: shard %zu has no chunk list", b->name, i);
+            log_why(why, why_len, "buffer %s: shard %zu has no chunk list", b->name, i);
             return -EBADMSG;
         }
         n += json_array_size(cs);
@@ -175,7 +165,7 @@ static int parse_chunks(ckpt_snapshot *s, buffer *b, const json_t *jshards, char
         for (size_t f = 0; fname && f < s->nfiles; f++)
             if (!strcmp(s->files[f].name, fname)) fidx = (uint32_t)f;
         if (fidx == UINT32_MAX || soff < 0 || sbytes < 0) {
-            set_bad(why, why_len, "buffer %s: shard %zu names an unknown file or lacks offset/bytes",
+            log_why(why, why_len, "buffer %s: shard %zu names an unknown file or lacks offset/bytes",
                     b->name, i);
             return -EBADMSG;
         }
@@ -189,35 +179,35 @@ static int parse_chunks(ckpt_snapshot *s, buffer *b, const json_t *jshards, char
             if (off < 0 || bytes <= 0 || foff < 0 || sb < 0 || !codec || !filter ||
                 ckpt_parse_hex64(get_s(c, "xxh3_raw"), &k->xxh_raw) < 0 ||
                 ckpt_parse_hex64(get_s(c, "xxh3_stored"), &k->xxh_stored) < 0) {
-                set_bad(why, why_len, "buffer %s: chunk %zu of %s is malformed", b->name, j, fname);
+                log_why(why, why_len, "buffer %s: chunk %zu of %s is malformed", b->name, j, fname);
                 return -EBADMSG;
             }
             if (!strcmp(codec, "zstd")) k->codec_zstd = 1;
             else if (!strcmp(codec, "none")) k->codec_zstd = 0;
             else {
-                set_bad(why, why_len, "buffer %s: chunk %zu of %s has unknown codec '%s'", b->name,
+                log_why(why, why_len, "buffer %s: chunk %zu of %s has unknown codec '%s'", b->name,
                         j, fname, codec);
                 return -EBADMSG;
             }
             if (!strcmp(filter, "none")) k->filter = CKPT_FILTER_NONE;
             else if (!strcmp(filter, "shuffle")) k->filter = CKPT_FILTER_SHUFFLE;
             else {
-                set_bad(why, why_len, "buffer %s: chunk %zu of %s has unknown filter '%s'", b->name,
+                log_why(why, why_len, "buffer %s: chunk %zu of %s has unknown filter '%s'", b->name,
                         j, fname, filter);
                 return -EBADMSG;
             }
             if ((uint64_t)bytes > s->chunk_max) {
-                set_bad(why, why_len, "buffer %s: chunk %zu of %s has %lld bytes, more than "
+                log_why(why, why_len, "buffer %s: chunk %zu of %s has %lld bytes, more than "
                         "chunk_bytes", b->name, j, fname, (long long)bytes);
                 return -EBADMSG;
             }
             if ((uint64_t)off != expect || (!k->codec_zstd && sb != bytes)) {
-                set_bad(why, why_len, "buffer %s: chunk %zu of %s does not follow its predecessor",
+                log_why(why, why_len, "buffer %s: chunk %zu of %s does not follow its predecessor",
                         b->name, j, fname);
                 return -EBADMSG;
             }
             if ((uint64_t)foff + (uint64_t)sb > s->files[fidx].bytes) {
-                set_bad(why, why_len, "buffer %s: chunk %zu lies past the end of %s (%llu bytes)",
+                log_why(why, why_len, "buffer %s: chunk %zu lies past the end of %s (%llu bytes)",
                         b->name, j, fname, (unsigned long long)s->files[fidx].bytes);
                 return -EBADMSG;
             }
@@ -233,7 +223,7 @@ static int parse_chunks(ckpt_snapshot *s, buffer *b, const json_t *jshards, char
             b->nchunks++;
         }
         if (expect != (uint64_t)soff + (uint64_t)sbytes) {
-            set_bad(why, why_len, "buffer %s: chunks of shard %zu do not add up to its %lld bytes",
+            log_why(why, why_len, "buffer %s: chunks of shard %zu do not add up to its %lld bytes",
                     b->name, i, (long long)sbytes);
             return -EBADMSG;
         }
@@ -245,7 +235,7 @@ static int parse_chunks(ckpt_snapshot *s, buffer *b, const json_t *jshards, char
         pos += b->chunks[i].bytes;
     }
     if (i != b->nchunks || pos != b->total_bytes) {
-        set_bad(why, why_len, "buffer %s: shards do not cover its %llu bytes exactly", b->name,
+        log_why(why, why_len, "buffer %s: shards do not cover its %llu bytes exactly", b->name,
                 (unsigned long long)b->total_bytes);
         return -EBADMSG;
     }
@@ -257,11 +247,11 @@ static int parse_manifest(ckpt_snapshot *s, const json_t *m, char *why, size_t w
     const char *fmt = get_s(m, "format");
     int64_t ver = get_u(m, "format_version");
     if (!fmt || strcmp(fmt, CKPT_FORMAT_NAME) != 0 || ver < 1) {
-        set_bad(why, why_len, "not a %s manifest", CKPT_FORMAT_NAME);
+        log_why(why, why_len, "not a %s manifest", CKPT_FORMAT_NAME);
         return -EBADMSG;
     }
     if (ver > CKPT_FORMAT_VERSION) {
-        set_bad(why, why_len, "format_version %lld is newer than this program reads (%d)",
+        log_why(why, why_len, "format_version %lld is newer than this program reads (%d)",
                 (long long)ver, CKPT_FORMAT_VERSION);
         return -EPROTONOSUPPORT;
     }
@@ -272,16 +262,16 @@ static int parse_manifest(ckpt_snapshot *s, const json_t *m, char *why, size_t w
     int64_t chunk_max = get_u(m, "chunk_bytes");
     if (step < 0 || ws < 1 || ws > 1 << 20 || !run_id || !chash || !json_is_array(jfiles) ||
         !json_is_array(jbufs) || !json_is_object(trainer)) {
-        set_bad(why, why_len, "manifest lacks step, world_size, run_id, config_hash, files, "
+        log_why(why, why_len, "manifest lacks step, world_size, run_id, config_hash, files, "
                               "buffers or trainer");
         return -EBADMSG;
     }
     if (!ckpt_valid_name(run_id) || !ckpt_valid_name(chash)) {
-        set_bad(why, why_len, "run_id or config_hash is not 1-63 characters of [A-Za-z0-9_.-]");
+        log_why(why, why_len, "run_id or config_hash is not 1-63 characters of [A-Za-z0-9_.-]");
         return -EBADMSG;
     }
     if (chunk_max < 4096 || chunk_max > (1ll << 30)) {
-        set_bad(why, why_len, "chunk_bytes %lld is outside [4096, 2^30]", (long long)chunk_max);
+        log_why(why, why_len, "chunk_bytes %lld is outside [4096, 2^30]", (long long)chunk_max);
         return -EBADMSG;
     }
     /* the folder's name, when it names a step, must name this one */
@@ -290,7 +280,7 @@ static int parse_manifest(ckpt_snapshot *s, const json_t *m, char *why, size_t w
     uint64_t named;
     if ((ckpt_parse_step_dirname(base, &named) == 0 || ckpt_parse_aside_dirname(base, &named) == 0) &&
         named != (uint64_t)step) {
-        set_bad(why, why_len, "manifest says step %lld but the folder is %s", (long long)step, base);
+        log_why(why, why_len, "manifest says step %lld but the folder is %s", (long long)step, base);
         return -EBADMSG;
     }
     s->chunk_max = (uint64_t)chunk_max;
@@ -312,23 +302,23 @@ static int parse_manifest(ckpt_snapshot *s, const json_t *m, char *why, size_t w
         int64_t bytes = get_u(jf, "bytes");
         int64_t frank = get_u(jf, "rank");
         if (!name || !ckpt_valid_name(name) || bytes < 0 || frank < 0 || frank >= ws) {
-            set_bad(why, why_len, "file entry %zu is malformed (name, bytes, or rank in [0, %lld))",
+            log_why(why, why_len, "file entry %zu is malformed (name, bytes, or rank in [0, %lld))",
                     i, (long long)ws);
             return -EBADMSG;
         }
         for (size_t k = 0; k < i; k++)
             if (!strcmp(s->files[k].name, name)) {
-                set_bad(why, why_len, "data file %s is listed twice", name);
+                log_why(why, why_len, "data file %s is listed twice", name);
                 return -EBADMSG;
             }
         char p[CKPT_PATH_MAX];
         struct stat st;
         if (ckpt_path_join(p, sizeof p, s->path, name) < 0 || stat(p, &st) != 0) {
-            set_bad(why, why_len, "data file %s is missing", p);
+            log_why(why, why_len, "data file %s is missing", p);
             return -EBADMSG;
         }
         if ((uint64_t)st.st_size != (uint64_t)bytes) {
-            set_bad(why, why_len, "data file %s has %lld bytes, manifest says %lld", p,
+            log_why(why, why_len, "data file %s has %lld bytes, manifest says %lld", p,
                     (long long)st.st_size, (long long)bytes);
             return -EBADMSG;
         }
@@ -348,12 +338,12 @@ static int parse_manifest(ckpt_snapshot *s, const json_t *m, char *why, size_t w
         json_t *shards = json_object_get(jb, "shards");
         if (!name || !ckpt_valid_name(name) || !dtype || !(eb == 1 || eb == 2 || eb == 4 || eb == 8) ||
             total < 0 || !json_is_array(shards)) {
-            set_bad(why, why_len, "buffer entry %zu is malformed", i);
+            log_why(why, why_len, "buffer entry %zu is malformed", i);
             return -EBADMSG;
         }
         for (size_t k = 0; k < i; k++)
             if (!strcmp(s->buffers[k].name, name)) {
-                set_bad(why, why_len, "buffer %s appears twice", name);
+                log_why(why, why_len, "buffer %s appears twice", name);
                 return -EBADMSG;
             }
         b->name = strdup(name);
@@ -469,11 +459,11 @@ static int load_chunk(const ckpt_snapshot *s, rctx *c, const buffer *b, const ch
         uint64_t size = 0;
         rc = store_reader_open(&c->readers[k->file], p, 8, &size);
         if (rc < 0) {
-            set_bad(bad, bad_len, "%s: cannot open: %s", p, strerror(-rc));
+            log_why(bad, bad_len, "%s: cannot open: %s", p, strerror(-rc));
             return rc == -ENOENT ? -EBADMSG : rc;
         }
         if (size != f->bytes) {
-            set_bad(bad, bad_len, "%s: %llu bytes, manifest says %llu", p,
+            log_why(bad, bad_len, "%s: %llu bytes, manifest says %llu", p,
                     (unsigned long long)size, (unsigned long long)f->bytes);
             return -EBADMSG;
         }
@@ -483,12 +473,12 @@ static int load_chunk(const ckpt_snapshot *s, rctx *c, const buffer *b, const ch
     store_read_req req = {k->file_offset, (size_t)k->stored_bytes, stored};
     rc = store_reader_read(c->readers[k->file], &req, 1);
     if (rc < 0) {
-        set_bad(bad, bad_len, "%s: chunk %u of %s (file offset %llu): read failed: %s", p,
+        log_why(bad, bad_len, "%s: chunk %u of %s (file offset %llu): read failed: %s", p,
                 k->index, b->name, (unsigned long long)k->file_offset, strerror(-rc));
         return rc;
     }
     if (XXH3_64bits(stored, (size_t)k->stored_bytes) != k->xxh_stored) {
-        set_bad(bad, bad_len, "%s: chunk %u of %s (file offset %llu, %llu bytes): stored checksum "
+        log_why(bad, bad_len, "%s: chunk %u of %s (file offset %llu, %llu bytes): stored checksum "
                 "mismatch", p, k->index, b->name, (unsigned long long)k->file_offset,
                 (unsigned long long)k->stored_bytes);
         return -EBADMSG;
@@ -497,7 +487,7 @@ static int load_chunk(const ckpt_snapshot *s, rctx *c, const buffer *b, const ch
     if (k->codec_zstd) {
         size_t n = ZSTD_decompressDCtx(c->dctx, dec, (size_t)k->bytes, stored, (size_t)k->stored_bytes);
         if (ZSTD_isError(n) || n != k->bytes) {
-            set_bad(bad, bad_len, "%s: chunk %u of %s: zstd frame does not decode to %llu bytes%s%s",
+            log_why(bad, bad_len, "%s: chunk %u of %s: zstd frame does not decode to %llu bytes%s%s",
                     p, k->index, b->name, (unsigned long long)k->bytes, ZSTD_isError(n) ? ": " : "",
                     ZSTD_isError(n) ? ZSTD_getErrorName(n) : "");
             return -EBADMSG;
@@ -509,7 +499,7 @@ static int load_chunk(const ckpt_snapshot *s, rctx *c, const buffer *b, const ch
     /* a raw chunk read in place was just hashed: the same bytes need no second pass */
     int same_bytes = stored == out && k->xxh_raw == k->xxh_stored;
     if (!same_bytes && XXH3_64bits(out, (size_t)k->bytes) != k->xxh_raw) {
-        set_bad(bad, bad_len, "%s: chunk %u of %s: raw checksum mismatch after decoding", p,
+        log_why(bad, bad_len, "%s: chunk %u of %s: raw checksum mismatch after decoding", p,
                 k->index, b->name);
         return -EBADMSG;
     }
@@ -599,7 +589,7 @@ static int run_batch(ckpt_snapshot *s, const work *w, size_t n, char *bad, size_
     for (unsigned t = 0; t < started; t++) pthread_join(tid[t], NULL);
     pthread_mutex_destroy(&bt.mu);
     if (bt.failed) {
-        set_bad(bad, bad_len, "%s", bt.bad);
+        log_why(bad, bad_len, "%s", bt.bad);
         return bt.bad_rc;
     }
     return 0;
@@ -678,8 +668,8 @@ int ckpt_snapshot_open(ckpt_snapshot **out, const char *path, char *why, size_t 
     ckpt_path_join(mpath, sizeof mpath, path, CKPT_MANIFEST_NAME); /* length checked above */
     int rc = store_read_file(mpath, CKPT_MANIFEST_MAX, &text, &len);
     if (rc < 0) {
-        if (rc == -ENOENT) set_bad(why, why_len, "no %s", CKPT_MANIFEST_NAME);
-        else set_bad(why, why_len, "cannot read %s: %s", CKPT_MANIFEST_NAME, strerror(-rc));
+        if (rc == -ENOENT) log_why(why, why_len, "no %s", CKPT_MANIFEST_NAME);
+        else log_why(why, why_len, "cannot read %s: %s", CKPT_MANIFEST_NAME, strerror(-rc));
         if (rc != -ENOMEM && rc != -ENOENT) rc = -EBADMSG;
         goto out;
     }
@@ -687,7 +677,7 @@ int ckpt_snapshot_open(ckpt_snapshot **out, const char *path, char *why, size_t 
     json_error_t jerr;
     m = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
     if (!json_is_object(m)) {
-        set_bad(why, why_len, "manifest is not valid JSON: %s", jerr.text);
+        log_why(why, why_len, "manifest is not valid JSON: %s", jerr.text);
         rc = -EBADMSG;
         goto out;
     }

@@ -70,3 +70,12 @@ void log_msg(enum log_level level, const char *tag, const char *fmt, ...)
     ssize_t w = write(STDERR_FILENO, line, (size_t)n);
     (void)w;
 }
+
+void log_why(char *why, size_t why_len, const char *fmt, ...)
+{
+    if (!why || !why_len) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, why_len, fmt, ap);
+    va_end(ap);
+}

@@ -11,6 +11,8 @@
 #ifndef COMMON_LOG_H
 #define COMMON_LOG_H
 
+#include <stddef.h>
+
 enum log_level { LOG_ERROR = 0, LOG_WARN = 1, LOG_INFO = 2, LOG_DEBUG = 3 };
 
 /* Set the threshold: messages above it are dropped. */
@@ -26,6 +28,11 @@ int log_enabled(enum log_level level);
  * newline is added. Lines longer than 2 KiB are cut. */
 void log_msg(enum log_level level, const char *tag, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/* printf-style one-line reason into a caller's buffer (the `why` out-parameters of the
+ * library: the caller decides whether and how to print it). Truncated to why_len - 1 bytes
+ * and NUL-terminated; does nothing when why is NULL or why_len is 0. Thread-safe. */
+void log_why(char *why, size_t why_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
 #define LOG_E(tag, ...) log_msg(LOG_ERROR, tag, __VA_ARGS__)
 #define LOG_W(tag, ...) log_msg(LOG_WARN, tag, __VA_ARGS__)

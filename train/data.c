@@ -37,15 +37,6 @@ struct train_dataset {
     uint64_t perm_seed;
 };
 
-static void say(char *why, size_t why_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void say(char *why, size_t why_len, const char *fmt, ...)
-{
-    if (!why || !why_len) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(why, why_len, fmt, ap);
-    va_end(ap);
-}
 
 /* Open a shard, check its header and size, stream every token once (range check against
  * vocab, hash). Tokens are read with pread when sampled, not mapped: a file truncated or
@@ -55,47 +46,47 @@ static int open_shard(shard *s, int seq_len, int vocab, XXH3_state_t *hs, char *
     int fd = open(s->path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
         int e = errno;
-        say(why, why_len, "%s: cannot open: %s", s->path, strerror(e));
+        log_why(why, why_len, "%s: cannot open: %s", s->path, strerror(e));
         return -e;
     }
     s->fd = fd;
     struct stat st;
     if (fstat(fd, &st) != 0) {
         int e = errno;
-        say(why, why_len, "%s: cannot stat: %s", s->path, strerror(e));
+        log_why(why, why_len, "%s: cannot stat: %s", s->path, strerror(e));
         return -e;
     }
     if (!S_ISREG(st.st_mode)) {
-        say(why, why_len, "%s: not a regular file", s->path);
+        log_why(why, why_len, "%s: not a regular file", s->path);
         return -EBADMSG;
     }
     const size_t hdr = TRAIN_SHARD_HEADER_INTS * sizeof(int32_t);
     if ((size_t)st.st_size < hdr) {
-        say(why, why_len, "%s: %lld bytes, shorter than the %zu-byte header", s->path,
+        log_why(why, why_len, "%s: %lld bytes, shorter than the %zu-byte header", s->path,
             (long long)st.st_size, hdr);
         return -EBADMSG;
     }
     int32_t h[3];
     if (pread(fd, h, sizeof h, 0) != (ssize_t)sizeof h) { /* little-endian hosts only */
-        say(why, why_len, "%s: cannot read the header", s->path);
+        log_why(why, why_len, "%s: cannot read the header", s->path);
         return -EIO;
     }
     if (h[0] != TRAIN_SHARD_MAGIC) {
-        say(why, why_len, "%s: bad magic %d (expected %d): not an llm.c token shard", s->path, h[0],
+        log_why(why, why_len, "%s: bad magic %d (expected %d): not an llm.c token shard", s->path, h[0],
             TRAIN_SHARD_MAGIC);
         return -EBADMSG;
     }
     if (h[1] != TRAIN_SHARD_VERSION) {
-        say(why, why_len, "%s: shard version %d not supported (only %d: uint16 tokens)", s->path,
+        log_why(why, why_len, "%s: shard version %d not supported (only %d: uint16 tokens)", s->path,
             h[1], TRAIN_SHARD_VERSION);
         return -EBADMSG;
     }
     if (h[2] < 0) {
-        say(why, why_len, "%s: header says %d tokens, a negative count", s->path, h[2]);
+        log_why(why, why_len, "%s: header says %d tokens, a negative count", s->path, h[2]);
         return -EBADMSG;
     }
     if ((uint64_t)st.st_size != hdr + 2ull * (uint64_t)h[2]) {
-        say(why, why_len, "%s: header says %d tokens (%llu bytes) but the file has %lld bytes",
+        log_why(why, why_len, "%s: header says %d tokens (%llu bytes) but the file has %lld bytes",
             s->path, h[2], (unsigned long long)(hdr + 2ull * (uint64_t)h[2]), (long long)st.st_size);
         return -EBADMSG;
     }
@@ -107,13 +98,13 @@ static int open_shard(shard *s, int seq_len, int vocab, XXH3_state_t *hs, char *
         size_t n = (size_t)(s->ntokens - done < (1u << 19) ? s->ntokens - done : (1u << 19));
         ssize_t got = pread(fd, buf, n * 2, (off_t)(hdr + done * 2));
         if (got != (ssize_t)(n * 2)) {
-            say(why, why_len, "%s: short read at token %llu", s->path, (unsigned long long)done);
+            log_why(why, why_len, "%s: short read at token %llu", s->path, (unsigned long long)done);
             rc = -EIO;
             break;
         }
         for (size_t i = 0; i < n; i++)
             if (buf[i] >= vocab) {
-                say(why, why_len, "%s: token %u at position %llu is outside the vocabulary (%d)",
+                log_why(why, why_len, "%s: token %u at position %llu is outside the vocabulary (%d)",
                     s->path, buf[i], (unsigned long long)(done + i), vocab);
                 rc = -EBADMSG;
                 break;
@@ -125,7 +116,7 @@ static int open_shard(shard *s, int seq_len, int vocab, XXH3_state_t *hs, char *
     if (rc < 0) return rc;
     s->nsamples = s->ntokens > 0 ? (s->ntokens - 1) / (uint64_t)seq_len : 0;
     if (s->nsamples == 0) {
-        say(why, why_len, "%s: %llu tokens, too few for one sample of %d+1 tokens", s->path,
+        log_why(why, why_len, "%s: %llu tokens, too few for one sample of %d+1 tokens", s->path,
             (unsigned long long)s->ntokens, seq_len);
         return -EBADMSG;
     }
@@ -140,12 +131,12 @@ int train_dataset_open(train_dataset **out, const char *glob_pattern, int seq_le
     glob_t g;
     int grc = glob(glob_pattern, 0, NULL, &g);
     if (grc == GLOB_NOMATCH || (grc == 0 && g.gl_pathc == 0)) {
-        say(why, why_len, "%s: no file matches", glob_pattern);
+        log_why(why, why_len, "%s: no file matches", glob_pattern);
         globfree(&g);
         return -ENOENT;
     }
     if (grc != 0) {
-        say(why, why_len, "%s: cannot expand the pattern", glob_pattern);
+        log_why(why, why_len, "%s: cannot expand the pattern", glob_pattern);
         globfree(&g);
         return -EINVAL;
     }
@@ -176,7 +167,7 @@ int train_dataset_open(train_dataset **out, const char *glob_pattern, int seq_le
     XXH3_freeState(hs);
     if (rc < 0) goto fail;
     if (d->nsamples > UINT32_MAX) {
-        say(why, why_len, "%s: more than 2^32 samples", glob_pattern);
+        log_why(why, why_len, "%s: more than 2^32 samples", glob_pattern);
         rc = -EINVAL;
         goto fail;
     }
@@ -226,7 +217,7 @@ int train_dataset_sample(const train_dataset *d, uint64_t index, int32_t *inputs
     ssize_t got = pread(s->fd, t, ((size_t)T + 1) * 2, off);
     int rc = 0;
     if (got != (ssize_t)(((size_t)T + 1) * 2)) {
-        say(why, why_len, "%s: %s reading sample %llu: the file changed while training",
+        log_why(why, why_len, "%s: %s reading sample %llu: the file changed while training",
             s->path, got < 0 ? strerror(errno) : "short read", (unsigned long long)index);
         rc = -EIO;
     } else {
@@ -341,7 +332,7 @@ static int flush_shard(shard_writer *w, char *why, size_t why_len)
     if (rc == 0) rc = store_rename_durable(tmp, path);
     if (rc < 0) {
         unlink(tmp);
-        say(why, why_len, "%s: cannot write: %s", path, strerror(-rc));
+        log_why(why, why_len, "%s: cannot write: %s", path, strerror(-rc));
         return rc;
     }
     LOG_I(TAG, "wrote %s (%zu tokens)", path, w->n);
@@ -381,16 +372,16 @@ int train_prepare(const char *out_dir, const char *const *files, size_t nfiles,
                   char *why, size_t why_len)
 {
     if (!out_dir || !files || nfiles == 0) {
-        say(why, why_len, "no input files");
+        log_why(why, why_len, "no input files");
         return -EINVAL;
     }
     if (!(val_fraction >= 0.0 && val_fraction <= 0.5)) {
-        say(why, why_len, "validation fraction %g is outside [0, 0.5]", val_fraction);
+        log_why(why, why_len, "validation fraction %g is outside [0, 0.5]", val_fraction);
         return -EINVAL;
     }
     char tmp[4096];
     if (strlen(out_dir) >= sizeof tmp) {
-        say(why, why_len, "output folder name too long");
+        log_why(why, why_len, "output folder name too long");
         return -EINVAL;
     }
     snprintf(tmp, sizeof tmp, "%s", out_dir);
@@ -400,7 +391,7 @@ int train_prepare(const char *out_dir, const char *const *files, size_t nfiles,
         *p = '\0';
         if (mkdir(tmp, 0755) != 0 && errno != EEXIST) {
             int e = errno;
-            say(why, why_len, "%s: cannot create: %s", tmp, strerror(e));
+            log_why(why, why_len, "%s: cannot create: %s", tmp, strerror(e));
             return -e;
         }
         *p = c;
@@ -414,7 +405,7 @@ int train_prepare(const char *out_dir, const char *const *files, size_t nfiles,
         size_t len = 0;
         rc = store_read_file(files[i], (size_t)1 << 31, &text, &len);
         if (rc < 0) {
-            say(why, why_len, "%s: cannot read: %s", files[i], strerror(-rc));
+            log_why(why, why_len, "%s: cannot read: %s", files[i], strerror(-rc));
             break;
         }
         if (format == TRAIN_TEXT_BROWN) len = train_brown_to_text(text, len);
@@ -435,11 +426,11 @@ int train_prepare(const char *out_dir, const char *const *files, size_t nfiles,
         free(text);
     }
     if (rc == 0 && tw.n + tw.total == 0) {
-        say(why, why_len, "no training text: the inputs are empty");
+        log_why(why, why_len, "no training text: the inputs are empty");
         rc = -EINVAL;
     }
     if (rc == 0 && val_fraction > 0 && vw.n + vw.total == 0) {
-        say(why, why_len, "the validation split is empty: use more text or a larger --val-fraction");
+        log_why(why, why_len, "the validation split is empty: use more text or a larger --val-fraction");
         rc = -EINVAL;
     }
     if (rc == 0) rc = flush_shard(&tw, why, why_len);

@@ -1,4 +1,5 @@
 /* One rank's read-ahead thread over a token dataset. */
+#include "log.h"
 #include "prefetch.h"
 
 #include <errno.h>
@@ -47,16 +48,6 @@ struct train_prefetch {
     _Atomic int stop;
 };
 
-static void say(char *why, size_t why_len, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void say(char *why, size_t why_len, const char *fmt, ...)
-{
-    if (!why || !why_len) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(why, why_len, fmt, ap);
-    va_end(ap);
-}
 
 /* Read one batch into s (BUSY, so its buffers are ours). -ECANCELED: a restart or a stop came
  * in between and nobody wants it. */
@@ -71,7 +62,7 @@ static int fill(train_prefetch *p, slot *s, uint64_t gen)
         uint64_t k = s->first + (uint64_t)j;
         int64_t ix = train_dataset_order(p->ds, p->seed, k);
         if (ix < 0) {
-            say(s->why, sizeof s->why, "sample order at number %llu: %s", (unsigned long long)k,
+            log_why(s->why, sizeof s->why, "sample order at number %llu: %s", (unsigned long long)k,
                 strerror((int)-ix));
             return (int)ix;
         }
@@ -80,7 +71,7 @@ static int fill(train_prefetch *p, slot *s, uint64_t gen)
                                       s->targets + (size_t)j * T, s->why, sizeof s->why);
         if (rc < 0) {
             if (!s->why[0])
-                say(s->why, sizeof s->why, "sample %lld (number %llu): %s", (long long)ix,
+                log_why(s->why, sizeof s->why, "sample %lld (number %llu): %s", (long long)ix,
                     (unsigned long long)k, strerror(-rc));
             return rc;
         }
@@ -244,7 +235,7 @@ int train_prefetch_get(train_prefetch *p, uint64_t first, int32_t *inputs, int32
         memcpy(targets, s->targets, per * sizeof *targets);
         if (idx) memcpy(idx, s->idx, (size_t)p->count * sizeof *idx);
     } else {
-        say(why, why_len, "%s", s->why);
+        log_why(why, why_len, "%s", s->why);
     }
 
     pthread_mutex_lock(&p->mu);
