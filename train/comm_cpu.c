@@ -651,11 +651,21 @@ static int mesh_setup(train_comm *c, const train_comm_opts *o)
     else if (!strcmp(pub, "::")) pub = "::1";
     snprintf(key, sizeof key, "%s/addr/%d", o->prefix, c->rank);
     int vl = snprintf(val, sizeof val, "%s %d", pub, port);
-    ret = elastic_store_set(st, key, val, (size_t)vl);
+    /* compare-and-set: a second process claiming the same rank (a duplicated RANK, or two
+     * jobs on one MASTER_ADDR:MASTER_PORT) is refused instead of silently replacing us */
+    ret = elastic_store_compare_set(st, key, NULL, 0, val, (size_t)vl, &v, &vlen);
     if (ret < 0) {
         store_err(ret, "publish");
         goto out;
     }
+    if (vlen != (size_t)vl || memcmp(v, val, (size_t)vl) != 0) {
+        LOG_E(TAG, "rank %d has already joined this group at %s:%d: a duplicated RANK, or two "
+              "jobs on one MASTER_ADDR:MASTER_PORT", c->rank, o->store_host, o->store_port);
+        ret = -EEXIST;
+        goto out;
+    }
+    free(v);
+    v = NULL;
 
     /* connect to every lower rank */
     for (int i = 0; i < c->rank; i++) {
@@ -692,15 +702,32 @@ static int mesh_setup(train_comm *c, const train_comm_opts *o)
         }
     }
 
-    /* accept every higher rank; strays and impostors are closed and not counted */
+    /* accept every higher rank; strays and impostors are closed and not counted. Once a
+     * second, check that the store is still there: when its host (rank 0 without a launcher)
+     * gave up, nobody will come, and waiting for the deadline would only delay the error. */
+    double next_check = now_s() + 1.0;
     for (int need = c->world - 1 - c->rank; need > 0;) {
         struct pollfd pf = {lfd, POLLIN, 0};
         int ms = poll_ms(deadline);
         if (ms == 0) {
             ret = -ETIMEDOUT;
-            LOG_E(TAG, "%d higher rank(s) did not connect in time", need);
+            LOG_E(TAG, "%d higher rank(s) did not connect within %.0f s", need,
+                  o->connect_timeout_s);
             goto out;
         }
+        if (now_s() >= next_check) {
+            next_check = now_s() + 1.0;
+            snprintf(key, sizeof key, "%s/addr/%d", o->prefix, c->rank);
+            ret = elastic_store_get(st, key, &v, &vlen, 0);
+            free(v);
+            v = NULL;
+            if (ret < 0) {
+                LOG_E(TAG, "the store at %s:%d went away while %d higher rank(s) were still "
+                      "joining: %s", o->store_host, o->store_port, need, strerror(-ret));
+                goto out;
+            }
+        }
+        if (ms > 1000) ms = 1000;
         if (poll(&pf, 1, ms) <= 0) continue;
         int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) continue;

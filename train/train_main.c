@@ -45,6 +45,7 @@ typedef struct options {
                              train_batch_size: checked against B once W is known; 0 = none */
     int zero_stage;       /* 0..3 */
     double comm_timeout;  /* seconds, each collective */
+    double join_timeout;  /* seconds, to join the group at start */
     uint64_t seed;
     train_adamw_config adam;
     int zstd_level, filter, direct_io, compress, snapshot_threads, policy, overlap;
@@ -118,6 +119,8 @@ static const char usage_text2[] =
     "Ranks (one process per rank; launched by elastic, torchrun-style or by hand):\n"
     "  --comm-timeout S      deadline of each collective, seconds (default 60); a dead rank is\n"
     "                        noticed at once, a stopped one at this deadline\n"
+    "  --join-timeout S      how long the ranks wait for each other at start, seconds\n"
+    "                        (default 120); a rank whose store host gave up fails at once\n"
     "  --sample-log FILE     append \"<sample number> <sample index>\" for every sample of every\n"
     "                        finished step (diagnostics: proves no sample repeats or is skipped)\n"
     "  -h, --help            this text\n"
@@ -166,7 +169,8 @@ static int parse_args(int argc, char **argv, options *o)
         O_DATA = 256, O_VAL, O_VOCAB, O_NLAYER, O_NEMBD, O_NHEAD, O_SEQ, O_MB, O_GA, O_STEPS,
         O_LR, O_MINLR, O_WARM, O_WD, O_CLIP, O_SEED, O_EVAL, O_VALS, O_LOG, O_CKDIR, O_CKEVERY,
         O_RESUME, O_RUNID, O_ZLEVEL, O_SHUFFLE, O_NOSHUFFLE, O_CHUNK, O_NODIRECT, O_NOCOMP, O_SNTHREADS,
-        O_POLICY, O_KEEPLAST, O_KEEPEVERY, O_OVERLAP, O_GB, O_ZERO, O_CONFIG, O_CTIMEOUT, O_SLOG
+        O_POLICY, O_KEEPLAST, O_KEEPEVERY, O_OVERLAP, O_GB, O_ZERO, O_CONFIG, O_CTIMEOUT, O_SLOG,
+        O_JTIMEOUT
     };
     static const struct option lo[] = {
         {"data", required_argument, 0, O_DATA}, {"val-data", required_argument, 0, O_VAL},
@@ -192,6 +196,7 @@ static int parse_args(int argc, char **argv, options *o)
         {"global-batch", required_argument, 0, O_GB}, {"zero-stage", required_argument, 0, O_ZERO},
         {"config", required_argument, 0, O_CONFIG}, {"comm-timeout", required_argument, 0, O_CTIMEOUT},
         {"sample-log", required_argument, 0, O_SLOG},
+        {"join-timeout", required_argument, 0, O_JTIMEOUT},
         {0, 0, 0, 0}};
     int c, v, chunk_mib = 4;
     while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -220,6 +225,12 @@ static int parse_args(int argc, char **argv, options *o)
         case O_ZERO: bad = parse_int("--zero-stage", optarg, 0, 3, &o->zero_stage); break;
         case O_CONFIG: break; /* read before the flags (read_config) */
         case O_SLOG: o->sample_log = optarg; break;
+        case O_JTIMEOUT: {
+            float t;
+            bad = parse_float("--join-timeout", optarg, 1, 86400, &t);
+            o->join_timeout = t;
+            break;
+        }
         case O_CTIMEOUT: {
             float t;
             bad = parse_float("--comm-timeout", optarg, 0.1, 86400, &t);
@@ -887,6 +898,11 @@ static int load_part(state *s, const char *path, char *why, size_t why_len)
         snprintf(s->run_id, sizeof s->run_id, "%s", ckpt_snapshot_run_id(snap));
         json_t *loss = json_object_get(tr, "loss");
         s->last_loss = json_is_number(loss) ? json_number_value(loss) : NAN;
+        int64_t saved_mb = json_integer_value(json_object_get(jbatch, "micro_batch"));
+        if (saved_mb > 0 && saved_mb != s->o->micro_batch && s->rank == 0)
+            LOG_W(TAG, "micro-batch differs from the snapshot's (%lld, now %d): the global batch "
+                  "stays %lld, but the results agree with an uninterrupted run only to rounding",
+                  (long long)saved_mb, s->o->micro_batch, (long long)gb);
         if (saved_world != s->world && s->rank == 0)
             LOG_I(TAG, "re-sharding: the snapshot was saved by %lld rank%s, this run has %d; each "
                   "rank reads only its ranges", (long long)saved_world, saved_world == 1 ? "" : "s",
@@ -1369,6 +1385,150 @@ static void env_from_slurm(void)
     }
 }
 
+/* This rank's own start-up: open the data, and on rank 0 take the snapshot folder's lock.
+ * Returns 0, or the exit status (the reason is printed here, naming the rank). */
+static int startup_local(state *s)
+{
+    const options *o = s->o;
+    char why[512] = "";
+    int rc = train_dataset_open(&s->train, o->data, o->model.seq_len, o->model.vocab, why,
+                                sizeof why);
+    if (rc < 0) {
+        LOG_E(TAG, "training data: %s", why);
+        return rc == -ENOENT || rc == -EINVAL ? 2 : 1;
+    }
+    if (o->val_data) {
+        rc = train_dataset_open(&s->val, o->val_data, o->model.seq_len, o->model.vocab, why,
+                                sizeof why);
+        if (rc < 0) {
+            LOG_E(TAG, "validation data: %s", why);
+            return rc == -ENOENT || rc == -EINVAL ? 2 : 1;
+        }
+    }
+    if (o->ckpt_dir && s->rank == 0) {
+        struct stat st;
+        int existed = stat(o->ckpt_dir, &st) == 0;
+        long holder = 0;
+        rc = ckpt_dir_lock_acquire(o->ckpt_dir, &s->lock, &holder);
+        if (rc == -EBUSY) {
+            LOG_E(TAG, "snapshot folder %s is in use by another run (pid %ld); two runs must not "
+                  "share a --ckpt-dir", o->ckpt_dir, holder);
+            return 2;
+        }
+        if (rc < 0) {
+            LOG_E(TAG, "cannot use %s as the snapshot folder: %s", o->ckpt_dir, strerror(-rc));
+            return 2;
+        }
+        if (!existed && o->resume && !strcmp(o->resume, "auto"))
+            LOG_W(TAG, "snapshot folder %s did not exist (created it): nothing to resume",
+                  o->ckpt_dir);
+    }
+    return 0;
+}
+
+/* The settings every rank must share, as "key=value;" text (a rank started with another
+ * learning rate, seed, data, batch, snapshot folder, ... would train something else and save
+ * shards that do not fit together). */
+static void settings_text(const state *s, char *buf, size_t len)
+{
+    const options *o = s->o;
+    char dir[CKPT_PATH_MAX] = "-";
+    if (o->ckpt_dir && !realpath(o->ckpt_dir, dir)) snprintf(dir, sizeof dir, "%s", o->ckpt_dir);
+    snprintf(buf, len,
+             "data=%016" PRIx64 ";val-data=%016" PRIx64 ";vocab=%d;seq-len=%d;n-layer=%d;"
+             "n-embd=%d;n-head=%d;micro-batch=%d;grad-accum=%d%s;global-batch=%d;zero-stage=%d;"
+             "steps=%d;lr=%.9g;min-lr-ratio=%.9g;warmup=%d;weight-decay=%.9g;grad-clip=%.9g;"
+             "beta1=%.9g;beta2=%.9g;eps=%.9g;seed=%" PRIu64 ";eval-every=%d;val-samples=%d;"
+             "ckpt-every=%d;resume=%s;run-id=%s;keep-last=%u;keep-every=%d;compress=%d;"
+             "zstd-level=%d;shuffle=%d;chunk=%" PRIu64 ";policy=%d;comm-timeout=%g;ckpt-dir=%.3000s;",
+             s->train ? train_dataset_hash(s->train) : 0, s->val ? train_dataset_hash(s->val) : 0,
+             o->model.vocab, o->model.seq_len, o->model.n_layer, o->model.n_embd, o->model.n_head,
+             o->micro_batch, o->grad_accum, o->grad_accum_set ? "(given)" : "", o->global_batch,
+             o->zero_stage, o->steps, f2d(o->adam.lr), f2d(o->adam.min_lr_ratio),
+             o->adam.warmup, f2d(o->adam.weight_decay), f2d(o->adam.grad_clip),
+             f2d(o->adam.beta1), f2d(o->adam.beta2), f2d(o->adam.eps), o->seed,
+             o->eval_every, o->val_samples, o->ckpt_every, o->resume ? o->resume : "none",
+             o->run_id ? o->run_id : "-", o->keep_last, o->keep_every, o->compress, o->zstd_level,
+             o->filter, o->chunk_bytes, o->policy, o->comm_timeout, dir);
+}
+
+/* The first setting in which a and b differ, as "key (a vs b)". */
+static void first_difference(const char *a, const char *b, char *out, size_t len)
+{
+    snprintf(out, len, "?");
+    while (*a && *b) {
+        const char *ea = strchr(a, ';'), *eb = strchr(b, ';');
+        if (!ea || !eb) break;
+        size_t la = (size_t)(ea - a), lb = (size_t)(eb - b);
+        if (la != lb || memcmp(a, b, la) != 0) {
+            const char *eq = memchr(a, '=', la);
+            int kl = eq ? (int)(eq - a) : (int)la;
+            const char *vb = memchr(b, '=', lb);
+            snprintf(out, len, "%.*s (rank 0: %.*s, this rank: %.*s)", kl, a,
+                     eq ? (int)(ea - eq - 1) : 0, eq ? eq + 1 : "",
+                     vb ? (int)(eb - vb - 1) : 0, vb ? vb + 1 : "");
+            return;
+        }
+        a = ea + 1;
+        b = eb + 1;
+    }
+}
+
+/* Every rank's start-up status and settings, exchanged once (collective): returns 0 when all
+ * ranks started and share rank 0's settings, else the exit status for every rank (the
+ * largest status of a rank that failed, or 2 for different settings), each rank naming its
+ * own problem in one line. */
+static int startup_agree(state *s, int local)
+{
+    if (s->world == 1) return local;
+    enum { TEXT = 4000 };
+    typedef struct { int32_t status; char text[TEXT]; } msg;
+    msg *all = calloc((size_t)s->world, sizeof *all);
+    size_t *counts = calloc((size_t)s->world, sizeof *counts);
+    if (!all || !counts) {
+        free(all);
+        free(counts);
+        return 1;
+    }
+    for (int r = 0; r < s->world; r++) counts[r] = sizeof(msg);
+    all[s->rank].status = local;
+    if (local == 0) settings_text(s, all[s->rank].text, TEXT);
+    int rc = train_comm_all_gather(s->comm, &all[s->rank], all, counts), status = 0;
+    if (rc < 0) {
+        comm_failed(s, "exchange of start-up settings", rc);
+        status = local ? local : 1;
+    }
+    for (int r = 0; r < s->world && rc == 0; r++)
+        if (all[r].status > status) status = all[r].status;
+    if (rc == 0 && status != 0 && local == 0 && s->rank == 0) {
+        char who[256] = "";
+        size_t off = 0;
+        for (int r = 0; r < s->world && off < sizeof who; r++)
+            if (all[r].status)
+                off += (size_t)snprintf(who + off, sizeof who - off, "%s%d", off ? ", " : "", r);
+        LOG_E(TAG, "rank(s) %s could not start (see their lines); stopping every rank", who);
+    }
+    if (rc == 0 && status == 0) {
+        int bad = 0;
+        for (int r = 1; r < s->world; r++) {
+            all[r].text[TEXT - 1] = all[0].text[TEXT - 1] = '\0';
+            if (strcmp(all[r].text, all[0].text) != 0) {
+                bad++;
+                if (r == s->rank || (s->rank == 0 && bad == 1)) {
+                    char diff[600];
+                    first_difference(all[0].text, all[r].text, diff, sizeof diff);
+                    LOG_E(TAG, "rank %d was started with other settings than rank 0: %s; every "
+                          "rank must get the same flags, config and data", r, diff);
+                }
+            }
+        }
+        if (bad) status = 2;
+    }
+    free(all);
+    free(counts);
+    return status;
+}
+
 /* Ranks, store, communicator, shard ranges. Returns 0, 1 or 2 (exit status). */
 static int dist_init(state *s)
 {
@@ -1387,7 +1547,7 @@ static int dist_init(state *s)
     co.store_token = token;
     co.prefix = prefix;
     co.timeout_s = o->comm_timeout;
-    co.connect_timeout_s = 120.0;
+    co.connect_timeout_s = o->join_timeout;
     int rc;
     if (s->world > 1 && s->rank == 0 && !(hosted && !strcmp(hosted, "1"))) {
         elastic_store_server_opts so = ELASTIC_STORE_SERVER_OPTS_INIT;
@@ -1428,6 +1588,12 @@ static int dist_init(state *s)
             (rc = train_vote_create(&s->vote, &s->group, co.store_host, co.store_port, token, 60.0,
                                     vprefix, s->job_tag, s->rank, s->world, 600.0)) < 0) {
             LOG_E(TAG, "rank %d cannot open the snapshot vote channel: %s", s->rank, strerror(-rc));
+            return 1;
+        }
+        /* every rank holds its store connections now: rank 0 may stop the store (exit)
+         * without leaving anyone connecting to a gone server */
+        if ((rc = train_comm_barrier(s->comm)) < 0) {
+            comm_failed(s, "start-up barrier", rc);
             return 1;
         }
     }
@@ -1485,6 +1651,7 @@ int main(int argc, char **argv)
     o.policy = CKPT_POLICY_WAIT;
     o.zero_stage = 2;
     o.comm_timeout = 60.0;
+    o.join_timeout = 120.0;
     static train_ds_config dc;
     signal(SIGPIPE, SIG_IGN); /* a gone launcher pipe is an EPIPE, not a death */
     if (read_config(argc, argv, &o, &dc) < 0) return 2;
@@ -1492,45 +1659,13 @@ int main(int argc, char **argv)
     openblas_set_num_threads(1);
 
     state s = {.o = &o, .last_loss = NAN, .last_val = NAN, .sample_fd = -1, .world = 1};
-    char why[512] = "";
     int rc, status = 1;
-    rc = train_dataset_open(&s.train, o.data, o.model.seq_len, o.model.vocab, why, sizeof why);
-    if (rc < 0) {
-        fprintf(stderr, "train: training data: %s\n", why);
-        return rc == -ENOENT || rc == -EINVAL ? 2 : 1;
-    }
-    if (o.val_data) {
-        rc = train_dataset_open(&s.val, o.val_data, o.model.seq_len, o.model.vocab, why, sizeof why);
-        if (rc < 0) {
-            fprintf(stderr, "train: validation data: %s\n", why);
-            train_dataset_close(s.train);
-            return rc == -ENOENT || rc == -EINVAL ? 2 : 1;
-        }
-    }
+    /* join the group first, so that a rank that cannot start tells the others at once
+     * (startup_agree) instead of leaving them waiting for it */
     if ((status = dist_init(&s)) != 0) goto out;
+    status = startup_agree(&s, startup_local(&s));
+    if (status != 0) goto out;
     status = 1;
-    if (o.ckpt_dir && s.rank == 0) {
-        struct stat st;
-        int existed = stat(o.ckpt_dir, &st) == 0;
-        long holder = 0;
-        rc = ckpt_dir_lock_acquire(o.ckpt_dir, &s.lock, &holder);
-        if (rc == -EBUSY) {
-            fprintf(stderr, "train: snapshot folder %s is in use by another run (pid %ld); two runs "
-                    "must not share a --ckpt-dir\n", o.ckpt_dir, holder);
-            status = 2;
-        } else if (rc < 0) {
-            fprintf(stderr, "train: cannot use %s as the snapshot folder: %s\n", o.ckpt_dir,
-                    strerror(-rc));
-            status = 2;
-        } else if (!existed && o.resume && !strcmp(o.resume, "auto"))
-            LOG_W(TAG, "snapshot folder %s did not exist (created it): nothing to resume", o.ckpt_dir);
-        if (status == 2) {
-            /* the other ranks learn it from the resume broadcast */
-            resume_msg m = {.cmd = CMD_DONE, .status = 2};
-            if (s.world > 1) train_comm_broadcast(s.comm, &m, sizeof m, 0);
-            goto out;
-        }
-    }
     size_t T = (size_t)o.model.seq_len, b = (size_t)o.micro_batch;
     if ((rc = train_model_create(&s.model, &o.model, o.micro_batch)) < 0) {
         fprintf(stderr, "train: cannot create the model: %s\n", strerror(-rc));

@@ -87,6 +87,11 @@ static int collect_cb(void *ctx, uint64_t step, double timeout_s)
                   timeout_s);
             return rc;
         }
+        if (rc == -ECONNRESET || rc == -EPIPE) {
+            LOG_E(TAG, "step %" PRIu64 ": lost the store while waiting for rank %d's vote (the "
+                  "group is being torn down)", step, r);
+            return rc;
+        }
         if (rc < 0) {
             LOG_E(TAG, "step %" PRIu64 ": rank %d failed to save its shard: %s", step, r,
                   strerror(-rc));

@@ -7,6 +7,7 @@ MASTER_PORT); rank 0 hosts the store.
 """
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -34,6 +35,25 @@ def ok(test, world, args, **kw):
     test.assertEqual(codes, [0] * world, f"W={world} {args}: exits {codes}\n" +
                      "\n".join(ranks.stderr(r)[-1500:] for r in range(world)))
     return ranks.final()
+
+
+def RanksWithOdd(test, world, odd, args, odd_args):
+    """W ranks of DIST + args where rank `odd` gets odd_args appended."""
+    port = harness.free_port()
+    ranks = Ranks.__new__(Ranks)
+    ranks.world, ranks.port, ranks.procs, ranks.errs, ranks.stdout = world, port, [], [], ""
+    import subprocess
+    for r in range(world):
+        e = {"RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)}
+        err = open(os.path.join(test.tmp, f"rank{r}-{port}.err"), "w+")
+        extra = odd_args if r == odd else []
+        ranks.procs.append(subprocess.Popen([harness.TRAIN] + harness.data_args() + DIST +
+                                            list(args) + list(extra),
+                                            stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                                            stderr=err, text=True, env=harness.env(e)))
+        ranks.errs.append(err)
+    return ranks
 
 
 def safetensors(path):
@@ -146,6 +166,67 @@ class Distributed(TempDirTest):
         for k, idx in first + second:
             self.assertEqual(idx, ref[k], f"sample {k}")
         self.assertEqual(min(k for k, _ in second), 3 * 24)
+
+    def test_sampler_exactly_once_across_kills_and_epochs(self):
+        """C13 at W = 2: a small corpus (about 11 steps an epoch) trained for 40 steps, killed
+        at three random steps and resumed each time: along the committed timeline every sample
+        of every epoch is consumed exactly once, in the uninterrupted run's order."""
+        import random
+        text = os.path.join(self.tmp, "small.txt")
+        with open(os.path.join(os.path.dirname(__file__), "../../README.md")) as f:
+            body = f.read()[:6000]
+        with open(text, "w") as f:
+            f.write(body)
+        data = os.path.join(self.tmp, "small")
+        run([harness.PREPARE, "--out", data, "--val-fraction", "0", text], check=True)
+        base = ["--data", os.path.join(data, "train_*.bin"), "--n-layer", "2", "--n-embd", "64",
+                "--n-head", "4", "--seq-len", "64", "--micro-batch", "2", "--global-batch", "8",
+                "--steps", "40", "--seed", "5", "--log-every", "1"]
+        ref_log = os.path.join(self.tmp, "ref.samples")
+        p = run([harness.TRAIN] + base + ["--sample-log", ref_log], check=True)
+        n_samples = int(re.search(r"\((\d+) samples\)", p.stderr).group(1))
+        self.assertLess(n_samples * 3, 40 * 8, "the run must cross several epochs")
+        with open(ref_log) as f:
+            ref = dict(tuple(map(int, line.split())) for line in f)
+        d = self.ckpt()
+        args = ["--ckpt-dir", d, "--ckpt-every", "3", "--resume", "auto"]
+        rnd = random.Random()
+        runs = []  # (sample-log lines, step the next run resumed from)
+        for k in range(4):
+            log = os.path.join(self.tmp, f"run{k}.samples")
+            ranks = Ranks(2, args + ["--sample-log", log], self.tmp, base=base)
+            if k < 3:
+                target = rnd.randint(2, 30)
+                self.assertTrue(ranks.wait_for_step(target), ranks.stderr(0)[-2000:])
+                ranks.kill()
+                self.assertEqual(ranks.procs[0].returncode, -signal.SIGKILL,
+                                 "the run ended before the kill")
+            else:
+                codes = ranks.wait(300)
+                self.assertEqual(codes, [0, 0], ranks.stderr(0)[-2000:])
+            err = ranks.stderr(0)
+            m = re.search(r"resumed from \S+ at step (\d+)", err)
+            start = int(m.group(1)) if m else 0
+            if runs:
+                runs[-1][1] = start
+            lines = []
+            if os.path.exists(log):
+                with open(log) as f:
+                    lines = [tuple(map(int, line.split())) for line in f]
+            runs.append([lines, None])
+        self.assertEqual(len(runs), 4)
+        timeline = []
+        for lines, next_start in runs:
+            cut = next_start * 8 if next_start is not None else None
+            timeline += [x for x in lines if cut is None or x[0] < cut]
+        kths = sorted(k for k, _ in timeline)
+        self.assertEqual(kths, list(range(40 * 8)), "a sample repeated or skipped")
+        for k, idx in timeline:
+            self.assertEqual(idx, ref[k], f"sample number {k}")
+        # every epoch is a permutation of the corpus
+        for e in range(40 * 8 // n_samples):
+            epoch = sorted(ref[k] for k in range(e * n_samples, (e + 1) * n_samples))
+            self.assertEqual(epoch, list(range(n_samples)))
 
     def test_dead_rank_fails_every_survivor_fast(self):
         """C16: SIGKILL rank 2 of 4 mid-run: every survivor exits non-zero within 5 s."""
@@ -276,6 +357,63 @@ class Distributed(TempDirTest):
         p = run([harness.TRAIN] + harness.data_args() + ["--config", bad])
         self.assertEqual(p.returncode, 2)
         self.assertIn("optimizer.params.lr", p.stderr)
+
+    def test_ranks_must_share_settings(self):
+        """A rank started with another learning rate, seed, data or snapshot folder would
+        train something else and save shards that do not fit: every rank exits 2 at start,
+        the line names the setting, nothing is saved."""
+        d = self.ckpt()
+        for extra, key in [(["--lr", "0.01"], "lr (rank 0: 0.003, this rank: 0.01)"),
+                           (["--seed", "99"], "seed (rank 0: 7, this rank: 99)"),
+                           (["--data", os.path.join(harness.DATA, "val_*.bin")], "data"),
+                           (["--ckpt-dir", self.ckpt("other")], "ckpt-dir")]:
+            t0 = time.time()
+            ranks = RanksWithOdd(self, 4, 2, MB3 + ["--ckpt-dir", d, "--ckpt-every", "3"], extra)
+            codes = ranks.wait(60)
+            self.assertEqual(codes, [2] * 4, f"{extra}: {codes}")
+            self.assertLess(time.time() - t0, 30)
+            self.assertIn(f"rank 2 was started with other settings than rank 0: {key}",
+                          ranks.stderr(0))
+            self.assertEqual(snapshot_dirs(d), [])
+
+    def test_a_rank_that_cannot_start_stops_all(self):
+        t0 = time.time()
+        ranks = RanksWithOdd(self, 4, 3, MB3, ["--data", "/nonexistent/train_*.bin"])
+        self.assertEqual(ranks.wait(60), [2] * 4)
+        self.assertLess(time.time() - t0, 20)
+        self.assertIn("rank(s) 3 could not start", ranks.stderr(0))
+        self.assertIn("no file matches", ranks.stderr(3))
+        # rank 0 refuses (a global batch that does not split over 3 ranks): all exit 2 at once
+        t0 = time.time()
+        ranks, codes = launch(self, 3, MB3)
+        self.assertEqual(codes, [2] * 3)
+        self.assertLess(time.time() - t0, 20)
+
+    def test_duplicated_rank_is_refused(self):
+        """A second process claiming rank 1 (a duplicated RANK, or another job on the same
+        MASTER_PORT) is refused at once instead of taking the first one's place; a second
+        rank 0 cannot host the store on a port in use."""
+        import subprocess
+        port = harness.free_port()
+        env = {"WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        args = [harness.TRAIN] + harness.data_args() + DIST + MB3 + ["--join-timeout", "20"]
+        procs = []
+        try:
+            for rank in ("0", "1"):
+                procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL,
+                                              env=harness.env(dict(env, RANK=rank))))
+            time.sleep(1.0)
+            for rank in ("1", "0"):
+                p = subprocess.run(args, capture_output=True, text=True, timeout=30,
+                                   env=harness.env(dict(env, RANK=rank)))
+                self.assertEqual(p.returncode, 1)
+                self.assertIn("rank 1 has already joined this group" if rank == "1" else
+                              "cannot host the rendezvous store", p.stderr)
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
 
     def test_batch_rules(self):
         # an explicit global batch that differs from the snapshot's is refused

@@ -319,13 +319,18 @@ static void timing(const char *base)
     T_CHECK(get_t < 0.5 * sync_t, "get %.3f ms is not under half a synchronous read %.3f ms",
             get_t * 1e3, sync_t * 1e3);
 
-    /* -ETIMEDOUT: a poll right after a jump finds nothing; the same get then succeeds */
+    /* -ETIMEDOUT: a poll right after a jump normally finds nothing (unless this thread was
+     * descheduled long enough for the read to finish: then it must deliver the right batch);
+     * the same get then succeeds */
     uint64_t jump = 3 * (uint64_t)N + 5;
-    rc = train_prefetch_get(p, jump, got.in, got.tg, got.idx, 0, why, sizeof why);
-    T_CHECK(rc == -ETIMEDOUT, "poll after a jump: %d", rc);
-    rc = train_prefetch_get(p, jump, got.in, got.tg, got.idx, 30.0, why, sizeof why);
     T_REQUIRE(sync_read(ref, jump, COUNT, T, &want, why, sizeof why) == 0, "%s", why);
-    T_CHECK(rc == 0 && batch_equal(&want, &got, COUNT, T), "retry after -ETIMEDOUT: %d", rc);
+    rc = train_prefetch_get(p, jump, got.in, got.tg, got.idx, 0, why, sizeof why);
+    T_CHECK(rc == -ETIMEDOUT || (rc == 0 && batch_equal(&want, &got, COUNT, T)),
+            "poll after a jump: %d", rc);
+    if (rc == -ETIMEDOUT) {
+        rc = train_prefetch_get(p, jump, got.in, got.tg, got.idx, 30.0, why, sizeof why);
+        T_CHECK(rc == 0 && batch_equal(&want, &got, COUNT, T), "retry after -ETIMEDOUT: %d", rc);
+    }
     train_prefetch_free(p);
     train_dataset_close(d);
 
