@@ -68,6 +68,9 @@ struct elastic_store_server {
     struct pollfd *pfds;
     double accept_pause_until;
     double full_logged_at;  /* last "max_clients reached" message */
+    double refused_window;  /* start of the current window of refusal messages */
+    unsigned refused_logged;     /* refusal lines logged in that window */
+    unsigned long long refused_quiet; /* refusals not logged in that window */
     uint64_t full_refused;  /* connections refused since that message */
     entry **buckets;
     size_t nbuckets, nkeys;
@@ -76,6 +79,28 @@ struct elastic_store_server {
 
 enum { H_DONE, H_PARKED, H_CLOSE };
 enum { M_FIRST, M_RECHECK };
+
+/* Refused or closed connections are logged one line each, at most 10 per 10 s; the rest of
+ * a window are counted and summarised in one line when the next window opens, so that a
+ * port scanner or a flood of stray clients cannot flood the log. */
+static int refusal_may_log(elastic_store_server *s)
+{
+    double now = es_now();
+    if (now - s->refused_window >= 10.0) {
+        if (s->refused_quiet)
+            LOG_W(ES_TAG, "store: %llu more refused or closed connections in the last %.0f s "
+                  "(not logged one by one)", s->refused_quiet, now - s->refused_window);
+        s->refused_window = now;
+        s->refused_logged = 0;
+        s->refused_quiet = 0;
+    }
+    if (s->refused_logged < 10) {
+        s->refused_logged++;
+        return 1;
+    }
+    s->refused_quiet++;
+    return 0;
+}
 
 /* ------------------------------------------------------------------ key-value table */
 
@@ -286,25 +311,30 @@ static int do_hello(elastic_store_server *s, conn *c, uint8_t op, uint32_t id, e
 {
     const uint8_t *magic;
     if (op != ES_OP_HELLO || es_rd_take(r, 4, &magic) || memcmp(magic, ES_MAGIC, 4) != 0) {
-        LOG_W(ES_TAG, "store: closing connection from %s: first frame is not a hello", c->peer);
+        if (refusal_may_log(s))
+            LOG_W(ES_TAG, "store: closing connection from %s: first frame is not a hello",
+                  c->peer);
         return H_CLOSE;
     }
     uint16_t version = es_rd_u16(r);
     uint32_t tlen;
     const uint8_t *tok = es_rd_bytes(r, &tlen);
     if (r->bad || r->left != 0) {
-        LOG_W(ES_TAG, "store: closing connection from %s: malformed hello", c->peer);
+        if (refusal_may_log(s))
+            LOG_W(ES_TAG, "store: closing connection from %s: malformed hello", c->peer);
         return H_CLOSE;
     }
     if (version != ELASTIC_STORE_PROTOCOL_VERSION) {
-        LOG_W(ES_TAG, "store: refused client %s: protocol version %u (this server speaks %d)",
-              c->peer, (unsigned)version, ELASTIC_STORE_PROTOCOL_VERSION);
+        if (refusal_may_log(s))
+            LOG_W(ES_TAG, "store: refused client %s: protocol version %u (this server speaks %d)",
+                  c->peer, (unsigned)version, ELASTIC_STORE_PROTOCOL_VERSION);
         c->closing = 1;
         c->deadline = es_now() + CLOSE_GRACE_S;
         return reply_status(c, op, id, ES_ST_VERSION);
     }
     if (s->token_len > 0 && (tlen != s->token_len || !ct_equal(tok, (const uint8_t *)s->token, tlen))) {
-        LOG_W(ES_TAG, "store: refused client %s: bad token", c->peer);
+        if (refusal_may_log(s))
+            LOG_W(ES_TAG, "store: refused client %s: bad token", c->peer);
         c->closing = 1;
         c->deadline = es_now() + CLOSE_GRACE_S;
         return reply_status(c, op, id, ES_ST_DENIED);
@@ -458,12 +488,13 @@ static int frame_len_ok_quiet(const elastic_store_server *s, const conn *c, uint
     return flen >= 5 && flen <= limit;
 }
 
-static int frame_len_ok(const elastic_store_server *s, conn *c, uint32_t flen)
+static int frame_len_ok(elastic_store_server *s, conn *c, uint32_t flen)
 {
     if (frame_len_ok_quiet(s, c, flen)) return 1;
     uint64_t limit = c->authed ? s->frame_limit : ELASTIC_STORE_HELLO_MAX;
-    LOG_W(ES_TAG, "store: closing connection from %s: frame of %u bytes (limit %llu)", c->peer,
-          (unsigned)flen, (unsigned long long)limit);
+    if (refusal_may_log(s))
+        LOG_W(ES_TAG, "store: closing connection from %s: frame of %u bytes (limit %llu)",
+              c->peer, (unsigned)flen, (unsigned long long)limit);
     return 0;
 }
 
@@ -701,7 +732,7 @@ static void *serve(void *arg)
             conn *c = s->conns[i];
             if (!c->dead && out_pending(c) > 0) conn_flush(c);
             if (!c->dead && c->deadline > 0 && now >= c->deadline) {
-                if (!c->authed && !c->closing)
+                if (!c->authed && !c->closing && refusal_may_log(s))
                     LOG_W(ES_TAG, "store: closing connection from %s: no hello within %.1f s",
                           c->peer, s->o.hello_timeout_s);
                 if (!c->authed || c->closing) c->dead = 1;

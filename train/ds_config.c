@@ -694,7 +694,9 @@ int train_ds_config_load(const char *path, train_ds_config *out, char *why,
   }
 
   json_error_t err;
-  root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &err);
+  /* a UTF-8 byte-order mark (editors on Windows write one) is not JSON: skip it */
+  size_t bom = len >= 3 && memcmp(text, "\xef\xbb\xbf", 3) == 0 ? 3 : 0;
+  root = json_loadb(text + bom, len - bom, JSON_REJECT_DUPLICATES, &err);
   if (!root) {
     if (json_error_code(&err) == json_error_out_of_memory) {
       rc = -ENOMEM;
@@ -702,7 +704,7 @@ int train_ds_config_load(const char *path, train_ds_config *out, char *why,
         snprintf(why, why_len, "%s: out of memory parsing JSON", path);
     } else if (json_error_code(&err) == json_error_duplicate_key) {
       char key[KEY_MAX];
-      path_at(text, len, err.position > 0 ? (size_t)err.position : 0, key,
+      path_at(text + bom, len - bom, err.position > 0 ? (size_t)err.position : 0, key,
               sizeof key);
       rc = -EINVAL;
       if (c.why_len)

@@ -415,6 +415,31 @@ class Distributed(TempDirTest):
                 p.kill()
                 p.wait()
 
+    def test_stray_clients_do_not_flood_the_log(self):
+        """Garbage connections to the store port while the ranks join: the job still trains,
+        and at most 10 refusals a 10 s window are logged one by one."""
+        import socket
+        ranks = Ranks(2, MB3 + ["--steps", "4"], self.tmp, base=DIST)
+        try:
+            deadline = time.time() + 10
+            sent = 0
+            while sent < 60 and time.time() < deadline:
+                try:
+                    with socket.create_connection(("127.0.0.1", ranks.port), timeout=1) as c:
+                        c.sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(range(256)))
+                        sent += 1
+                except OSError:
+                    time.sleep(0.01)
+            codes = ranks.wait(120)
+        finally:
+            ranks.kill()
+        self.assertEqual(codes, [0, 0], ranks.stderr(0)[-2000:])
+        self.assertGreaterEqual(sent, 30)
+        lines = [x for x in ranks.stderr(0).splitlines() if "store: closing connection" in x or
+                 "store: refused client" in x]
+        self.assertLessEqual(len(lines), 10, "\n".join(lines[:20]))
+        self.assertGreaterEqual(len(lines), 1)
+
     def test_batch_rules(self):
         # an explicit global batch that differs from the snapshot's is refused
         d = self.ckpt()

@@ -399,6 +399,22 @@ static void test_errors(void) {
   free(p);
 }
 
+/* A UTF-8 byte-order mark before the JSON is skipped; a duplicate key after it is still
+ * named by its path. */
+static void test_byte_order_mark(void) {
+  char why[512], unk[512];
+  train_ds_config c;
+  char *p = put("bom.json", "\xef\xbb\xbf{\"seed\": 3, \"steps_per_print\": 5}");
+  int rc = train_ds_config_load(p, &c, why, sizeof why, unk, sizeof unk);
+  T_CHECK(rc == 0 && c.has_seed && c.seed == 3 && c.log_every == 5, "bom: rc %d %s", rc, why);
+  free(p);
+  p = put("bomdup.json", "\xef\xbb\xbf{\"optimizer\": {\"params\": {\"lr\": 1, \"lr\": 2}}}");
+  rc = train_ds_config_load(p, &c, why, sizeof why, unk, sizeof unk);
+  T_CHECK(rc == -EINVAL && strstr(why, "optimizer.params.lr: duplicate key"), "bom dup: %d %s",
+          rc, why);
+  free(p);
+}
+
 int main(void) {
   dir = t_tmpdir("train-config");
   test_full();
@@ -406,6 +422,7 @@ int main(void) {
   test_scheduler_and_optimizer();
   test_duplicate_paths();
   test_errors();
+  test_byte_order_mark();
   t_rmrf(dir);
   free(dir);
   return t_done("test_train_config");
