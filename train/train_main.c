@@ -429,6 +429,8 @@ typedef struct state {
     double last_loss, last_val;
     uint64_t skipped;
     int sample_fd;
+    uint64_t moments_digest[2]; /* block digests of adam_m, adam_v for the next record */
+    char recorded_moments[2][17]; /* the loaded record's, "" when it has none (older) */
 } state;
 
 static double now_s(void)
@@ -442,6 +444,51 @@ static void digest_hex(const float *p, size_t n, char out[33])
 {
     XXH128_hash_t h = XXH3_128bits(p, n * sizeof(float));
     snprintf(out, 33, "%016" PRIx64 "%016" PRIx64, (uint64_t)h.high64, (uint64_t)h.low64);
+}
+
+static void comm_failed(const state *s, const char *what, int rc);
+
+/* Digest of x[lo, hi) (whole TRAIN_BLOCK blocks; x points at element lo) that does not depend
+ * on how the flat space is split over ranks: the sum, mod 2^64, of XXH3-64 of each block
+ * seeded with the block's index. Ranks add their parts (block_digest_sum); the total is that
+ * of the whole buffer. Used for the Adam moments, which no other digest covers as a whole: a
+ * shard restored at the wrong offset passes every chunk checksum but not this. */
+static uint64_t block_digest(const float *x, size_t lo, size_t hi)
+{
+    uint64_t sum = 0;
+    for (size_t b = lo; b < hi; b += TRAIN_BLOCK)
+        sum += XXH3_64bits_withSeed(x + (b - lo), TRAIN_BLOCK * sizeof(float), b / TRAIN_BLOCK);
+    return sum;
+}
+
+/* This rank's parts of the digests of adam_m and adam_v over its shard [lo, hi), summed over
+ * all ranks (collective when W > 1). Returns 0 or the collective's error. */
+static int moments_digest(state *s, uint64_t out[2])
+{
+    uint64_t mine[2] = {block_digest(s->m + (s->lo - s->olo), s->lo, s->hi),
+                        block_digest(s->v + (s->lo - s->olo), s->lo, s->hi)};
+    if (s->world == 1) {
+        out[0] = mine[0];
+        out[1] = mine[1];
+        return 0;
+    }
+    uint64_t *all = calloc((size_t)s->world * 2, sizeof(uint64_t));
+    size_t *counts = calloc((size_t)s->world, sizeof(size_t));
+    int rc = -ENOMEM;
+    if (all && counts) {
+        for (int r = 0; r < s->world; r++) counts[r] = 2 * sizeof(uint64_t);
+        memcpy(all + 2 * (size_t)s->rank, mine, sizeof mine);
+        rc = train_comm_all_gather(s->comm, all + 2 * (size_t)s->rank, all, counts);
+        if (rc < 0) comm_failed(s, "all-gather of the moments digest", rc);
+        out[0] = out[1] = 0;
+        for (int r = 0; r < s->world && rc == 0; r++) {
+            out[0] += all[2 * (size_t)r];
+            out[1] += all[2 * (size_t)r + 1];
+        }
+    }
+    free(all);
+    free(counts);
+    return rc;
 }
 
 static void make_config_hash(const state *s, char out[17])
@@ -586,14 +633,17 @@ static json_t *trainer_record(state *s)
                                                  shape, "offset", (json_int_t)t[i].offset, "decay",
                                                  t[i].decay));
     }
-    char digest[33], dhash[17];
+    char digest[33], dhash[17], mdig[17], vdig[17];
     digest_hex(train_model_params(s->model), train_model_num_params(s->model), digest);
+    snprintf(mdig, sizeof mdig, "%016" PRIx64, s->moments_digest[0]);
+    snprintf(vdig, sizeof vdig, "%016" PRIx64, s->moments_digest[1]);
     snprintf(dhash, sizeof dhash, "%016" PRIx64, train_dataset_hash(s->train));
     uint64_t n = train_dataset_num_samples(s->train);
     return json_pack(
         "{s:I, s:{s:i, s:i, s:i, s:i, s:i}, s:s, s:o, s:i, "
         "s:{s:s, s:f, s:f, s:i, s:i, s:f, s:f, s:f, s:f, s:f, s:I}, "
-        "s:{s:i, s:i, s:i, s:i, s:i}, s:{s:I, s:I, s:I, s:I, s:I, s:s, s:i}, s:s, s:f}",
+        "s:{s:i, s:i, s:i, s:i, s:i}, s:{s:I, s:I, s:I, s:I, s:I, s:s, s:i}, s:s, s:f, "
+        "s:{s:s, s:s}}",
         "step", (json_int_t)s->step, "model", "vocab", o->model.vocab, "seq_len", o->model.seq_len,
         "n_layer", o->model.n_layer, "n_embd", o->model.n_embd, "n_head", o->model.n_head,
         "tensor_buffer", "params", "tensors", tensors, "num_params",
@@ -607,7 +657,8 @@ static json_t *trainer_record(state *s)
         "data", "samples_consumed", (json_int_t)s->samples, "epoch", (json_int_t)(s->samples / n),
         "offset_in_epoch", (json_int_t)(s->samples % n), "seed", (json_int_t)o->seed, "num_samples",
         (json_int_t)n, "data_hash", dhash, "files", (int)train_dataset_num_files(s->train),
-        "params_digest", digest, "loss", s->last_loss);
+        "params_digest", digest, "loss", s->last_loss, "moments_digest", "adam_m", mdig, "adam_v",
+        vdig);
 }
 
 /* Resident memory of this process in KiB (VmRSS), or -1. */
@@ -685,6 +736,8 @@ static int take_snapshot(state *s, int last)
         int rc = gather_range_hook(s, 0, s->np); /* the record's params digest */
         if (rc < 0) return rc;
     }
+    int dr = moments_digest(s, s->moments_digest);
+    if (dr < 0) return dr;
     size_t bytes = s->np * sizeof(float), off = s->lo * sizeof(float);
     size_t sb = (s->hi - s->lo) * sizeof(float);
     ckpt_buffer bufs[3] = {
@@ -898,6 +951,11 @@ static int load_part(state *s, const char *path, char *why, size_t why_len)
         snprintf(s->run_id, sizeof s->run_id, "%s", ckpt_snapshot_run_id(snap));
         json_t *loss = json_object_get(tr, "loss");
         s->last_loss = json_is_number(loss) ? json_number_value(loss) : NAN;
+        json_t *md = json_object_get(tr, "moments_digest");
+        const char *dm = json_string_value(json_object_get(md, "adam_m"));
+        const char *dv = json_string_value(json_object_get(md, "adam_v"));
+        snprintf(s->recorded_moments[0], 17, "%s", dm && strlen(dm) == 16 ? dm : "");
+        snprintf(s->recorded_moments[1], 17, "%s", dv && strlen(dv) == 16 ? dv : "");
         int64_t saved_mb = json_integer_value(json_object_get(jbatch, "micro_batch"));
         if (saved_mb > 0 && saved_mb != s->o->micro_batch && s->rank == 0)
             LOG_W(TAG, "micro-batch differs from the snapshot's (%lld, now %d): the global batch "
@@ -980,6 +1038,21 @@ static int load_snapshot(state *s, const char *path, char *why, size_t why_len, 
     if (strcmp(got, digest) != 0) {
         snprintf(why, why_len, "params digest %s differs from the recorded %s", got, digest);
         return -EBADMSG;
+    }
+    uint64_t md[2];
+    if (moments_digest(s, md) < 0) {
+        *comm_err = 1;
+        return -EIO;
+    }
+    for (int k = 0; k < 2; k++) {
+        const char *want = s->recorded_moments[k];
+        char have[17];
+        snprintf(have, sizeof have, "%016" PRIx64, md[k]);
+        if (want[0] && strcmp(want, have) != 0) {
+            snprintf(why, why_len, "%s digest %s differs from the recorded %s (a shard restored at "
+                     "the wrong place?)", k ? "adam_v" : "adam_m", have, want);
+            return -EBADMSG;
+        }
     }
     why[0] = '\0';
     return 0;

@@ -144,6 +144,38 @@ class Distributed(TempDirTest):
         worst = max(abs(x - y) for n in ta for x, y in zip(ta[n], tb[n]))
         self.assertLess(worst, 1e-4)
 
+    def test_moments_at_the_wrong_place_are_caught(self):
+        """Two equal-sized shards of adam_m swapped in a resealed manifest pass every chunk
+        checksum; the moments digest in the trainer record catches it, the snapshot is set
+        aside and the previous one used."""
+        ref = ok(self, 1, MB3)
+        d = self.ckpt()
+        ok(self, 4, MB3 + ["--ckpt-dir", d, "--ckpt-every", "3"])
+        self.assertEqual(snapshot_dirs(d), ["step-000000003", "step-000000006"])
+        man = os.path.join(d, "step-000000006", "manifest.json")
+        with open(man) as f:
+            m = json.load(f)
+        buf = next(b for b in m["buffers"] if b["name"] == "adam_m")
+        a, b = buf["shards"][1], buf["shards"][2]
+        self.assertEqual(a["bytes"], b["bytes"])
+        for x, delta in ((a, b["offset"] - a["offset"]), (b, a["offset"] - b["offset"])):
+            x["offset"] += delta
+            for c in x["chunks"]:
+                c["offset"] += delta
+        with open(man, "w") as f:
+            json.dump(m, f, separators=(",", ":"), sort_keys=True)
+        run([harness.RESEAL, man], check=True)
+        p = run([harness.INSPECT, "verify", os.path.join(d, "step-000000006")])
+        self.assertEqual(p.returncode, 0, "the chunks themselves are intact")
+        ranks, codes = launch(self, 2, MB3 + ["--ckpt-dir", d, "--ckpt-every", "3", "--resume",
+                                              "auto"])
+        self.assertEqual(codes, [0, 0], ranks.stderr(0)[-2000:])
+        err = ranks.stderr(0)
+        self.assertIn("adam_m digest", err)
+        self.assertIn("resumed from", err)
+        self.assertRegex(err, r"resumed from \S+step-000000003 at step 3")
+        self.assertEqual(ranks.final()["digest"], ref["digest"])
+
     def test_sampler_continuity_across_world_change(self):
         """C12: no sample repeated or skipped when W changes on a resume; same order as W=1."""
         ref_log = os.path.join(self.tmp, "ref.samples")
