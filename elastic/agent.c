@@ -59,6 +59,7 @@ typedef struct agent {
     int multi;
     elastic_rdzv *rdzv;
     int restarts;
+    elastic_guard guard;
 } agent;
 
 static double now_s(void)
@@ -229,6 +230,23 @@ static int host_local_store(agent *a)
     return 0;
 }
 
+/* Does the endpoint's host resolve? One line and 0 when not (a usage error: the agent could
+ * neither bind nor reach it). */
+static int endpoint_resolves(const char *host, int port)
+{
+    struct addrinfo hints = {0}, *res = NULL;
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    int g = getaddrinfo(host, NULL, &hints, &res);
+    if (g == 0) {
+        freeaddrinfo(res);
+        return 1;
+    }
+    LOG_E(EA_TAG, "--rdzv-endpoint %s:%d: cannot resolve '%s': %s", host, port, host,
+          g == EAI_SYSTEM ? strerror(errno) : gai_strerror(g));
+    return 0;
+}
+
 static int interrupted(void *arg);
 
 /* Several nodes: host the store when the endpoint is free and ours, else join it. */
@@ -259,8 +277,8 @@ static int multi_store(agent *a)
     a->master_addr = o->rdzv_host;
     a->master_port = o->rdzv_port;
     elastic_rdzv_opts ro = {o->rdzv_host, o->rdzv_port, a->tok, o->rdzv_id, o->min_nodes,
-                            o->max_nodes, o->last_call_s, o->heartbeat_timeout_s,
-                            o->join_timeout_s, hosting, interrupted, a};
+                            o->max_nodes, o->nproc_per_node, o->last_call_s,
+                            o->heartbeat_timeout_s, o->join_timeout_s, hosting, interrupted, a};
     return elastic_rdzv_open(&a->rdzv, &ro);
 }
 
@@ -324,6 +342,27 @@ static int serve(agent *a, elastic_wg *wg, char *why, size_t len)
                 return OUT_HANG;
             }
         }
+    }
+}
+
+/* After a preemption stop: a rank that did not end by exit 0 or 143 (128 + SIGTERM, what a
+ * worker that took its final snapshot returns) may not have written that snapshot. */
+static void warn_lost_snapshots(const elastic_wg *wg)
+{
+    for (int i = 0; i < wg->n; i++) {
+        const elastic_worker *w = &wg->w[i];
+        if (w->pid <= 0 || !w->reaped) continue;
+        int st = w->wstatus;
+        if (WIFEXITED(st) && (WEXITSTATUS(st) == 0 || WEXITSTATUS(st) == 128 + SIGTERM)) continue;
+        char how[64];
+        if (WIFEXITED(st))
+            snprintf(how, sizeof how, "status %d", WEXITSTATUS(st));
+        else if (WIFSIGNALED(st))
+            snprintf(how, sizeof how, "signal %d (%s)", WTERMSIG(st), strsignal(WTERMSIG(st)));
+        else
+            snprintf(how, sizeof how, "wait status 0x%x", (unsigned)st);
+        LOG_W(EA_TAG, "rank %d exited with %s during the preemption stop: its final snapshot may "
+              "be missing; the next launch resumes from the newest committed one", w->rank, how);
     }
 }
 
@@ -392,7 +431,7 @@ static int run_job(agent *a)
                   (rd.node_rank + 1) * o->nproc_per_node - 1, world);
         elastic_wg_spec spec = {a->path, a->argv, o->nproc_per_node, rd.node_rank, rd.nnodes,
                                 rd.gen, o->max_restarts, a->master_addr, a->master_port, a->tok,
-                                o->rdzv_id ? o->rdzv_id : "none"};
+                                o->rdzv_id ? o->rdzv_id : "none", &a->guard};
         elastic_wg wg;
         int exec_errno = 0, outcome;
         int rc = elastic_wg_start(&wg, &spec, a->sigfd, &a->out, &a->err, &exec_errno);
@@ -462,6 +501,7 @@ static int run_job(agent *a)
                 elastic_rdzv_stop_round(a->rdzv, rd.gen, 'P', msg, NULL, NULL, 0);
             }
             elastic_wg_stop(&wg, SIGTERM, o->preempt_grace_s, 1, "preemption");
+            warn_lost_snapshots(&wg);
             exit_now = ELASTIC_EXIT_PREEMPTED;
             break;
         case OUT_REMOTE_STOP:
@@ -537,11 +577,16 @@ int elastic_agent_run(const elastic_agent_opts *o, char *const argv[])
     a.o = o;
     a.argv = argv;
     a.sigfd = -1;
+    a.guard = (elastic_guard){0, -1, 0};
     a.multi = o->max_nodes > 1;
     a.path = resolve(argv[0]);
     if (!a.path) {
         LOG_E(EA_TAG, "cannot run '%s': %s", argv[0],
               strchr(argv[0], '/') ? "no such executable file" : "not found in PATH");
+        return ELASTIC_EXIT_USAGE;
+    }
+    if (o->rdzv_host && !endpoint_resolves(o->rdzv_host, o->rdzv_port)) {
+        free(a.path);
         return ELASTIC_EXIT_USAGE;
     }
     warn_resume(argv);
@@ -558,6 +603,9 @@ int elastic_agent_run(const elastic_agent_opts *o, char *const argv[])
     sigaddset(&set, SIGINT);
     pthread_sigmask(SIG_BLOCK, &set, NULL);
     signal(SIGPIPE, SIG_IGN);
+    /* the guardian before any thread and fd of ours exists: it inherits the blocked mask, so a
+     * ^C between its fork and its own set-up cannot kill it */
+    elastic_guard_start(&a.guard);
     a.sigfd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
     int status = ELASTIC_EXIT_FAILED;
     if (a.sigfd < 0) {
@@ -574,6 +622,8 @@ int elastic_agent_run(const elastic_agent_opts *o, char *const argv[])
             LOG_W(EA_TAG, "preempted while waiting for the rendezvous store: exiting");
             status = ELASTIC_EXIT_PREEMPTED;
         }
+        /* refused by the job (other settings) or the store serves another job (logged) */
+        if (rc == -EINVAL || rc == -EBUSY) status = ELASTIC_EXIT_USAGE;
         if (rc < 0) goto out;
     } else {
         if (random_token(a.token, sizeof a.token) < 0) {
@@ -583,9 +633,10 @@ int elastic_agent_run(const elastic_agent_opts *o, char *const argv[])
         a.tok = a.token;
         if (host_local_store(&a) < 0) goto out;
     }
+    char hang[48] = "off";
+    if (o->hang_timeout_s > 0) snprintf(hang, sizeof hang, "%g s", o->hang_timeout_s);
     LOG_I(EA_TAG, "%d worker(s) per node, %d..%d node(s), --max-restarts %d, hang timeout %s",
-          o->nproc_per_node, o->min_nodes, o->max_nodes, o->max_restarts,
-          o->hang_timeout_s > 0 ? "on" : "off");
+          o->nproc_per_node, o->min_nodes, o->max_nodes, o->max_restarts, hang);
     status = run_job(&a);
 out:
     elastic_sink_finish(&a.out);
@@ -594,6 +645,7 @@ out:
     elastic_store_server_stop(a.srv);
     explicit_bzero(a.token, sizeof a.token);
     if (a.sigfd >= 0) close(a.sigfd);
+    elastic_guard_finish(&a.guard);
     free(a.path);
     /* the signals stay blocked: a late SIGTERM must not turn the status into a signal death */
     return status;

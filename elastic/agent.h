@@ -20,17 +20,39 @@
  * Restart semantics: a restart starts every worker of the node again from its command line;
  * continuing where the job stopped is the worker's business (train: `--resume auto`).
  *
+ * Orphans: a worker dies with the agent (parent-death signal) but its own children would not
+ * (they are reparented to init). So at start the agent forks a guardian ("elastic-guard" in
+ * ps): its own process group (not a worker's, not the terminal's), SIGINT, SIGTERM, SIGHUP,
+ * SIGQUIT and the job-control signals blocked, no fd open but its pipe from the agent and
+ * /dev/null on 0..2 (so a reader of the agent's output sees EOF with the agent). Each worker
+ * lists its process group with the guardian ("+<pgid>") between fork and exec, before any of
+ * the user's code runs; the agent unlists it ("-<pgid>") once every process of the group is
+ * gone, and writes "exit" before it returns. When the pipe reaches EOF without "exit" (the
+ * agent died: SIGKILL, a crash, the OOM killer), the guardian sends SIGCONT and SIGKILL to
+ * every group still listed and exits, within milliseconds of the agent. One guardian per agent
+ * rather than a supervisor per worker: one extra process per node instead of one per rank,
+ * and the workers stay the agent's children (exit statuses, reaping and stops unchanged).
+ * Limits: a process that left its worker's group (setsid, setpgid) is not reached; a guardian
+ * that was killed itself is warned about (when the next group ends) and the agent runs on
+ * without one; groups the agent gave up on (still there 10 s after SIGKILL) stay listed, and
+ * are not killed at a normal exit.
+ *
  * Single node (max_nodes == 1): the agent hosts the store on rdzv_host:rdzv_port (default
  * 127.0.0.1, a free port) with a random token; a busy explicit port is replaced by a free one
  * (logged, not a restart). Several nodes (max_nodes > 1): every agent tries to bind the
  * endpoint; the one that succeeds hosts the store, the others (EADDRINUSE/EADDRNOTAVAIL)
  * connect to it; the token is ELASTIC_STORE_TOKEN of the agent's environment (the same on
- * every node), none when unset. The rendezvous protocol is described in agent_rdzv.c.
+ * every node), none when unset. The hosting agent records its rdzv_id and settings in the
+ * store; an agent whose rdzv_id differs (one endpoint serves one job), or whose nproc_per_node,
+ * min_nodes or max_nodes differ from the host's (nodes of different sizes are not supported),
+ * is refused before it registers: one line naming the difference, ELASTIC_EXIT_USAGE. The
+ * rendezvous protocol is described in agent_rdzv.c.
  *
  * Signals: SIGTERM or SIGINT to the agent is a preemption notice: SIGTERM to every worker
  * group, up to preempt_grace_s for them to exit (train takes a final snapshot), SIGKILL for
  * the rest, exit status ELASTIC_EXIT_PREEMPTED. A second SIGTERM/SIGINT during that wait
- * sends SIGKILL at once.
+ * sends SIGKILL at once. Each rank that ended otherwise than by exit 0 or 143 (128 + SIGTERM)
+ * gets a WARN line: its final snapshot may be missing.
  *
  * Thread-safety: elastic_agent_run is meant to be the one thing a process does: it blocks
  * SIGCHLD/SIGTERM/SIGINT (and leaves them blocked on return, so that a late signal cannot turn
@@ -45,7 +67,9 @@ enum elastic_exit {
     ELASTIC_EXIT_OK = 0,         /* every worker of the final round exited 0 (on every node) */
     ELASTIC_EXIT_FAILED = 1,     /* restart budget spent, store lost, cannot start, ... */
     ELASTIC_EXIT_USAGE = 2,      /* a worker exited 2 (usage/config error, never retried) or
-                                    the agent's own configuration is unusable */
+                                    the agent's own configuration is unusable (bad options,
+                                    an endpoint host that does not resolve, refused by the
+                                    job: other settings, or the store serves another job) */
     ELASTIC_EXIT_PREEMPTED = 143 /* SIGTERM/SIGINT to the agent; workers were stopped */
 };
 
@@ -60,7 +84,7 @@ typedef struct elastic_agent_opts {
                                    a signal, a hang, a dead node). Scale-ups and preemptions of
                                    other nodes are not counted */
     const char *rdzv_host;      /* store endpoint host; NULL = "127.0.0.1" (single node only;
-                                   required for several nodes) */
+                                   required for several nodes); must resolve at start */
     int rdzv_port;              /* store endpoint port, [0, 65535]; 0 = a free port (single node
                                    only) */
     const char *rdzv_id;        /* job id: key namespace in the store, ELASTIC_RUN_ID; 1..64
@@ -92,8 +116,10 @@ typedef struct elastic_agent_opts {
  * NULL-terminated, argv[0] non-empty) nproc_per_node times per round, watch, restart, until the
  * job succeeds or fails. Logs through common/log.h with the tag "elastic"; worker output is
  * relayed as described at the top. Never exits the process; returns its exit status.
- * Returns: an enum elastic_exit value (0, 1, 2 or 143). Bad options or argv give
- * ELASTIC_EXIT_USAGE with one logged line; nothing is started then. */
+ * Forks the guardian (see "Orphans") and reaps it before returning.
+ * Returns: an enum elastic_exit value (0, 1, 2 or 143). Bad options or argv, or an rdzv_host
+ * that does not resolve, give ELASTIC_EXIT_USAGE with one logged line; nothing is started
+ * then. */
 int elastic_agent_run(const elastic_agent_opts *o, char *const argv[]);
 
 #endif /* ELASTIC_AGENT_H */

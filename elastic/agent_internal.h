@@ -38,6 +38,30 @@ void elastic_sink_finish(elastic_sink *s);
 void elastic_sink_line(elastic_sink *s, const char *prefix, size_t plen, const char *line,
                        size_t len);
 
+/* ------------------------------------------------------------------ orphan guardian */
+
+/* The guardian (see agent.h "Orphans"): a process forked at start that SIGKILLs the process
+ * groups of the workers when the agent dies without saying goodbye. The agent's side: */
+typedef struct elastic_guard {
+    pid_t pid;                  /* the guardian; 0 = none */
+    int fd;                     /* write end of its pipe (O_NONBLOCK, O_CLOEXEC); -1 = none */
+    int broken;                 /* a note could not be written (warned once) */
+} elastic_guard;
+
+/* Fork the guardian. Call before any thread exists, with SIGINT/SIGTERM blocked (the child
+ * inherits the mask until it sets its own). Errors: -errno of pipe/fork (logged); g is then
+ * {0, -1, 0} and the agent runs without a guardian. */
+int elastic_guard_start(elastic_guard *g);
+
+/* Tell the guardian that process group pgid is gone ('-'); '+' (a new group) is written by the
+ * worker itself between fork and exec, so that no group exists unlisted. g may be NULL. A
+ * failed write is warned about once; the guardian is then assumed gone. */
+void elastic_guard_note(elastic_guard *g, char op, pid_t pgid);
+
+/* Normal exit: "exit" to the guardian, close the pipe, reap it (waits at most 2 s). Accepts a
+ * guard that was never started. */
+void elastic_guard_finish(elastic_guard *g);
+
 /* ------------------------------------------------------------------ worker group */
 
 typedef struct elastic_stream {
@@ -74,6 +98,7 @@ typedef struct elastic_wg_spec {
     int master_port;
     const char *token;          /* NULL or "" = none; never logged */
     const char *run_id;
+    elastic_guard *guard;       /* NULL = none: groups are listed with it while they exist */
 } elastic_wg_spec;
 
 typedef struct elastic_wg {
@@ -87,6 +112,7 @@ typedef struct elastic_wg {
     double started;
     int progress_logged;        /* the first progress line of the round was logged */
     elastic_sink *out, *err;
+    elastic_guard *guard;       /* from the spec; NULL = none */
     struct pollfd *pfd;         /* 3 n + 1 + ELASTIC_WG_EXTRA_MAX entries */
 } elastic_wg;
 
@@ -146,6 +172,7 @@ typedef struct elastic_rdzv_opts {
     const char *token;          /* NULL/"" = none; never logged */
     const char *run_id;         /* key namespace */
     int min_nodes, max_nodes;
+    int nproc_per_node;         /* compared with the job's (the store host's) at open */
     double last_call_s, heartbeat_timeout_s, join_timeout_s;
     int hosting;                /* this agent runs the store server: elastic_rdzv_close then
                                    waits for the other agents to leave */
@@ -164,10 +191,15 @@ typedef struct elastic_round {
 #define ELASTIC_EV_END 2u       /* the job was ended (end key) */
 #define ELASTIC_EV_LOST 4u      /* the store is gone */
 
-/* Connect (two connections: one for the main thread, one for the watcher thread), register
- * this agent, start the watcher thread (heartbeats every min(1, timeout / 3) s).
- * Errors: -ETIMEDOUT no store within join_timeout_s, -EINTR o->interrupted said so while
- * waiting for the store, -EACCES token refused, -errno. */
+/* Connect (two connections: one for the main thread, one for the watcher thread), check that
+ * the store serves this job with the same settings, register this agent, start the watcher
+ * thread (heartbeats every min(1, timeout / 3) s). The hosting agent records the job first:
+ * its run id (key "elastic/job") and its settings (P "config", see agent_rdzv.c); any other
+ * agent compares its own with them before it registers.
+ * Errors (each logged in one line): -ETIMEDOUT no store within join_timeout_s, -EINTR
+ * o->interrupted said so while waiting for the store, -EACCES token refused, -EBUSY the store
+ * serves another run id (or no elastic job at all), -EINVAL this agent's --nproc-per-node or
+ * --nnodes differ from the job's, -errno. */
 int elastic_rdzv_open(elastic_rdzv **out, const elastic_rdzv_opts *o);
 
 /* Join the next round (the first open one at or after from_gen) and wait until it closes.

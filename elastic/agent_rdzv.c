@@ -2,6 +2,14 @@
  * with generation numbers (in the spirit of torch's c10d rendezvous), plus heartbeats.
  *
  * Keys (P = "rdzv/<run id>/"; counters are store ADD counters, texts are plain values):
+ *   elastic/job         the run id of the job whose agent hosts the store; set by that agent
+ *                       (after P config) before it registers. Every other agent waits for it
+ *                       (at most max(10 s, heartbeat timeout)) and leaves with exit 2 when it
+ *                       names another job: two jobs on one endpoint would fail together when
+ *                       the hosting one ends
+ *   P config            "nproc=<n> nnodes=<min>:<max>" of the hosting agent; an agent with
+ *                       other settings is refused (exit 2) before it registers: the ranks
+ *                       would overlap (RANK = node rank x nproc + local rank)
  *   P agents            counter: agents that ever registered; P agent/<i> = "<aid> <host> <pid>"
  *   P hb/<aid>          counter bumped by the agent's watcher thread every min(1, T/3) s
  *                       (T = heartbeat timeout); a value that does not move for T = dead agent
@@ -420,6 +428,73 @@ static int connect_store(elastic_rdzv *r, elastic_store_client **out, double tot
     }
 }
 
+/* "4" or "2:4", as --nnodes is written. */
+static void nnodes_text(char *buf, size_t len, int lo, int hi)
+{
+    if (lo == hi)
+        snprintf(buf, len, "%d", lo);
+    else
+        snprintf(buf, len, "%d:%d", lo, hi);
+}
+
+/* The hosting agent records the job; the others check it (see the top: elastic/job, P config).
+ * Returns 0, -EBUSY another job, -EINVAL other settings (both logged), other store errors. */
+static int check_job(elastic_rdzv *r)
+{
+    static const char job_key[] = "elastic/job";
+    char k[KEY_MAX], mine[64];
+    int ml = snprintf(mine, sizeof mine, "nproc=%d nnodes=%d:%d", r->o.nproc_per_node,
+                      r->o.min_nodes, r->o.max_nodes);
+    void *v = NULL;
+    size_t len = 0;
+    int rc;
+    key(r, k, "config");
+    if (r->o.hosting) {
+        /* compare-and-set from missing: the first record stands (nobody else writes these) */
+        if ((rc = elastic_store_compare_set(r->c, k, NULL, 0, mine, (size_t)ml, NULL, NULL)) < 0 ||
+            (rc = elastic_store_compare_set(r->c, job_key, NULL, 0, r->run_id, strlen(r->run_id),
+                                            NULL, NULL)) < 0)
+            return rc;
+        return 0;
+    }
+    double wait = r->o.heartbeat_timeout_s > 10 ? r->o.heartbeat_timeout_s : 10;
+    rc = elastic_store_get(r->c, job_key, &v, &len, wait);
+    if (rc == -ETIMEDOUT) {
+        LOG_E(EA_TAG, "the store at %s:%d serves no elastic job (no job id recorded within "
+              "%g s); give this job its own --rdzv-endpoint", r->host, r->o.port, wait);
+        return -EBUSY;
+    }
+    if (rc < 0) return rc;
+    if (strcmp(v, r->run_id) != 0) {
+        LOG_E(EA_TAG, "the store at %s:%d serves job %.64s; give this job its own "
+              "--rdzv-endpoint (this is --rdzv-id %s)", r->host, r->o.port, (const char *)v,
+              r->run_id);
+        free(v);
+        return -EBUSY;
+    }
+    free(v);
+    v = NULL;
+    if ((rc = elastic_store_get(r->c, k, &v, &len, 0)) < 0) return rc;
+    int nproc = -1, lo = -1, hi = -1;
+    sscanf(v, "nproc=%d nnodes=%d:%d", &nproc, &lo, &hi);
+    free(v);
+    if (nproc == r->o.nproc_per_node && lo == r->o.min_nodes && hi == r->o.max_nodes) return 0;
+    char diff[256], here[32], job[32];
+    size_t off = 0;
+    nnodes_text(here, sizeof here, r->o.min_nodes, r->o.max_nodes);
+    nnodes_text(job, sizeof job, lo, hi);
+    if (nproc != r->o.nproc_per_node)
+        off += (size_t)snprintf(diff + off, sizeof diff - off, "--nproc-per-node %d here, %d "
+                                "in the job", r->o.nproc_per_node, nproc);
+    if ((lo != r->o.min_nodes || hi != r->o.max_nodes) && off < sizeof diff)
+        snprintf(diff + off, sizeof diff - off, "%s--nnodes %s here, %s in the job",
+                 off ? "; " : "", here, job);
+    LOG_E(EA_TAG, "refusing to join job %s at %s:%d: %s (every agent of a job needs the same "
+          "--nnodes and --nproc-per-node as the agent hosting the store)", r->run_id, r->host,
+          r->o.port, diff);
+    return -EINVAL;
+}
+
 int elastic_rdzv_open(elastic_rdzv **out, const elastic_rdzv_opts *o)
 {
     elastic_rdzv *r = calloc(1, sizeof *r);
@@ -454,12 +529,19 @@ int elastic_rdzv_open(elastic_rdzv **out, const elastic_rdzv_opts *o)
     }
     if ((rc = connect_store(r, &r->c, o->join_timeout_s)) == -EINTR) goto fail;
     if (rc < 0 || (rc = connect_store(r, &r->wc, o->heartbeat_timeout_s)) < 0) {
-        LOG_E(EA_TAG, "cannot reach the rendezvous store at %s:%d: %s", r->host, o->port,
-              strerror(-rc));
+        if (rc == -EACCES)
+            LOG_E(EA_TAG, "the rendezvous store at %s:%d refused this agent's token: "
+                  "ELASTIC_STORE_TOKEN differs from the one of the agent hosting the store%s",
+                  r->host, o->port, r->token ? "" : " (unset here)");
+        else
+            LOG_E(EA_TAG, "cannot reach the rendezvous store at %s:%d: %s", r->host, o->port,
+                  strerror(-rc));
         goto fail;
     }
     char k[KEY_MAX];
     int64_t idx = 0;
+    if ((rc = check_job(r)) == -EBUSY || rc == -EINVAL) goto fail; /* logged; not registered */
+    if (rc < 0) goto store_fail;
     key(r, k, "agents");
     if ((rc = elastic_store_add(r->c, k, 1, &idx)) < 0) goto store_fail;
     key(r, k, "agent/%" PRId64, idx);

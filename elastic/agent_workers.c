@@ -1,6 +1,7 @@
 /* agent_workers.c - the local worker group of the elastic agent: fork/exec in own process
- * groups, output relay, progress lines, reaping, and the bounded stop (SIGTERM, grace,
- * SIGKILL of whole groups, reap everything).
+ * groups, output relay, progress lines, reaping, the bounded stop (SIGTERM, grace, SIGKILL of
+ * whole groups, reap everything), and the orphan guardian that kills those groups when the
+ * agent dies (agent.h "Orphans").
  *
  * Why process groups: a worker may have children of its own (a data loader, a shell wrapper);
  * killing the worker alone would leave them holding memory, ports or files while its successor
@@ -138,6 +139,156 @@ void elastic_sink_line(elastic_sink *s, const char *prefix, size_t plen, const c
     }
 }
 
+/* ------------------------------------------------------------------ orphan guardian */
+
+/* The guardian's side. It was forked before the agent made any thread, so it may call
+ * anything; it leaves by _exit (no atexit handlers, no leak check of the agent's memory). */
+/* "<op><pid>\n" into buf (at least 24 bytes) without stdio: async-signal-safe. */
+static size_t guard_line(char *buf, char op, pid_t pid)
+{
+    char digits[20];
+    size_t n = 0, k = 0;
+    unsigned long v = (unsigned long)pid;
+    do digits[n++] = (char)('0' + v % 10);
+    while ((v /= 10) != 0);
+    buf[k++] = op;
+    while (n) buf[k++] = digits[--n];
+    buf[k++] = '\n';
+    return k;
+}
+
+static void close_from(int lo);
+static void guardian(int rfd) __attribute__((noreturn));
+
+static void guardian(int rfd)
+{
+    setpgid(0, 0); /* out of the agent's (terminal's) group: ^C and killpg do not reach us */
+    prctl(PR_SET_NAME, "elastic-guard");
+    sigset_t set;
+    sigemptyset(&set);
+    int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGTSTP, SIGTTIN, SIGTTOU, SIGPIPE,
+                  SIGUSR1, SIGUSR2};
+    for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) sigaddset(&set, sigs[i]);
+    sigprocmask(SIG_SETMASK, &set, NULL);
+    /* keep only the pipe (as fd 3) and /dev/null on 0..2: a reader of the agent's stdout or
+     * stderr must see EOF when the agent ends, not when the guardian does */
+    if (rfd != 3 && dup2(rfd, 3) < 0) _exit(1);
+    int nul = open("/dev/null", O_RDWR);
+    for (int fd = 0; fd < 3 && nul >= 0; fd++)
+        if (nul != fd) dup2(nul, fd);
+    close_from(4);
+    pid_t *groups = NULL;
+    size_t n = 0, cap = 0;
+    char buf[4096];
+    size_t len = 0;
+    for (;;) {
+        ssize_t r = read(3, buf + len, sizeof buf - len);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break; /* EOF: every write end is closed, the agent is gone */
+        len += (size_t)r;
+        size_t start = 0;
+        for (size_t i = 0; i < len; i++) {
+            if (buf[i] != '\n') continue;
+            buf[i] = '\0';
+            const char *line = buf + start;
+            start = i + 1;
+            if (!strcmp(line, "exit")) _exit(0);
+            long pg = strtol(line + 1, NULL, 10);
+            if (pg <= 1) continue;
+            if (line[0] == '+') {
+                if (n == cap) {
+                    size_t nc = cap ? 2 * cap : 64;
+                    pid_t *g = realloc(groups, nc * sizeof *g);
+                    if (!g) continue; /* cannot list it: the death signal still gets the leader */
+                    groups = g;
+                    cap = nc;
+                }
+                groups[n++] = (pid_t)pg;
+            } else if (line[0] == '-') {
+                for (size_t k = 0; k < n; k++)
+                    if (groups[k] == (pid_t)pg) {
+                        groups[k] = groups[--n];
+                        break;
+                    }
+            }
+        }
+        memmove(buf, buf + start, len - start);
+        len -= start;
+        if (len == sizeof buf) len = 0; /* no line is that long: resynchronise */
+    }
+    for (size_t k = 0; k < n; k++) {
+        kill(-groups[k], SIGCONT);
+        kill(-groups[k], SIGKILL);
+    }
+    _exit(0);
+}
+
+int elastic_guard_start(elastic_guard *g)
+{
+    int p[2];
+    *g = (elastic_guard){0, -1, 0};
+    if (pipe2(p, O_CLOEXEC) != 0) {
+        int e = errno;
+        LOG_W(EA_TAG, "cannot start the orphan guardian (pipe: %s): children of workers would "
+              "survive a SIGKILL of the agent", strerror(e));
+        return -e;
+    }
+    pid_t pid = fork();
+    if (pid < 0) {
+        int e = errno;
+        close(p[0]);
+        close(p[1]);
+        LOG_W(EA_TAG, "cannot start the orphan guardian (fork: %s): children of workers would "
+              "survive a SIGKILL of the agent", strerror(e));
+        return -e;
+    }
+    if (pid == 0) {
+        close(p[1]);
+        guardian(p[0]);
+    }
+    setpgid(pid, pid); /* both sides, whichever runs first */
+    close(p[0]);
+    fcntl(p[1], F_SETFL, O_NONBLOCK); /* a stopped guardian must not stop the agent */
+    g->pid = pid;
+    g->fd = p[1];
+    LOG_D(EA_TAG, "orphan guardian: pid %d", (int)pid);
+    return 0;
+}
+
+void elastic_guard_note(elastic_guard *g, char op, pid_t pgid)
+{
+    if (!g || g->fd < 0 || g->broken) return;
+    char line[24];
+    size_t n = guard_line(line, op, pgid);
+    ssize_t w;
+    do w = write(g->fd, line, n);
+    while (w < 0 && errno == EINTR);
+    if (w == (ssize_t)n) return;
+    g->broken = 1;
+    LOG_W(EA_TAG, "the orphan guardian (pid %d) %s: children of workers would survive a "
+          "SIGKILL of the agent", (int)g->pid,
+          w < 0 && errno == EAGAIN ? "does not read its pipe" : "is gone");
+}
+
+void elastic_guard_finish(elastic_guard *g)
+{
+    if (g->fd >= 0) {
+        ssize_t w = write(g->fd, "exit\n", 5);
+        (void)w; /* a guardian that misses it sees EOF with no group listed, or kills leftovers */
+        close(g->fd);
+        g->fd = -1;
+    }
+    if (g->pid > 0) {
+        for (int i = 0; i < 400; i++) { /* it exits at once; bounded all the same */
+            pid_t r = waitpid(g->pid, NULL, WNOHANG);
+            if (r != 0) break; /* reaped, or already reaped by a waitpid(-1) */
+            struct timespec ts = {0, 5 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+        g->pid = 0;
+    }
+}
+
 /* ------------------------------------------------------------------ spawning */
 
 static const char *const managed[] = {
@@ -222,7 +373,7 @@ static void close_from(int lo)
 
 /* In the child: async-signal-safe calls only. Never returns. */
 static void child(const char *path, char *const argv[], char *const envp[], int out_w, int err_w,
-                  int hb_w, int st_w, int devnull, pid_t parent)
+                  int hb_w, int st_w, int devnull, pid_t parent, int guard_fd)
 {
     int e = 0;
     setpgid(0, 0);
@@ -230,6 +381,14 @@ static void child(const char *path, char *const argv[], char *const envp[], int 
      * main thread, which lives as long as the agent. Check the parent after arming it, or a
      * parent that died in between would go unnoticed. */
     if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) _exit(127);
+    /* list our group with the guardian before anything of the user's runs: an agent killed
+     * from here on leaves no unlisted group behind (before, the death signal kills us). Done
+     * before the dup2s below, which may reuse guard_fd's number. */
+    if (guard_fd >= 0) {
+        char line[24];
+        ssize_t w = write(guard_fd, line, guard_line(line, '+', getpid()));
+        (void)w;
+    }
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = SIG_DFL;
@@ -284,7 +443,9 @@ static int start_one(elastic_wg *wg, elastic_worker *w, const elastic_wg_spec *s
         LOG_E(EA_TAG, "cannot fork rank %d: %s", w->rank, strerror(-rc));
         goto out;
     }
-    if (pid == 0) child(s->path, s->argv, env, out[1], err[1], hb[1], st[1], devnull, parent);
+    if (pid == 0)
+        child(s->path, s->argv, env, out[1], err[1], hb[1], st[1], devnull, parent,
+              s->guard && !s->guard->broken ? s->guard->fd : -1);
     /* both sides set the group, whichever runs first (the child may already have exec'ed:
      * EACCES then, and its own setpgid has been done) */
     setpgid(pid, pid);
@@ -330,6 +491,7 @@ int elastic_wg_start(elastic_wg *wg, const elastic_wg_spec *s, int sigfd, elasti
     wg->gen = s->gen;
     wg->out = out;
     wg->err = err;
+    wg->guard = s->guard;
     wg->started = now_s();
     wg->w = calloc((size_t)s->nproc, sizeof *wg->w);
     wg->pfd = calloc(3 * (size_t)s->nproc + 1 + ELASTIC_WG_EXTRA_MAX, sizeof *wg->pfd);
@@ -607,9 +769,10 @@ static int update_gone(elastic_wg *wg)
     for (int i = 0; i < wg->n; i++) {
         elastic_worker *w = &wg->w[i];
         if (w->gone) continue;
-        if (w->reaped && kill(-w->pid, 0) < 0 && errno == ESRCH)
+        if (w->reaped && kill(-w->pid, 0) < 0 && errno == ESRCH) {
             w->gone = 1;
-        else
+            elastic_guard_note(wg->guard, '-', w->pid);
+        } else
             live++;
     }
     return live;

@@ -1,7 +1,9 @@
 """The elastic launcher (issue 5): spawning, output relay, restarts, the restart budget, usage
-errors, the store token, bounded stops (C19, C29), the hang watchdog (C17), preemption, a busy
-store port, several agents on one machine (C27 dead node, scale-up, C28 leave/rejoin cycles,
-C30 store host killed) and, with train, kill-a-rank and preempt-and-resume with the digest of an
+errors, the store token, bounded stops (C19, C29), the hang watchdog (C17), preemption (and the
+ranks whose final snapshot may be missing), a busy store port, the orphan guardian (SIGKILL of
+the agent leaves no worker's child behind), several agents on one machine (C27 dead node,
+scale-up, C28 leave/rejoin cycles, C30 store host killed, agents with other settings or of
+another job refused) and, with train, kill-a-rank and preempt-and-resume with the digest of an
 uninterrupted run.
 
 Most tests run tests/tools/elastic_worker.py, a stand-in worker that prints its environment,
@@ -54,6 +56,31 @@ def procs_with(marker):
     return out
 
 
+def stat_of(pid):
+    """(state, ppid, pgid) from /proc/<pid>/stat, None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def alive(pid):
+    st = stat_of(pid)
+    return st is not None and st[0] != "Z"
+
+
+def children(pid):
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            st = stat_of(int(p))
+            if st and st[1] == pid:
+                out.append(int(p))
+    return out
+
+
 def hello_status(port, token):
     """Speak the store's HELLO (store.h) with token; returns the status byte (2 = DENIED)."""
     tok = token.encode()
@@ -73,7 +100,7 @@ class Agent:
     """One elastic process; stdout and stderr go to files in tmp."""
     count = 0
 
-    def __init__(self, tmp, args, cmd, extra_env=None, name=None):
+    def __init__(self, tmp, args, cmd, extra_env=None, name=None, session=False):
         Agent.count += 1
         self.name = name or f"agent{Agent.count}"
         self.out_path = os.path.join(tmp, self.name + ".out")
@@ -81,7 +108,8 @@ class Agent:
         self.t0 = time.time()
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.p = subprocess.Popen([ELASTIC] + list(args) + ["--"] + list(cmd), stdout=out,
-                                      stderr=err, env=harness.env(extra_env))
+                                      stderr=err, env=harness.env(extra_env),
+                                      start_new_session=session)
 
     def out(self):
         return harness.read(self.out_path)
@@ -153,8 +181,8 @@ class ElasticTest(TempDirTest):
     def stub(self, *args):
         return [sys.executable, WORKER, "--marker", self.marker] + list(args)
 
-    def agent(self, args, cmd, extra_env=None, name=None):
-        a = Agent(self.tmp, args, cmd, extra_env, name)
+    def agent(self, args, cmd, extra_env=None, name=None, session=False):
+        a = Agent(self.tmp, args, cmd, extra_env, name, session)
         self.agents.append(a)
         return a
 
@@ -185,6 +213,10 @@ class Cli(ElasticTest):
              "--", "true"],
             ["--nproc-per-node", "1", "--rdzv-id", "a/b", "--", "true"],
             ["--nproc-per-node", "1", "--rdzv-endpoint", "nohostport", "--", "true"],
+            ["--nproc-per-node", "1", "--rdzv-endpoint", "no-such-host.invalid:29400", "--",
+             "true"],
+            ["--nproc-per-node", "1", "--nnodes", "1:2", "--rdzv-id", "j", "--rdzv-endpoint",
+             "no-such-host.invalid:29400", "--", "true"],
             ["--nproc-per-node", "1", "--hang-timeout", "-1", "--", "true"],
             ["--nproc-per-node", "1", "--bogus", "--", "true"],
             ["--nproc-per-node"],
@@ -310,6 +342,7 @@ class SingleNode(ElasticTest):
         pid1 = a.pids(0)[1]
         os.kill(pid1, signal.SIGSTOP)
         t_stop = time.time()
+        a.wait_for(r"2 worker\(s\) per node, 1\.\.1 node\(s\), --max-restarts 3, hang timeout 1 s$")
         m = a.wait_for(r"hang watchdog \(--hang-timeout 1 s\): (.*)")
         noticed = time.time() - t_stop
         self.assertRegex(m.group(1), rf"^rank 1 \(pid {pid1}, (last step \d+|no progress line yet)\) "
@@ -329,6 +362,67 @@ class SingleNode(ElasticTest):
             self.assertIn(f"[rank {r}] term rank={r} gen=0", a.out())
         self.assertIn("preempted", a.err())
         self.assertEqual(self.rounds(a.err()), [0])
+
+    def test_preemption_names_ranks_without_final_snapshot(self):
+        """SIGTERM to the agent while rank 1 exits 1 on SIGTERM and rank 2 ignores it (SIGKILLed
+        after --preempt-grace): still 143, and one WARN line for each of the two."""
+        a = self.agent(["--nproc-per-node", "3", "--preempt-grace", "0.5"],
+                       self.stub("--beats", "0", "--on-term", "1:*:1", "--on-term", "2:*:ignore"))
+        for r in range(3):
+            a.wait_for(rf"^\[rank {r}\] start rank={r} ", stream="out")
+        a.p.send_signal(signal.SIGTERM)
+        self.assertEqual(a.wait(10), 143, a.err())
+        tail = ("during the preemption stop: its final snapshot may be missing; the next launch "
+                "resumes from the newest committed one")
+        warns = re.findall(r"WARN  \[elastic\] (rank \d exited with .*)", a.err())
+        self.assertEqual(sorted(warns), [f"rank 1 exited with status 1 {tail}",
+                                         f"rank 2 exited with signal 9 (Killed) {tail}"], a.err())
+
+    def test_agent_killed_leaves_no_orphans(self):
+        """SIGKILL of the agent: the workers die by their parent-death signal, and the guardian
+        SIGKILLs the rest of their process groups (children that ignore SIGTERM)."""
+        a = self.agent(["--nproc-per-node", "2"],
+                       self.stub("--beats", "0", "--ignore-term", "--child", self.marker))
+        a.wait_for(r"round 0: first progress")
+        deadline = time.time() + 10 * T
+        while len(procs_with(self.marker + "-g0-child")) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(len(procs_with(self.marker + "-g0-child")), 2)
+        a.p.kill()
+        a.p.wait()
+        t0 = time.time()
+        left = procs_with(self.marker)  # workers, their children, the guardian (agent's argv)
+        while left and time.time() - t0 < 3 * T:
+            time.sleep(0.01)
+            left = procs_with(self.marker)
+        self.assertEqual(left, [], "processes left after SIGKILL of the agent")
+        print(f"\n  agent killed: its process tree was gone after {time.time() - t0:.3f} s",
+              file=sys.stderr)
+
+    def test_guardian_keeps_out_of_the_terminal_group(self):
+        """The guardian has its own process group, only its pipe and /dev/null open, SIGINT and
+        SIGTERM blocked: ^C to the agent's group is a preemption, the guardian serves on (no
+        warning about it) and leaves with the agent."""
+        a = self.agent(["--nproc-per-node", "1"], self.stub("--beats", "0"), session=True)
+        a.wait_for(r"round 0: first progress")
+        worker = a.pids(0)[0]
+        guards = [c for c in children(a.p.pid) if c != worker]
+        self.assertEqual(len(guards), 1, children(a.p.pid))
+        g = guards[0]
+        self.assertEqual(stat_of(g)[2], g)  # leads its own group
+        fds = {int(fd): os.readlink(f"/proc/{g}/fd/{fd}") for fd in os.listdir(f"/proc/{g}/fd")}
+        self.assertEqual(sorted(fds), [0, 1, 2, 3], fds)
+        self.assertEqual({fds[0], fds[1], fds[2]}, {"/dev/null"})
+        self.assertTrue(fds[3].startswith("pipe:"), fds)
+        with open(f"/proc/{g}/status") as f:
+            blocked = int(re.search(r"^SigBlk:\s*([0-9a-f]+)$", f.read(), re.M).group(1), 16)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.assertTrue(blocked & (1 << (sig - 1)), f"{sig!r} not blocked")
+        os.killpg(a.p.pid, signal.SIGINT)
+        self.assertEqual(a.wait(10), 143, a.err())
+        self.assertIn("[rank 0] term rank=0 gen=0", a.out())
+        self.assertNotIn("guardian", a.err())
+        self.assertFalse(alive(g), "the guardian outlived the agent")
 
     def test_busy_store_port_is_replaced(self):
         with socket.socket() as s:
@@ -471,10 +565,59 @@ class MultiNode(ElasticTest):
         b = self.multi(port, "1:2", 1, self.stub("--beats", "0"), env={"ELASTIC_STORE_TOKEN": "wrong"},
                        name="B")
         self.assertEqual(b.wait(30), 1)
-        self.assertIn("Permission denied", b.err())
+        self.assertRegex(b.err(), rf"ERROR .*the rendezvous store at 127\.0\.0\.1:{port} refused "
+                         r"this agent's token: ELASTIC_STORE_TOKEN differs from the one of the "
+                         r"agent hosting the store")
+        self.assertEqual(len(re.findall(r"ERROR", b.err())), 1, b.err())
         self.assertNotIn("wrong", b.err().replace("wrong token", ""))
         a.p.send_signal(signal.SIGTERM)
         self.assertEqual(a.wait(), 143)
+
+    def test_agents_with_other_settings_are_refused(self):
+        """An agent whose --nproc-per-node or --nnodes differ from those of the agent hosting
+        the store is refused (exit 2, one line naming the difference) and disturbs nothing: a
+        matching agent then forms the job with the host."""
+        port = free_port()
+        cmd = self.stub("--beats", "2")
+        a = self.multi(port, "2", 2, cmd, name="A")
+        a.wait_for(r"registered with the rendezvous store")
+        for nnodes, nproc, diff in [("2", 1, "--nproc-per-node 1 here, 2 in the job"),
+                                    ("1:2", 2, "--nnodes 1:2 here, 2 in the job"),
+                                    ("2:3", 3, "--nproc-per-node 3 here, 2 in the job; "
+                                               "--nnodes 2:3 here, 2 in the job")]:
+            b = self.multi(port, nnodes, nproc, cmd, name=f"bad{nproc}")
+            self.assertEqual(b.wait(30), 2, b.err())
+            errors = re.findall(r"ERROR .*", b.err())
+            self.assertEqual(len(errors), 1, b.err())
+            self.assertRegex(errors[0], rf"refusing to join job job at 127\.0\.0\.1:{port}: "
+                             rf"{re.escape(diff)} \(")
+            self.assertNotIn("started ranks", b.err())
+        d = self.multi(port, "2", 2, cmd, name="D")
+        self.assertEqual(a.wait(), 0, a.err())
+        self.assertEqual(d.wait(), 0, d.err())
+        ranks = sorted(int(x) for x in re.findall(r"start rank=(\d+) gen=0 pid=\d+ world=4 ",
+                                                  a.out() + d.out()))
+        self.assertEqual(ranks, [0, 1, 2, 3])
+
+    def test_another_job_on_the_store_is_refused(self):
+        """Two jobs (--rdzv-id) on one endpoint: the second job's agent is refused at once (exit
+        2) instead of depending on the first job's store; the first job runs on untouched."""
+        port = free_port()
+        cmd = self.stub("--beats", "0")
+        a = self.multi(port, "1:2", 1, cmd, name="A", rdzv_id="jobA")
+        a.wait_for(r"round 0: first progress")
+        t0 = time.time()
+        b = self.multi(port, "1:2", 1, cmd, name="B", rdzv_id="jobB")
+        self.assertEqual(b.wait(30), 2, b.err())
+        self.assertLess(time.time() - t0, 5 * T)
+        errors = re.findall(r"ERROR .*", b.err())
+        self.assertEqual(len(errors), 1, b.err())
+        self.assertIn(f"the store at 127.0.0.1:{port} serves job jobA; give this job its own "
+                      "--rdzv-endpoint", errors[0])
+        self.assertNotIn("started ranks", b.err())
+        a.p.send_signal(signal.SIGTERM)
+        self.assertEqual(a.wait(), 143, a.err())
+        self.assertEqual(self.rounds(a.err()), [0])  # no scale-up, no stop because of B
 
     def test_worker_usage_error_ends_every_agent(self):
         port = free_port()

@@ -12,6 +12,8 @@ lines to ELASTIC_HEARTBEAT_FD, and exits, fails, hangs or ignores SIGTERM on req
   --spam N              print N lines of 1 KiB on stdout at start (a flood for slow readers)
   --silent R:G[:K]      rank R in round G stops writing progress lines after K lines (hangs)
   --ignore-term         ignore SIGTERM (the launcher must SIGKILL us)
+  --on-term R:G:ACTION  rank R (or *) in round G (or *) on SIGTERM: exit ACTION (a status)
+                        after the "term" line instead of 143, or ignore it (ACTION "ignore")
   --child MARKER        start a grandchild (same process group) that sleeps with
                         "MARKER-g<round>-child" in its argv, ignoring SIGTERM when --ignore-term
                         is given; in round G > 0 first print "stale=<n>", the number of
@@ -86,6 +88,7 @@ def main():
     ap.add_argument("--forever", action="append", default=[])
     ap.add_argument("--spam", type=int, default=0)
     ap.add_argument("--ignore-term", action="store_true")
+    ap.add_argument("--on-term", action="append", default=[])
     ap.add_argument("--child")
     ap.add_argument("--token-check")
     ap.add_argument("--marker")
@@ -94,11 +97,17 @@ def main():
     rank, gen = env_int("RANK"), env_int("ELASTIC_RESTART_COUNT")
     out = sys.stdout
 
+    term_action = "ignore" if a.ignore_term else "143"
+    for spec in a.on_term:
+        hit, rest = match(spec, rank, gen)
+        if hit:
+            term_action = rest[0]
+
     def on_term(sig, frame):
         print(f"term rank={rank} gen={gen}", flush=True)
-        os._exit(143)
+        os._exit(int(term_action))
 
-    signal.signal(signal.SIGTERM, signal.SIG_IGN if a.ignore_term else on_term)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if term_action == "ignore" else on_term)
     print(f"start rank={rank} gen={gen} pid={os.getpid()} world={env_int('WORLD_SIZE')} "
           f"local={env_int('LOCAL_RANK')} lworld={env_int('LOCAL_WORLD_SIZE')} "
           f"group={env_int('GROUP_RANK')} groups={env_int('GROUP_WORLD_SIZE')} "
