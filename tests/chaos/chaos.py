@@ -6,7 +6,8 @@ moments, and check that the final weights equal those of an uninterrupted run.
                          [--data DIR] [--keep]
 
 Each kill waits until the current group has trained at least one step since its launch, then
-a random delay, then SIGKILLs one random worker (a child of the agent). The agent must notice,
+a random delay, then SIGKILLs one random rank (a child of the agent running train; not
+the agent's guardian). The agent must notice,
 stop the group and restart it with --resume auto. At the end the driver runs the same
 training uninterrupted (one process: the contract of DESIGN section 4 makes the world size
 irrelevant) and compares params_digest. It prints one summary line
@@ -30,8 +31,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def children(pid):
-    """Pids whose parent is pid (workers of the agent)."""
+def workers(pid, exe):
+    """Live children of the agent `pid` that run `exe` (its ranks; not its guardian)."""
     out = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -39,7 +40,11 @@ def children(pid):
         try:
             with open(f"/proc/{name}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid and fields[0] != "Z":
+            if int(fields[1]) != pid or fields[0] == "Z":
+                continue
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv0 = f.read().split(b"\0")[0].decode(errors="replace")
+            if os.path.realpath(argv0) == os.path.realpath(exe):
                 out.append(int(name))
         except (OSError, IndexError, ValueError):
             pass
@@ -96,7 +101,7 @@ def main():
                 time.sleep(0.02)
                 continue
             time.sleep(rnd.uniform(0.0, 1.0))
-            pids = children(agent.pid)
+            pids = workers(agent.pid, train)
             if not pids or agent.poll() is not None:
                 continue
             victim = rnd.choice(pids)
@@ -125,10 +130,11 @@ def main():
     print(f"kills={kills} restarts={max(0, launches - 1)} "
           f"resumed_from={','.join(map(str, resumed)) or '-'} "
           f"digest_equal={'yes' if equal else 'no'}", flush=True)
-    ok = agent.returncode == 0 and kills == a.kills and equal
+    # every kill lands in a running round, so each must have caused exactly one restart
+    ok = agent.returncode == 0 and kills == a.kills and launches - 1 == kills and equal
     if not ok:
-        print(f"chaos: agent exit {agent.returncode}, digest {got} vs uninterrupted {want}; "
-              f"log kept in {work}", file=sys.stderr)
+        print(f"chaos: agent exit {agent.returncode}, {kills} kills, {launches - 1} restarts, "
+              f"digest {got} vs uninterrupted {want}; log kept in {work}", file=sys.stderr)
     elif not a.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if ok else 1
