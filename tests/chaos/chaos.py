@@ -55,7 +55,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--kills", type=int, default=10)
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=1200,
+                    help="long enough that the kills end well before the job")
     ap.add_argument("--seed", type=int, default=None, help="seed of the kill schedule")
     ap.add_argument("--build", default=os.environ.get("CKPT_BUILD", os.path.join(ROOT, "build")))
     ap.add_argument("--data", default=os.environ.get("CKPT_DATA", os.path.join(ROOT, "data", "brown")))
@@ -100,7 +101,7 @@ def main():
             if len(launches) <= seen_launches or not step_re.search(text, launches[-1].end()):
                 time.sleep(0.02)
                 continue
-            time.sleep(rnd.uniform(0.0, 1.0))
+            time.sleep(rnd.uniform(0.0, 0.6))
             pids = workers(agent.pid, train)
             if not pids or agent.poll() is not None:
                 continue
