@@ -21,6 +21,7 @@
  *
  * Exit status: 0 done, 1 failure, 2 usage error.
  */
+#include "clock.h"
 #include "ckpt.h"
 #include "log.h"
 #include "storage.h"
@@ -88,13 +89,6 @@ typedef struct state {
 } state;
 
 static const char *const state_names[3] = {"params", "adam_m", "adam_v"};
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* CPU time of the whole process (every thread, the engine's too), user + system, seconds. */
 static double cpu_s(void)
@@ -245,9 +239,9 @@ static double measure_memcpy(const state *st, uint8_t *dst)
     double best = INFINITY;
     size_t len = (size_t)st->n * 4;
     for (int r = 0; r < 3; r++) {
-        double t0 = now_s();
+        double t0 = clock_now_s();
         for (int b = 0; b < 3; b++) memcpy(dst + (size_t)b * len, st->buf[b], len);
-        double t = now_s() - t0;
+        double t = clock_now_s() - t0;
         if (t < best) best = t;
     }
     return best;
@@ -262,7 +256,7 @@ static int measure_naive(const state *st, const char *path, double *secs, double
     size_t len = (size_t)st->n * 4;
     unlink(path);
     sync();
-    double c0 = cpu_s(), t0 = now_s();
+    double c0 = cpu_s(), t0 = clock_now_s();
     int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fd < 0) return -errno;
     for (int b = 0; b < 3 && rc == 0; b++) {
@@ -281,7 +275,7 @@ static int measure_naive(const state *st, const char *path, double *secs, double
     }
     if (rc == 0 && fsync(fd) != 0) rc = -errno;
     if (close(fd) != 0 && rc == 0) rc = -errno;
-    *secs = now_s() - t0;
+    *secs = clock_now_s() - t0;
     *cpu = cpu_s() - c0;
     return rc;
 }
@@ -310,7 +304,7 @@ static int load_snapshot(const char *path, const state *st, unsigned threads, ui
     char why[256] = "", bad[256] = "";
     ckpt_snapshot *s = NULL;
     size_t len = (size_t)st->n * 4;
-    double c0 = cpu_s(), t0 = now_s();
+    double c0 = cpu_s(), t0 = clock_now_s();
     int rc = ckpt_snapshot_open(&s, path, why, sizeof why);
     if (rc < 0) {
         LOG_E(TAG, "cannot open %s: %s (%s)", path, strerror(-rc), why);
@@ -324,7 +318,7 @@ static int load_snapshot(const char *path, const state *st, unsigned threads, ui
             goto out;
         }
     }
-    *secs = now_s() - t0;
+    *secs = clock_now_s() - t0;
     *cpu = cpu_s() - c0;
 out:
     ckpt_snapshot_close(s);
@@ -470,7 +464,7 @@ static int run_synthetic(const bench_opts *bo)
 
     uint64_t bytes = bo->size_mib << 20;
     if ((rc = path_join(path, sizeof path, bo->dir, "state.bin")) < 0) return rc;
-    double t0 = now_s();
+    double t0 = clock_now_s();
     if ((rc = state_generate(&st, bytes, bo->seed, cores)) < 0) {
         fprintf(stderr, "ckpt_bench: cannot generate %llu MiB of state: %s\n",
                 (unsigned long long)bo->size_mib, strerror(-rc));
@@ -481,7 +475,7 @@ static int run_synthetic(const bench_opts *bo)
     printf("cores %u\n", cores);
     printf("engine_threads %u\n", bo->threads);
     printf("seed %llu\n", (unsigned long long)bo->seed);
-    printf("gen_s %.6f\n", now_s() - t0);
+    printf("gen_s %.6f\n", clock_now_s() - t0);
     fflush(stdout);
 
     dst = aligned_alloc(4096, (size_t)((raw + 4095) / 4096 * 4096));
@@ -489,9 +483,9 @@ static int run_synthetic(const bench_opts *bo)
         rc = -ENOMEM;
         goto out;
     }
-    t0 = now_s();
+    t0 = clock_now_s();
     memset(dst, 1, (size_t)raw); /* fault it in: memcpy measures copying, not page faults */
-    printf("fault_s %.6f\n", now_s() - t0);
+    printf("fault_s %.6f\n", clock_now_s() - t0);
     printf("memcpy_s %.6f\n", measure_memcpy(&st, dst));
 
     double naive_s = 0, naive_cpu = 0;

@@ -1,4 +1,5 @@
 /* ckpt_export.c - safetensors export of a snapshot's tensor table (see ckpt_export.h). */
+#include "clock.h"
 #include "log.h"
 #include "ckpt_export.h"
 #include "ckpt_internal.h"
@@ -33,13 +34,6 @@ static const struct {
     uint32_t elem_bytes;
 } dtypes[] = {{"f32", "F32", 4}, {"f16", "F16", 2}, {"bf16", "BF16", 2}, {"f64", "F64", 8}};
 
-
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 /* pwrite all of buf, resuming short writes and EINTR. Returns 0 or -errno. */
 static int pwrite_all(int fd, const void *buf, size_t len, uint64_t off)
@@ -185,7 +179,7 @@ int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_e
                             ckpt_export_stats *stats, char *why, size_t why_len)
 {
     static const ckpt_export_opts defaults = CKPT_EXPORT_OPTS_INIT;
-    double t0 = now_s();
+    double t0 = clock_now_s();
     int rc = 0, fd = -1, tmp_made = 0;
     json_t *trainer = NULL, *hdr = NULL;
     char *hdr_text = NULL;
@@ -393,7 +387,7 @@ int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_e
         stats->tensors = nt;
         stats->data_bytes = data_bytes;
         stats->file_bytes = data_start + data_bytes;
-        stats->seconds = now_s() - t0;
+        stats->seconds = clock_now_s() - t0;
     }
 out:
     if (fd >= 0) close(fd);

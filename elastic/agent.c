@@ -7,6 +7,7 @@
  * notification pipe. Worker deaths are seen through SIGCHLD at once; the tick
  * (monitor_interval_s) only paces the hang watchdog and a safety waitpid.
  */
+#include "clock.h"
 #include "agent.h"
 
 #include "agent_internal.h"
@@ -61,13 +62,6 @@ typedef struct agent {
     int restarts;
     elastic_guard guard;
 } agent;
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* ------------------------------------------------------------------ checks and set-up */
 
@@ -336,7 +330,7 @@ static int serve(agent *a, elastic_wg *wg, char *why, size_t len)
         if (elastic_wg_running(wg) == 0) return OUT_SUCCESS;
         if (o->hang_timeout_s > 0) {
             char desc[WHY_MAX - 64];
-            if (elastic_wg_hung(wg, o->hang_timeout_s, now_s(), desc, sizeof desc)) {
+            if (elastic_wg_hung(wg, o->hang_timeout_s, clock_now_s(), desc, sizeof desc)) {
                 snprintf(why, len, "hang watchdog (--hang-timeout %g s): %s", o->hang_timeout_s,
                          desc);
                 return OUT_HANG;

@@ -44,6 +44,7 @@
  * A store call that fails (the store host died: connection reset) makes the store "lost": the
  * agent stops its workers and exits 1 (there is no replicated store).
  */
+#include "clock.h"
 #include "agent_internal.h"
 
 #include "log.h"
@@ -104,13 +105,6 @@ struct elastic_rdzv {
     peer *peers;
     int npeers, cap;
 };
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static void key(const elastic_rdzv *r, char *out, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -199,7 +193,7 @@ static peer *peer_find(elastic_rdzv *r, const char *aid, const char *desc)
     snprintf(p->aid, sizeof p->aid, "%s", aid);
     snprintf(p->desc, sizeof p->desc, "%s", desc);
     p->node = -1;
-    p->changed = now_s();
+    p->changed = clock_now_s();
     return p;
 }
 
@@ -211,7 +205,7 @@ static int peer_stale(elastic_rdzv *r, elastic_store_client *c, peer *p, double 
     key(r, k, "hb/%s", p->aid);
     int rc = get_opt(c, k, &v, 0);
     if (rc < 0) return rc;
-    double t = now_s();
+    double t = clock_now_s();
     if (rc == 1) {
         int64_t val = strtoll(v, NULL, 10);
         free(v);
@@ -418,11 +412,11 @@ static void *watcher(void *arg)
 
 static int connect_store(elastic_rdzv *r, elastic_store_client **out, double total_s)
 {
-    double t0 = now_s();
+    double t0 = clock_now_s();
     for (;;) {
         int rc = elastic_store_connect(out, r->host, r->o.port, r->token,
                                        r->o.heartbeat_timeout_s);
-        if (rc != -ETIMEDOUT || now_s() - t0 >= total_s) return rc;
+        if (rc != -ETIMEDOUT || clock_now_s() - t0 >= total_s) return rc;
         if (r->o.interrupted && r->o.interrupted(r->o.arg)) return -EINTR;
         LOG_I(EA_TAG, "waiting for the rendezvous store at %s:%d", r->host, r->o.port);
     }
@@ -627,7 +621,7 @@ int elastic_rdzv_join(elastic_rdzv *r, int from_gen, elastic_round *out,
                       int (*interrupted)(void *), void *arg)
 {
     char k[KEY_MAX], *v = NULL;
-    double t0 = now_s();
+    double t0 = clock_now_s();
     int g = from_gen, rc;
     key(r, k, "gen");
     if ((rc = get_opt(r->c, k, &v, 0)) < 0) return main_lost(r, rc);
@@ -670,7 +664,7 @@ int elastic_rdzv_join(elastic_rdzv *r, int from_gen, elastic_round *out,
                 v = NULL;
                 break;
             }
-            if (now_s() - t0 > r->o.join_timeout_s) {
+            if (clock_now_s() - t0 > r->o.join_timeout_s) {
                 elastic_rdzv_unwatch(r);
                 return -ETIMEDOUT;
             }
@@ -702,8 +696,8 @@ int elastic_rdzv_join(elastic_rdzv *r, int from_gen, elastic_round *out,
             if (count >= r->o.max_nodes) {
                 close_at = r->o.max_nodes;
             } else if (count >= r->o.min_nodes) {
-                if (t_min < 0) t_min = now_s();
-                if (now_s() - t_min >= r->o.last_call_s) close_at = count;
+                if (t_min < 0) t_min = clock_now_s();
+                if (clock_now_s() - t_min >= r->o.last_call_s) close_at = count;
             }
             if (close_at > 0) {
                 char ns[24];
@@ -817,8 +811,8 @@ static void wait_for_others(elastic_rdzv *r)
         peer *p = peer_find(r, aid, desc);
         if (p) pend[np++] = p;
     }
-    double deadline = now_s() + r->o.heartbeat_timeout_s + 1.0;
-    while (np > 0 && now_s() < deadline) {
+    double deadline = clock_now_s() + r->o.heartbeat_timeout_s + 1.0;
+    while (np > 0 && clock_now_s() < deadline) {
         for (int i = 0; i < np; i++) {
             key(r, k, "bye/%s", pend[i]->aid);
             double silent = 0;

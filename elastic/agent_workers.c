@@ -13,6 +13,7 @@
  * threads: the store server and the rendezvous watcher); everything it needs (path, argv,
  * environment) is prepared before the fork.
  */
+#include "clock.h"
 #include "agent_internal.h"
 
 #include "log.h"
@@ -37,13 +38,6 @@ extern char **environ;
 #define STATUS_FD 4   /* exec status pipe in the child until exec */
 #define READS_PER_WAKE 16
 #define KILL_WAIT_S 10.0
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* ------------------------------------------------------------------ sinks */
 
@@ -450,7 +444,7 @@ static int start_one(elastic_wg *wg, elastic_worker *w, const elastic_wg_spec *s
      * EACCES then, and its own setpgid has been done) */
     setpgid(pid, pid);
     w->pid = pid;
-    w->started = w->last_progress = now_s();
+    w->started = w->last_progress = clock_now_s();
     close(out[1]);
     close(err[1]);
     close(hb[1]);
@@ -492,7 +486,7 @@ int elastic_wg_start(elastic_wg *wg, const elastic_wg_spec *s, int sigfd, elasti
     wg->out = out;
     wg->err = err;
     wg->guard = s->guard;
-    wg->started = now_s();
+    wg->started = clock_now_s();
     wg->w = calloc((size_t)s->nproc, sizeof *wg->w);
     wg->pfd = calloc(3 * (size_t)s->nproc + 1 + ELASTIC_WG_EXTRA_MAX, sizeof *wg->pfd);
     if (!wg->w || !wg->pfd) {
@@ -591,7 +585,7 @@ static void hb_read(elastic_wg *wg, elastic_worker *w)
             w->hb_fd = -1;
             return;
         }
-        double t = now_s();
+        double t = clock_now_s();
         for (ssize_t i = 0; i < n; i++) {
             char c = buf[i];
             if (c != '\n') {
@@ -642,7 +636,7 @@ static void reap(elastic_wg *wg)
         }
         w->reaped = 1;
         w->wstatus = st;
-        w->exited = now_s();
+        w->exited = clock_now_s();
         char how[96];
         elastic_wg_exit_text(w, how, sizeof how);
         int ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
@@ -808,7 +802,7 @@ static void drain(elastic_wg *wg)
 
 static void kill_all(elastic_wg *wg, double t0, int sig, const char *after)
 {
-    double t = now_s();
+    double t = clock_now_s();
     for (int i = 0; i < wg->n; i++) {
         elastic_worker *w = &wg->w[i];
         if (w->gone || w->killed) continue;
@@ -827,7 +821,7 @@ static void kill_all(elastic_wg *wg, double t0, int sig, const char *after)
 void elastic_wg_stop(elastic_wg *wg, int sig, double grace_s, int escalate_on_signal,
                      const char *why)
 {
-    double t0 = now_s();
+    double t0 = clock_now_s();
     reap(wg);
     int live = update_gone(wg);
     const char *sname = sig == SIGKILL ? "SIGKILL" : sig == SIGTERM ? "SIGTERM" : "the signal";
@@ -852,7 +846,7 @@ void elastic_wg_stop(elastic_wg *wg, int sig, double grace_s, int escalate_on_si
     int killed = sig == SIGKILL;
     double kill_at = killed ? t0 : t0 + grace_s;
     while (live) {
-        double t = now_s();
+        double t = clock_now_s();
         if (!killed && (t >= kill_at || wg->escalate == 2)) {
             kill_all(wg, t0, SIGKILL, wg->escalate == 2 ? "a second signal" : sname);
             killed = 1;
@@ -874,7 +868,7 @@ void elastic_wg_stop(elastic_wg *wg, int sig, double grace_s, int escalate_on_si
     wg->stopping = 0;
     drain(wg);
     if (live == 0 && elastic_wg_running(wg) == 0)
-        LOG_D(EA_TAG, "round %d: every worker process is gone (%.3f s)", wg->gen, now_s() - t0);
+        LOG_D(EA_TAG, "round %d: every worker process is gone (%.3f s)", wg->gen, clock_now_s() - t0);
 }
 
 void elastic_wg_free(elastic_wg *wg)

@@ -3,6 +3,8 @@
 #ifndef ELASTIC_INTERNAL_H
 #define ELASTIC_INTERNAL_H
 
+#include "clock.h"
+
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -136,14 +138,6 @@ static inline double es_ceil(double x)
     if (x >= 9e15) return x;
     double t = (double)(long long)x;
     return t < x ? t + 1 : t;
-}
-
-/* Monotonic clock in seconds. */
-static inline double es_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 #endif /* ELASTIC_INTERNAL_H */

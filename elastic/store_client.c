@@ -76,7 +76,7 @@ static int lost(elastic_store_client *c, int e)
 static int wait_fd(int fd, short ev, double deadline)
 {
     for (;;) {
-        double left = deadline - es_now();
+        double left = deadline - clock_now_s();
         if (left <= 0) return -ETIMEDOUT;
         double ms = es_ceil(left * 1e3);
         struct pollfd p = {.fd = fd, .events = ev};
@@ -220,7 +220,7 @@ static uint32_t wait_ms(double timeout_s)
 /* Deadline of a waiting call: its own timeout, or the handle's for a single check. */
 static double wait_deadline(const elastic_store_client *c, double timeout_s)
 {
-    return es_now() + (timeout_s > 0 ? timeout_s : c->timeout_s);
+    return clock_now_s() + (timeout_s > 0 ? timeout_s : c->timeout_s);
 }
 
 /* Copy a bytes result into a malloc'ed, NUL-terminated buffer. */
@@ -318,7 +318,7 @@ int elastic_store_connect(elastic_store_client **out, const char *host, int port
     if (!host || !*host || port < 1 || port > 65535 || !(timeout_s > 0) ||
         (token && strlen(token) > ELASTIC_STORE_TOKEN_MAX))
         return -EINVAL;
-    double deadline = es_now() + timeout_s, pause = 0.01;
+    double deadline = clock_now_s() + timeout_s, pause = 0.01;
     elastic_store_client *c = NULL;
     int err;
     for (;;) {
@@ -336,7 +336,7 @@ int elastic_store_connect(elastic_store_client **out, const char *host, int port
          * connection during the hello (restarting, full), is tried again. */
         if (err == -EACCES || err == -EPROTONOSUPPORT || err == -EBADMSG || err == -ENOMEM)
             return err;
-        double left = deadline - es_now();
+        double left = deadline - clock_now_s();
         if (left <= 0) return -ETIMEDOUT;
         double nap = pause < left ? pause : left;
         struct timespec ts = {(time_t)nap, (long)((nap - (double)(time_t)nap) * 1e9)};
@@ -368,7 +368,7 @@ int elastic_store_set(elastic_store_client *c, const char *key, const void *valu
     es_put_u32(vl, (uint32_t)len);
     struct iovec iov[5] = {{0}, {kl, 4}, {(void *)key, (size_t)kn}, {vl, 4}, {(void *)value, len}};
     es_reader r;
-    return call(c, ES_OP_SET, iov, 5, es_now() + c->timeout_s, &r);
+    return call(c, ES_OP_SET, iov, 5, clock_now_s() + c->timeout_s, &r);
 }
 
 int elastic_store_get(elastic_store_client *c, const char *key, void **value_out,
@@ -430,7 +430,7 @@ int elastic_store_add(elastic_store_client *c, const char *key, int64_t delta,
     es_put_u32(f + 8, (uint32_t)kn);
     struct iovec iov[3] = {{0}, {f, 12}, {(void *)key, (size_t)kn}};
     es_reader r;
-    int err = call(c, ES_OP_ADD, iov, 3, es_now() + c->timeout_s, &r);
+    int err = call(c, ES_OP_ADD, iov, 3, clock_now_s() + c->timeout_s, &r);
     if (err) return err;
     int64_t v = (int64_t)es_rd_u64(&r);
     if (r.bad || r.left) return drop(c, -EBADMSG, -ECONNRESET);
@@ -462,7 +462,7 @@ int elastic_store_compare_set(elastic_store_client *c, const char *key, const vo
                            {dl, 4},
                            {(void *)desired, desired_len}};
     es_reader r;
-    int err = call(c, ES_OP_CAS, iov, 7, es_now() + c->timeout_s, &r);
+    int err = call(c, ES_OP_CAS, iov, 7, clock_now_s() + c->timeout_s, &r);
     if (err) return err;
     return take_value(c, &r, actual_out, actual_len);
 }
@@ -476,7 +476,7 @@ int elastic_store_delete(elastic_store_client *c, const char *key)
     es_put_u32(kl, (uint32_t)kn);
     struct iovec iov[3] = {{0}, {kl, 4}, {(void *)key, (size_t)kn}};
     es_reader r;
-    int err = call(c, ES_OP_DELETE, iov, 3, es_now() + c->timeout_s, &r);
+    int err = call(c, ES_OP_DELETE, iov, 3, clock_now_s() + c->timeout_s, &r);
     if (err) return err;
     uint8_t existed = es_rd_u8(&r);
     if (r.bad || r.left || existed > 1) return drop(c, -EBADMSG, -ECONNRESET);

@@ -85,7 +85,7 @@ enum { M_FIRST, M_RECHECK };
  * port scanner or a flood of stray clients cannot flood the log. */
 static int refusal_may_log(elastic_store_server *s)
 {
-    double now = es_now();
+    double now = clock_now_s();
     if (now - s->refused_window >= 10.0) {
         if (s->refused_quiet)
             LOG_W(ES_TAG, "store: %llu more refused or closed connections in the last %.0f s "
@@ -329,14 +329,14 @@ static int do_hello(elastic_store_server *s, conn *c, uint8_t op, uint32_t id, e
             LOG_W(ES_TAG, "store: refused client %s: protocol version %u (this server speaks %d)",
                   c->peer, (unsigned)version, ELASTIC_STORE_PROTOCOL_VERSION);
         c->closing = 1;
-        c->deadline = es_now() + CLOSE_GRACE_S;
+        c->deadline = clock_now_s() + CLOSE_GRACE_S;
         return reply_status(c, op, id, ES_ST_VERSION);
     }
     if (s->token_len > 0 && (tlen != s->token_len || !ct_equal(tok, (const uint8_t *)s->token, tlen))) {
         if (refusal_may_log(s))
             LOG_W(ES_TAG, "store: refused client %s: bad token", c->peer);
         c->closing = 1;
-        c->deadline = es_now() + CLOSE_GRACE_S;
+        c->deadline = clock_now_s() + CLOSE_GRACE_S;
         return reply_status(c, op, id, ES_ST_DENIED);
     }
     uint8_t *p = reply(c, op, id, ES_ST_OK, 10);
@@ -695,7 +695,7 @@ static void *serve(void *arg)
 {
     elastic_store_server *s = arg;
     for (;;) {
-        double now = es_now();
+        double now = clock_now_s();
         s->pfds[0] = (struct pollfd){.fd = s->wake[0], .events = POLLIN};
         s->pfds[1] = (struct pollfd){.fd = s->accept_pause_until > now ? -1 : s->lfd,
                                      .events = POLLIN};
@@ -714,7 +714,7 @@ static void *serve(void *arg)
             break;
         }
         if (s->pfds[0].revents) break; /* elastic_store_server_stop */
-        now = es_now();
+        now = clock_now_s();
         for (size_t i = 0; i < npolled; i++) {
             conn *c = s->conns[i];
             short rev = s->pfds[2 + i].revents, ev = s->pfds[2 + i].events;

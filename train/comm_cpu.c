@@ -11,6 +11,7 @@
  * included), so a dead peer is noticed in every collective that involves it, and a receive
  * never reads past the current message: bytes of the next collective stay in the socket.
  */
+#include "clock.h"
 #include "comm.h"
 
 #include "log.h"
@@ -82,16 +83,9 @@ struct train_comm {
     size_t scratch_cap; /* floats */
 };
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static int poll_ms(double deadline)
 {
-    double left = deadline - now_s();
+    double left = deadline - clock_now_s();
     if (left <= 0) return 0;
     if (left > 1e6) return 1000000000;
     return (int)ceil(left * 1000.0);
@@ -362,7 +356,7 @@ int train_comm_reduce_scatter_f32(train_comm *c, const float *in, float *out,
     if (!c) return -EINVAL;
     if (c->err) return c->err;
     if (!counts) return poison(c, -EINVAL);
-    return rs_f32(c, in, out, counts, now_s() + c->timeout_s);
+    return rs_f32(c, in, out, counts, clock_now_s() + c->timeout_s);
 }
 
 int train_comm_all_reduce_f32(train_comm *c, float *buf, size_t n)
@@ -371,7 +365,7 @@ int train_comm_all_reduce_f32(train_comm *c, float *buf, size_t n)
     if (c->err) return c->err;
     if (n && !buf) return poison(c, -EINVAL);
     if (n > SIZE_MAX / sizeof(float)) return poison(c, -EINVAL);
-    double deadline = now_s() + c->timeout_s;
+    double deadline = clock_now_s() + c->timeout_s;
     size_t W = (size_t)c->world, me = (size_t)c->rank;
     for (size_t r = 0; r < W; r++) c->counts[r] = n / W + (r < n % W ? 1 : 0);
     size_t mine = me * (n / W) + (me < n % W ? me : n % W); /* first element of our range */
@@ -386,7 +380,7 @@ int train_comm_all_gather(train_comm *c, const void *in, void *out, const size_t
     if (!c) return -EINVAL;
     if (c->err) return c->err;
     if (!counts) return poison(c, -EINVAL);
-    return ag_bytes(c, in, out, counts, now_s() + c->timeout_s);
+    return ag_bytes(c, in, out, counts, clock_now_s() + c->timeout_s);
 }
 
 int train_comm_broadcast(train_comm *c, void *buf, size_t len, int root)
@@ -394,7 +388,7 @@ int train_comm_broadcast(train_comm *c, void *buf, size_t len, int root)
     if (!c) return -EINVAL;
     if (c->err) return c->err;
     if (root < 0 || root >= c->world || (len && !buf)) return poison(c, -EINVAL);
-    double deadline = now_s() + c->timeout_s;
+    double deadline = clock_now_s() + c->timeout_s;
     c->seq++;
     if (c->world == 1) return 0;
     clear_io(c);
@@ -411,7 +405,7 @@ int train_comm_barrier(train_comm *c)
 {
     if (!c) return -EINVAL;
     if (c->err) return c->err;
-    double deadline = now_s() + c->timeout_s;
+    double deadline = clock_now_s() + c->timeout_s;
     c->seq++;
     if (c->world == 1) return 0;
     clear_io(c);
@@ -588,7 +582,7 @@ static int connect_peer(const char *host, const char *port, double deadline, int
             break;
         }
         close(fd);
-        if (ret == -ETIMEDOUT || now_s() >= deadline) {
+        if (ret == -ETIMEDOUT || clock_now_s() >= deadline) {
             ret = -ETIMEDOUT;
             break;
         }
@@ -609,7 +603,7 @@ static int store_err(int r, const char *what)
 /* Rendezvous through the store and open the mesh. */
 static int mesh_setup(train_comm *c, const train_comm_opts *o)
 {
-    double deadline = now_s() + o->connect_timeout_s;
+    double deadline = clock_now_s() + o->connect_timeout_s;
     elastic_store_client *st = NULL;
     int lfd = -1, port = 0, ret;
     char key[PREFIX_MAX + 32], val[128];
@@ -669,7 +663,7 @@ static int mesh_setup(train_comm *c, const train_comm_opts *o)
 
     /* connect to every lower rank */
     for (int i = 0; i < c->rank; i++) {
-        double left = deadline - now_s();
+        double left = deadline - clock_now_s();
         snprintf(key, sizeof key, "%s/addr/%d", o->prefix, i);
         ret = left > 0 ? elastic_store_get(st, key, &v, &vlen, left) : -ETIMEDOUT;
         if (ret < 0) {
@@ -705,7 +699,7 @@ static int mesh_setup(train_comm *c, const train_comm_opts *o)
     /* accept every higher rank; strays and impostors are closed and not counted. Once a
      * second, check that the store is still there: when its host (rank 0 without a launcher)
      * gave up, nobody will come, and waiting for the deadline would only delay the error. */
-    double next_check = now_s() + 1.0;
+    double next_check = clock_now_s() + 1.0;
     for (int need = c->world - 1 - c->rank; need > 0;) {
         struct pollfd pf = {lfd, POLLIN, 0};
         int ms = poll_ms(deadline);
@@ -715,8 +709,8 @@ static int mesh_setup(train_comm *c, const train_comm_opts *o)
                   o->connect_timeout_s);
             goto out;
         }
-        if (now_s() >= next_check) {
-            next_check = now_s() + 1.0;
+        if (clock_now_s() >= next_check) {
+            next_check = clock_now_s() + 1.0;
             snprintf(key, sizeof key, "%s/addr/%d", o->prefix, c->rank);
             ret = elastic_store_get(st, key, &v, &vlen, 0);
             free(v);
@@ -732,7 +726,7 @@ static int mesh_setup(train_comm *c, const train_comm_opts *o)
         int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) continue;
         /* a stray client gets at most 5 s to say hello */
-        double hd = fmin(deadline, now_s() + 5.0);
+        double hd = fmin(deadline, clock_now_s() + 5.0);
         int from = -1;
         int r = io_full(fd, hello, HELLO_LEN, 0, hd);
         if (r == 0 && (!hello_ok(hello, c->rank, c->world, secret, &from) || from <= c->rank ||

@@ -226,6 +226,132 @@ static int parse_zero(ctx *c, const char *prefix, const json_t *obj,
   return 0;
 }
 
+enum { SCHED_COSINE, SCHED_DECAY, SCHED_CONST };
+
+/* A handler of one member of a section's "params" object: path is its dotted
+ * key path. */
+typedef int (*param_fn)(ctx *c, const char *path, const char *name,
+                        const json_t *v, void *arg);
+
+/* The members of a {"type": ..., "params": {...}} section (optimizer,
+ * scheduler): "type" was read by the caller, any other member but "params" is
+ * noted as unused, and every member of "params" goes to fn. Returns 0 or the
+ * first error. */
+static int each_param(ctx *c, const char *prefix, const json_t *obj,
+                      param_fn fn, void *arg) {
+  char key[KEY_MAX];
+  const char *k;
+  json_t *v;
+  json_object_foreach((json_t *)obj, k, v) {
+    int rc = 0;
+    join(key, sizeof key, prefix, k);
+    if (!strcmp(k, "type"))
+      continue;
+    if (strcmp(k, "params")) {
+      if ((rc = note(c, key, NULL)))
+        return rc;
+      continue;
+    }
+    if ((rc = want_object(c, key, v)))
+      return rc;
+    char path[KEY_MAX];
+    const char *name;
+    json_t *pv;
+    json_object_foreach(v, name, pv) {
+      join(path, sizeof path, key, name);
+      if ((rc = fn(c, path, name, pv, arg)))
+        return rc;
+    }
+  }
+  return 0;
+}
+
+typedef struct opt_arg {
+  train_ds_config *o;
+  int adam; /* "Adam" (AdamW unless adam_w_mode is false) rather than "AdamW" */
+} opt_arg;
+
+/* One member of the optimizer's "params". */
+static int optimizer_param(ctx *c, const char *path, const char *name,
+                           const json_t *v, void *arg) {
+  const opt_arg *a = arg;
+  train_ds_config *o = a->o;
+  const int adam = a->adam;
+  int rc = 0;
+  if (!strcmp(name, "lr")) {
+    rc = get_num(c, path, v, LR, 0, &o->has_lr, &o->lr, &c->opt_lr);
+    c->has_opt_lr = o->has_lr;
+  } else if (!strcmp(name, "betas")) {
+    const range br = {0, 1, 0, 1};
+    int h1 = 0, h2 = 0;
+    if (!json_is_array(v) || json_array_size(v) != 2) {
+      char got[64];
+      describe(v, got, sizeof got);
+      rc = fail(c, path, "expected [beta1, beta2], got %s", got);
+    } else {
+      char ekey[KEY_MAX + 8];
+      snprintf(ekey, sizeof ekey, "%s[0]", path);
+      rc = get_num(c, ekey, json_array_get(v, 0), br, 0, &h1, &o->beta1, NULL);
+      if (!rc) {
+        snprintf(ekey, sizeof ekey, "%s[1]", path);
+        rc =
+            get_num(c, ekey, json_array_get(v, 1), br, 0, &h2, &o->beta2, NULL);
+      }
+      o->has_betas = h1 && h2;
+    }
+  } else if (!strcmp(name, "eps")) {
+    const range er = {0, INFINITY, 1, 0};
+    rc = get_num(c, path, v, er, 0, &o->has_eps, &o->eps, NULL);
+  } else if (!strcmp(name, "weight_decay")) {
+    const range wr = {0, 10, 0, 0};
+    rc = get_num(c, path, v, wr, 0, &o->has_weight_decay, &o->weight_decay,
+                 NULL);
+  } else if (!strcmp(name, "adam_w_mode")) {
+    /* DeepSpeed: "Adam" means AdamW unless adam_w_mode is false; "AdamW" is
+       always AdamW. */
+    int has = 0, w = 1;
+    rc = get_bool(c, path, v, &has, &w);
+    if (!rc && adam && !w)
+      rc = fail(c, path,
+                "Adam with L2 regularization (adam_w_mode false) is not "
+                "supported; "
+                "only AdamW");
+  } else {
+    rc = note(c, path, NULL);
+  }
+  return rc;
+}
+
+typedef struct sched_arg {
+  train_ds_config *o;
+  int kind; /* SCHED_* */
+} sched_arg;
+
+/* One member of the scheduler's "params". */
+static int scheduler_param(ctx *c, const char *path, const char *name,
+                           const json_t *v, void *arg) {
+  const sched_arg *a = arg;
+  train_ds_config *o = a->o;
+  const int kind = a->kind;
+  int rc = 0;
+  if (!strcmp(name, "warmup_num_steps")) {
+    rc = get_int(c, path, v, 0, INT_MAX, 0, &o->has_warmup, &o->warmup);
+  } else if (!strcmp(name, "total_num_steps")) {
+    rc = get_int(c, path, v, 1, INT_MAX, 0, &o->has_total_steps,
+                 &o->total_steps);
+  } else if (!strcmp(name, "cos_min_ratio") && kind == SCHED_COSINE) {
+    const range mr = {0, 1, 0, 0};
+    rc = get_num(c, path, v, mr, 0, &o->has_min_lr_ratio, &o->min_lr_ratio,
+                 NULL);
+  } else if (!strcmp(name, "warmup_max_lr")) {
+    float f;
+    rc = get_num(c, path, v, LR, 0, &c->has_sched_lr, &f, &c->sched_lr);
+  } else {
+    rc = note(c, path, NULL);
+  }
+  return rc;
+}
+
 static int parse_optimizer(ctx *c, const char *prefix, const json_t *obj,
                            train_ds_config *o) {
   char key[KEY_MAX];
@@ -246,76 +372,9 @@ static int parse_optimizer(ctx *c, const char *prefix, const json_t *obj,
         got);
   }
 
-  const char *k;
-  json_t *v;
-  json_object_foreach((json_t *)obj, k, v) {
-    int rc = 0;
-    join(key, sizeof key, prefix, k);
-    if (!strcmp(k, "type"))
-      continue;
-    if (strcmp(k, "params")) {
-      if ((rc = note(c, key, NULL)))
-        return rc;
-      continue;
-    }
-    if ((rc = want_object(c, key, v)))
-      return rc;
-    char pfx[KEY_MAX], pkey[KEY_MAX];
-    snprintf(pfx, sizeof pfx, "%s", key);
-    const char *pk;
-    json_t *pv;
-    json_object_foreach(v, pk, pv) {
-      join(pkey, sizeof pkey, pfx, pk);
-      if (!strcmp(pk, "lr")) {
-        rc = get_num(c, pkey, pv, LR, 0, &o->has_lr, &o->lr, &c->opt_lr);
-        c->has_opt_lr = o->has_lr;
-      } else if (!strcmp(pk, "betas")) {
-        const range br = {0, 1, 0, 1};
-        int h1 = 0, h2 = 0;
-        if (!json_is_array(pv) || json_array_size(pv) != 2) {
-          char got[64];
-          describe(pv, got, sizeof got);
-          rc = fail(c, pkey, "expected [beta1, beta2], got %s", got);
-        } else {
-          char ekey[KEY_MAX + 8];
-          snprintf(ekey, sizeof ekey, "%s[0]", pkey);
-          rc = get_num(c, ekey, json_array_get(pv, 0), br, 0, &h1, &o->beta1,
-                       NULL);
-          if (!rc) {
-            snprintf(ekey, sizeof ekey, "%s[1]", pkey);
-            rc = get_num(c, ekey, json_array_get(pv, 1), br, 0, &h2, &o->beta2,
-                         NULL);
-          }
-          o->has_betas = h1 && h2;
-        }
-      } else if (!strcmp(pk, "eps")) {
-        const range er = {0, INFINITY, 1, 0};
-        rc = get_num(c, pkey, pv, er, 0, &o->has_eps, &o->eps, NULL);
-      } else if (!strcmp(pk, "weight_decay")) {
-        const range wr = {0, 10, 0, 0};
-        rc = get_num(c, pkey, pv, wr, 0, &o->has_weight_decay, &o->weight_decay,
-                     NULL);
-      } else if (!strcmp(pk, "adam_w_mode")) {
-        /* DeepSpeed: "Adam" means AdamW unless adam_w_mode is false; "AdamW" is
-           always AdamW. */
-        int has = 0, w = 1;
-        rc = get_bool(c, pkey, pv, &has, &w);
-        if (!rc && adam && !w)
-          rc = fail(c, pkey,
-                    "Adam with L2 regularization (adam_w_mode false) is not "
-                    "supported; "
-                    "only AdamW");
-      } else {
-        rc = note(c, pkey, NULL);
-      }
-      if (rc)
-        return rc;
-    }
-  }
-  return 0;
+  const opt_arg a = {o, adam};
+  return each_param(c, prefix, obj, optimizer_param, (void *)&a);
 }
-
-enum { SCHED_COSINE, SCHED_DECAY, SCHED_CONST };
 
 static int parse_scheduler(ctx *c, const char *prefix, const json_t *obj,
                            train_ds_config *o) {
@@ -353,46 +412,8 @@ static int parse_scheduler(ctx *c, const char *prefix, const json_t *obj,
       return rc;
   }
 
-  const char *k;
-  json_t *v;
-  json_object_foreach((json_t *)obj, k, v) {
-    rc = 0;
-    join(key, sizeof key, prefix, k);
-    if (!strcmp(k, "type"))
-      continue;
-    if (strcmp(k, "params")) {
-      if ((rc = note(c, key, NULL)))
-        return rc;
-      continue;
-    }
-    if ((rc = want_object(c, key, v)))
-      return rc;
-    char pfx[KEY_MAX], pkey[KEY_MAX];
-    snprintf(pfx, sizeof pfx, "%s", key);
-    const char *pk;
-    json_t *pv;
-    json_object_foreach(v, pk, pv) {
-      join(pkey, sizeof pkey, pfx, pk);
-      if (!strcmp(pk, "warmup_num_steps")) {
-        rc = get_int(c, pkey, pv, 0, INT_MAX, 0, &o->has_warmup, &o->warmup);
-      } else if (!strcmp(pk, "total_num_steps")) {
-        rc = get_int(c, pkey, pv, 1, INT_MAX, 0, &o->has_total_steps,
-                     &o->total_steps);
-      } else if (!strcmp(pk, "cos_min_ratio") && kind == SCHED_COSINE) {
-        const range mr = {0, 1, 0, 0};
-        rc = get_num(c, pkey, pv, mr, 0, &o->has_min_lr_ratio, &o->min_lr_ratio,
-                     NULL);
-      } else if (!strcmp(pk, "warmup_max_lr")) {
-        float f;
-        rc = get_num(c, pkey, pv, LR, 0, &c->has_sched_lr, &f, &c->sched_lr);
-      } else {
-        rc = note(c, pkey, NULL);
-      }
-      if (rc)
-        return rc;
-    }
-  }
-  return 0;
+  const sched_arg a = {o, kind};
+  return each_param(c, prefix, obj, scheduler_param, (void *)&a);
 }
 
 static int parse_checkpoint(ctx *c, const char *prefix, const json_t *obj,
@@ -694,7 +715,8 @@ int train_ds_config_load(const char *path, train_ds_config *out, char *why,
   }
 
   json_error_t err;
-  /* a UTF-8 byte-order mark (editors on Windows write one) is not JSON: skip it */
+  /* a UTF-8 byte-order mark (editors on Windows write one) is not JSON: skip it
+   */
   size_t bom = len >= 3 && memcmp(text, "\xef\xbb\xbf", 3) == 0 ? 3 : 0;
   root = json_loadb(text + bom, len - bom, JSON_REJECT_DUPLICATES, &err);
   if (!root) {
@@ -704,8 +726,8 @@ int train_ds_config_load(const char *path, train_ds_config *out, char *why,
         snprintf(why, why_len, "%s: out of memory parsing JSON", path);
     } else if (json_error_code(&err) == json_error_duplicate_key) {
       char key[KEY_MAX];
-      path_at(text + bom, len - bom, err.position > 0 ? (size_t)err.position : 0, key,
-              sizeof key);
+      path_at(text + bom, len - bom,
+              err.position > 0 ? (size_t)err.position : 0, key, sizeof key);
       rc = -EINVAL;
       if (c.why_len)
         snprintf(why, why_len, "%s: line %d column %d: %s: duplicate key", path,

@@ -1,5 +1,6 @@
 /* train: GPT-2 style decoder on the CPU backend with crash-safe snapshots and --resume.
  * Exit status: 0 success, 1 runtime failure, 2 usage or configuration error. */
+#include "clock.h"
 #include "ckpt.h"
 #include "comm.h"
 #include "config.h"
@@ -413,6 +414,8 @@ typedef struct state {
     float *gshard;           /* (hi - lo) reduce-scattered gradient (stages 2, 3) */
     double *blocks;          /* (nb) squared norms of gradient blocks */
     double *xchg;            /* (W x (A + 1)) per-micro-batch losses and stop flags */
+    double *losses;          /* (M = A x W) the step's micro-batch losses in order */
+    size_t *counts;          /* (W) scratch for the counts of one collective */
     train_tree *tree;
     int32_t *inputs, *targets;   /* (b x T) for validation */
     int32_t *step_inputs, *step_targets; /* (A x b x T) this rank's samples of the step */
@@ -433,13 +436,6 @@ typedef struct state {
     char recorded_moments[2][17]; /* the loaded record's, "" when it has none (older) */
 } state;
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static void digest_hex(const float *p, size_t n, char out[33])
 {
     XXH128_hash_t h = XXH3_128bits(p, n * sizeof(float));
@@ -447,6 +443,15 @@ static void digest_hex(const float *p, size_t n, char out[33])
 }
 
 static void comm_failed(const state *s, const char *what, int rc);
+
+/* All-gather of one record of len bytes per rank: the caller has put its own record at
+ * all + rank x len; on return all holds every rank's, in rank order (W x len bytes).
+ * Uses s->counts. Returns 0 or the collective's error (not logged here). */
+static int gather_records(state *s, void *all, size_t len)
+{
+    for (int r = 0; r < s->world; r++) s->counts[r] = len;
+    return train_comm_all_gather(s->comm, (char *)all + (size_t)s->rank * len, all, s->counts);
+}
 
 /* Digest of x[lo, hi) (whole TRAIN_BLOCK blocks; x points at element lo) that does not depend
  * on how the flat space is split over ranks: the sum, mod 2^64, of XXH3-64 of each block
@@ -473,21 +478,16 @@ static int moments_digest(state *s, uint64_t out[2])
         return 0;
     }
     uint64_t *all = calloc((size_t)s->world * 2, sizeof(uint64_t));
-    size_t *counts = calloc((size_t)s->world, sizeof(size_t));
-    int rc = -ENOMEM;
-    if (all && counts) {
-        for (int r = 0; r < s->world; r++) counts[r] = 2 * sizeof(uint64_t);
-        memcpy(all + 2 * (size_t)s->rank, mine, sizeof mine);
-        rc = train_comm_all_gather(s->comm, all + 2 * (size_t)s->rank, all, counts);
-        if (rc < 0) comm_failed(s, "all-gather of the moments digest", rc);
-        out[0] = out[1] = 0;
-        for (int r = 0; r < s->world && rc == 0; r++) {
-            out[0] += all[2 * (size_t)r];
-            out[1] += all[2 * (size_t)r + 1];
-        }
+    if (!all) return -ENOMEM;
+    memcpy(all + 2 * (size_t)s->rank, mine, sizeof mine);
+    int rc = gather_records(s, all, sizeof mine);
+    if (rc < 0) comm_failed(s, "all-gather of the moments digest", rc);
+    out[0] = out[1] = 0;
+    for (int r = 0; r < s->world && rc == 0; r++) {
+        out[0] += all[2 * (size_t)r];
+        out[1] += all[2 * (size_t)r + 1];
     }
     free(all);
-    free(counts);
     return rc;
 }
 
@@ -540,16 +540,16 @@ static int gather_params(state *s)
 static int gather_range_hook(void *ctx, size_t lo, size_t hi)
 {
     state *s = ctx;
-    size_t counts[4096], before = 0;
+    size_t before = 0;
     float *p = train_model_params(s->model);
     for (int r = 0; r < s->world; r++) {
         size_t a = before, b = before + s->shard_el[r];
         size_t x = a > lo ? a : lo, y = b < hi ? b : hi;
-        counts[r] = y > x ? (y - x) * sizeof(float) : 0;
+        s->counts[r] = y > x ? (y - x) * sizeof(float) : 0;
         before = b;
     }
     size_t mine = s->lo > lo ? s->lo : lo;
-    int rc = train_comm_all_gather(s->comm, p + mine, p + lo, counts);
+    int rc = train_comm_all_gather(s->comm, p + mine, p + lo, s->counts);
     if (rc < 0) comm_failed(s, "layer all-gather (ZeRO-3)", rc);
     return rc;
 }
@@ -565,17 +565,9 @@ static double eval_val(state *s)
     if (total > train_dataset_num_samples(s->val)) total = train_dataset_num_samples(s->val);
     size_t nchunks = (size_t)((total + (uint64_t)b - 1) / (uint64_t)b);
     double *sums = calloc(nchunks ? nchunks : 1, sizeof(double));
-    size_t *counts = calloc((size_t)s->world, sizeof(size_t));
-    if (!sums || !counts) {
-        free(sums);
-        free(counts);
-        return NAN;
-    }
+    if (!sums) return NAN;
     size_t c0 = nchunks * (size_t)s->rank / (size_t)s->world;
     size_t c1 = nchunks * (size_t)(s->rank + 1) / (size_t)s->world;
-    for (int r = 0; r < s->world; r++)
-        counts[r] = (nchunks * (size_t)(r + 1) / (size_t)s->world -
-                     nchunks * (size_t)r / (size_t)s->world) * sizeof(double);
     int failed = 0;
     if (s->o->zero_stage == 3 && gather_range_hook(s, 0, s->np) < 0) failed = 1;
     for (size_t c = c0; c < c1 && !failed; c++) {
@@ -594,7 +586,10 @@ static double eval_val(state *s)
     }
     double sum = NAN;
     if (!failed) {
-        int rc = s->world > 1 ? train_comm_all_gather(s->comm, sums + c0, sums, counts) : 0;
+        for (int r = 0; r < s->world; r++)
+            s->counts[r] = (nchunks * (size_t)(r + 1) / (size_t)s->world -
+                            nchunks * (size_t)r / (size_t)s->world) * sizeof(double);
+        int rc = s->world > 1 ? train_comm_all_gather(s->comm, sums + c0, sums, s->counts) : 0;
         if (rc < 0) comm_failed(s, "all-gather of validation losses", rc);
         else {
             sum = 0.0;
@@ -602,7 +597,6 @@ static double eval_val(state *s)
         }
     }
     free(sums);
-    free(counts);
     return sum / (double)total;
 }
 
@@ -682,9 +676,9 @@ static long rss_kib(void)
  * vote channel is shut (the persist fails at once) and -ECONNRESET returned. */
 static int wait_engine(state *s, double timeout_s)
 {
-    double end = now_s() + timeout_s;
+    double end = clock_now_s() + timeout_s;
     for (;;) {
-        double left = end - now_s();
+        double left = end - clock_now_s();
         if (s->world == 1) return ckpt_engine_wait(s->engine, left > 0 ? left : 0);
         int rc = ckpt_engine_wait(s->engine, left < 0.5 ? (left > 0 ? left : 0) : 0.5);
         if (rc != -EINPROGRESS || left <= 0.5) return rc;
@@ -706,19 +700,12 @@ static int take_snapshot(state *s, int last)
 {
     if (s->world > 1) {
         uint8_t *busy = calloc((size_t)s->world, 1);
-        size_t *ones = calloc((size_t)s->world, sizeof(size_t));
-        if (!busy || !ones) {
-            free(busy);
-            free(ones);
-            return -ENOMEM;
-        }
-        for (int r = 0; r < s->world; r++) ones[r] = 1;
+        if (!busy) return -ENOMEM;
         busy[s->rank] = (uint8_t)(ckpt_engine_busy(s->engine) > 0);
-        int rc = train_comm_all_gather(s->comm, busy + s->rank, busy, ones);
+        int rc = gather_records(s, busy, 1);
         int any = 0;
         for (int r = 0; r < s->world; r++) any |= busy[r];
         free(busy);
-        free(ones);
         if (rc < 0) {
             comm_failed(s, "snapshot agreement", rc);
             return rc;
@@ -984,16 +971,12 @@ static int agree(state *s, int rc, int *comm_err)
     *comm_err = 0;
     if (s->world == 1) return rc;
     int32_t *all = calloc((size_t)s->world, sizeof(int32_t));
-    size_t *counts = calloc((size_t)s->world, sizeof(size_t));
-    if (!all || !counts) {
-        free(all);
-        free(counts);
+    if (!all) {
         *comm_err = 1;
         return -ENOMEM;
     }
-    for (int r = 0; r < s->world; r++) counts[r] = sizeof(int32_t);
     all[s->rank] = rc;
-    int cr = train_comm_all_gather(s->comm, all + s->rank, all, counts);
+    int cr = gather_records(s, all, sizeof(int32_t));
     int worst = 0;
     for (int r = 0; r < s->world && cr == 0; r++) {
         int x = all[r];
@@ -1002,7 +985,6 @@ static int agree(state *s, int rc, int *comm_err)
         else if (x == -EBADMSG && worst == 0) worst = x;
     }
     free(all);
-    free(counts);
     if (cr < 0) {
         comm_failed(s, "agreement on the snapshot", cr);
         *comm_err = 1;
@@ -1185,9 +1167,9 @@ static int resume_rank0(state *s)
             continue;
         }
         if (e[i].status == CKPT_STATUS_COMMITTED) {
-            double t0 = now_s();
+            double t0 = clock_now_s();
             rc = try_snapshot(s, path, why, sizeof why, &fatal);
-            double load_s = now_s() - t0;
+            double load_s = clock_now_s() - t0;
             if (fatal) {
                 result = 1;
                 break;
@@ -1331,25 +1313,18 @@ static int train_step(state *s, double *loss_out, double *norm_out, float *lr_ou
     /* losses of all M micro-batches and the ranks' stop flags, in one exchange */
     mine[A] = g_stop_signal ? 1.0 : 0.0;
     if (W > 1) {
-        size_t counts[4096];
-        for (int r = 0; r < W; r++) counts[r] = (size_t)(A + 1) * sizeof(double);
-        if ((rc = train_comm_all_gather(s->comm, mine, s->xchg, counts)) < 0) {
+        if ((rc = gather_records(s, s->xchg, (size_t)(A + 1) * sizeof(double))) < 0) {
             comm_failed(s, "all-gather of losses", rc);
             return rc;
         }
     }
-    double *losses = malloc((size_t)M * sizeof(double));
-    if (!losses) {
-        LOG_E(TAG, "step %" PRId64 ": out of memory", s->step + 1);
-        return -ENOMEM;
-    }
     *stop_any = 0;
     for (int r = 0; r < W; r++) {
-        memcpy(losses + (size_t)r * A, s->xchg + (size_t)r * (A + 1), (size_t)A * sizeof(double));
+        memcpy(s->losses + (size_t)r * A, s->xchg + (size_t)r * (A + 1),
+               (size_t)A * sizeof(double));
         if (s->xchg[(size_t)r * (A + 1) + A] != 0.0) *stop_any = 1;
     }
-    double loss = train_tree_sum(losses, (size_t)M) / M;
-    free(losses);
+    double loss = train_tree_sum(s->losses, (size_t)M) / M;
     /* gradients: the sum over ranks of their subtrees, in the fixed rank tree */
     float *grad; /* the gradient of [olo, ohi) */
     if (o->zero_stage <= 1) {
@@ -1557,16 +1532,10 @@ static int startup_agree(state *s, int local)
     enum { TEXT = 4000 };
     typedef struct { int32_t status; char text[TEXT]; } msg;
     msg *all = calloc((size_t)s->world, sizeof *all);
-    size_t *counts = calloc((size_t)s->world, sizeof *counts);
-    if (!all || !counts) {
-        free(all);
-        free(counts);
-        return 1;
-    }
-    for (int r = 0; r < s->world; r++) counts[r] = sizeof(msg);
+    if (!all) return 1;
     all[s->rank].status = local;
     if (local == 0) settings_text(s, all[s->rank].text, TEXT);
-    int rc = train_comm_all_gather(s->comm, &all[s->rank], all, counts), status = 0;
+    int rc = gather_records(s, all, sizeof(msg)), status = 0;
     if (rc < 0) {
         comm_failed(s, "exchange of start-up settings", rc);
         status = local ? local : 1;
@@ -1598,7 +1567,6 @@ static int startup_agree(state *s, int local)
         if (bad) status = 2;
     }
     free(all);
-    free(counts);
     return status;
 }
 
@@ -1611,6 +1579,8 @@ static int dist_init(state *s)
     if (train_comm_opts_from_env(&co) < 0) return 2;
     s->rank = co.rank;
     s->world = co.world_size;
+    s->counts = calloc((size_t)s->world, sizeof(size_t));
+    if (!s->counts) return 1;
     if (s->world > 1) log_set_rank(s->rank);
     const char *token = getenv("ELASTIC_STORE_TOKEN");
     const char *gen = getenv("ELASTIC_RESTART_COUNT");
@@ -1765,10 +1735,11 @@ int main(int argc, char **argv)
     }
     make_config_hash(&s, s.config_hash);
     s.xchg = calloc((size_t)s.world * (size_t)(s.grad_accum + 1), sizeof(double));
+    s.losses = calloc((size_t)s.world * (size_t)s.grad_accum, sizeof(double));
     s.step_samples = calloc((size_t)s.grad_accum * b, sizeof(uint64_t));
     s.step_inputs = calloc((size_t)s.grad_accum * b * T, sizeof(int32_t));
     s.step_targets = calloc((size_t)s.grad_accum * b * T, sizeof(int32_t));
-    if (!s.xchg || !s.step_samples || !s.step_inputs || !s.step_targets ||
+    if (!s.xchg || !s.losses || !s.step_samples || !s.step_inputs || !s.step_targets ||
         train_tree_create(&s.tree, s.np, s.grad_accum) < 0) {
         fprintf(stderr, "train: out of memory for %zu parameters\n", s.np);
         goto out;
@@ -1802,13 +1773,13 @@ int main(int argc, char **argv)
         LOG_I(TAG, "already at step %" PRId64 " of %d: nothing to train", s.step, o.steps);
     int stopped_by = 0;
     while (s.step < o.steps) {
-        double t0 = now_s(), loss = 0, norm = 0;
+        double t0 = clock_now_s(), loss = 0, norm = 0;
         float lr = 0;
         int stop_any = 0;
         if ((rc = train_step(&s, &loss, &norm, &lr, &stop_any)) < 0) {
             goto out; /* train_step logged the reason */
         }
-        double dt = now_s() - t0;
+        double dt = clock_now_s() - t0;
         heartbeat(heartbeat_fd, s.step);
         s.last_loss = loss;
         if (!isfinite(loss)) {
@@ -1890,6 +1861,8 @@ out:
     free(s.gshard);
     free(s.blocks);
     free(s.xchg);
+    free(s.losses);
+    free(s.counts);
     free(s.step_samples);
     free(s.shard_bytes);
     free(s.shard_el);

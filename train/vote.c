@@ -1,4 +1,5 @@
 /* Two-phase-commit votes of sharded snapshots over the elastic store (vote.h). */
+#include "clock.h"
 #include "vote.h"
 
 #include "log.h"
@@ -19,13 +20,6 @@ struct train_vote {
     char tag[64];
     int rank, world;
 };
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static int put(train_vote *v, const char *key, int result)
 {
@@ -77,11 +71,11 @@ static int vote_cb(void *ctx, uint64_t step, int result)
 static int collect_cb(void *ctx, uint64_t step, double timeout_s)
 {
     train_vote *v = ctx;
-    double deadline = now_s() + timeout_s;
+    double deadline = clock_now_s() + timeout_s;
     for (int r = 1; r < v->world; r++) {
         char key[300];
         snprintf(key, sizeof key, "%s/%" PRIu64 "/vote/%d", v->prefix, step, r);
-        int rc = get_result(v, key, deadline - now_s());
+        int rc = get_result(v, key, deadline - clock_now_s());
         if (rc == -ETIMEDOUT) {
             LOG_E(TAG, "step %" PRIu64 ": rank %d did not report its shard within %.0f s", step, r,
                   timeout_s);

@@ -114,9 +114,9 @@ def free_port():
 class Ranks:
     """W train processes started the torchrun way (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT);
     rank 0 hosts the store. Each rank's stderr goes to a file; rank_env maps a rank to extra
-    environment for that rank only."""
+    environment for that rank only, rank_args a rank to extra arguments for it only."""
 
-    def __init__(self, world, args, tmp, rank_env=None, extra_env=None, base=None):
+    def __init__(self, world, args, tmp, rank_env=None, extra_env=None, base=None, rank_args=None):
         self.world = world
         self.port = free_port()
         self.procs, self.errs = [], []
@@ -128,7 +128,8 @@ class Ranks:
             e.update((rank_env or {}).get(r, {}))
             err = open(os.path.join(tmp, f"rank{r}-{self.port}.err"), "w+")
             out = subprocess.PIPE if r == 0 else subprocess.DEVNULL
-            self.procs.append(subprocess.Popen([TRAIN] + data_args() + base + list(args), stdout=out,
+            argv = [TRAIN] + data_args() + base + list(args) + list((rank_args or {}).get(r, []))
+            self.procs.append(subprocess.Popen(argv, stdout=out,
                                                stderr=err, text=True, env=env(e)))
             self.errs.append(err)
         self.stdout = ""

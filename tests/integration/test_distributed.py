@@ -37,25 +37,6 @@ def ok(test, world, args, **kw):
     return ranks.final()
 
 
-def RanksWithOdd(test, world, odd, args, odd_args):
-    """W ranks of DIST + args where rank `odd` gets odd_args appended."""
-    port = harness.free_port()
-    ranks = Ranks.__new__(Ranks)
-    ranks.world, ranks.port, ranks.procs, ranks.errs, ranks.stdout = world, port, [], [], ""
-    import subprocess
-    for r in range(world):
-        e = {"RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(port)}
-        err = open(os.path.join(test.tmp, f"rank{r}-{port}.err"), "w+")
-        extra = odd_args if r == odd else []
-        ranks.procs.append(subprocess.Popen([harness.TRAIN] + harness.data_args() + DIST +
-                                            list(args) + list(extra),
-                                            stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
-                                            stderr=err, text=True, env=harness.env(e)))
-        ranks.errs.append(err)
-    return ranks
-
-
 def safetensors(path):
     """{name: list of floats} of a safetensors file (fp32 only)."""
     with open(path, "rb") as f:
@@ -400,7 +381,8 @@ class Distributed(TempDirTest):
                            (["--data", os.path.join(harness.DATA, "val_*.bin")], "data"),
                            (["--ckpt-dir", self.ckpt("other")], "ckpt-dir")]:
             t0 = time.time()
-            ranks = RanksWithOdd(self, 4, 2, MB3 + ["--ckpt-dir", d, "--ckpt-every", "3"], extra)
+            ranks = Ranks(4, MB3 + ["--ckpt-dir", d, "--ckpt-every", "3"], self.tmp, base=DIST,
+                          rank_args={2: extra})
             codes = ranks.wait(60)
             self.assertEqual(codes, [2] * 4, f"{extra}: {codes}")
             self.assertLess(time.time() - t0, 30)
@@ -410,7 +392,8 @@ class Distributed(TempDirTest):
 
     def test_a_rank_that_cannot_start_stops_all(self):
         t0 = time.time()
-        ranks = RanksWithOdd(self, 4, 3, MB3, ["--data", "/nonexistent/train_*.bin"])
+        ranks = Ranks(4, MB3, self.tmp, base=DIST,
+                      rank_args={3: ["--data", "/nonexistent/train_*.bin"]})
         self.assertEqual(ranks.wait(60), [2] * 4)
         self.assertLess(time.time() - t0, 20)
         self.assertIn("rank(s) 3 could not start", ranks.stderr(0))

@@ -2,27 +2,12 @@
  * validation split), shard validation on open, sample contents and the sample order. */
 #include "data.h"
 #include "t_helpers.h"
+#include "t_shard.h"
 
 #include <stdint.h>
 #include <sys/stat.h>
 #include <xxhash.h>
 
-#define HDR_BYTES (TRAIN_SHARD_HEADER_INTS * 4)
-
-/* A shard file with the given header fields and tokens. */
-static int write_shard(const char *path, int32_t magic, int32_t version, int32_t count,
-                       const uint16_t *tok, size_t ntok)
-{
-    size_t bytes = HDR_BYTES + 2 * ntok;
-    unsigned char *b = calloc(1, bytes);
-    if (!b) return -1;
-    int32_t h[3] = {magic, version, count};
-    memcpy(b, h, sizeof h);
-    if (ntok) memcpy(b + HDR_BYTES, tok, 2 * ntok);
-    int rc = t_spit(path, b, bytes);
-    free(b);
-    return rc;
-}
 
 /* Check a shard written by train_prepare: header and tokens equal `want` (bytes). */
 static void check_shard(const char *path, const unsigned char *want, size_t n)

@@ -4,27 +4,12 @@
 #include "data.h"
 #include "prefetch.h"
 #include "t_helpers.h"
+#include "t_shard.h"
 
 #include <stdint.h>
 #include <sys/stat.h>
 
-#define HDR_BYTES (TRAIN_SHARD_HEADER_INTS * 4)
 #define SEED 4242u
-
-/* A shard file with the given header fields and tokens (as in test_train_data.c). */
-static int write_shard(const char *path, int32_t magic, int32_t version, int32_t count,
-                       const uint16_t *tok, size_t ntok)
-{
-    size_t bytes = HDR_BYTES + 2 * ntok;
-    unsigned char *b = calloc(1, bytes);
-    if (!b) return -1;
-    int32_t h[3] = {magic, version, count};
-    memcpy(b, h, sizeof h);
-    if (ntok) memcpy(b + HDR_BYTES, tok, 2 * ntok);
-    int rc = t_spit(path, b, bytes);
-    free(b);
-    return rc;
-}
 
 /* A valid shard of ntok tokens that differ from shard to shard and position to position. */
 static void make_shard(const char *path, int tag, size_t ntok, int vocab)
