@@ -569,7 +569,14 @@ static double eval_val(state *s)
     size_t c0 = nchunks * (size_t)s->rank / (size_t)s->world;
     size_t c1 = nchunks * (size_t)(s->rank + 1) / (size_t)s->world;
     int failed = 0;
-    if (s->o->zero_stage == 3 && gather_range_hook(s, 0, s->np) < 0) failed = 1;
+    /* ZeRO-3: gather every parameter once, and detach the per-layer hook meanwhile: the ranks
+     * evaluate different numbers of chunks, so per-layer gathers (collectives) would not
+     * match up */
+    int zero3 = s->o->zero_stage == 3 && s->world > 1;
+    if (zero3) {
+        if (gather_range_hook(s, 0, s->np) < 0) failed = 1;
+        train_model_set_param_hook(s->model, NULL, NULL);
+    }
     for (size_t c = c0; c < c1 && !failed; c++) {
         uint64_t i = (uint64_t)c * (uint64_t)b;
         int n = (int)(total - i < (uint64_t)b ? total - i : (uint64_t)b);
@@ -584,6 +591,7 @@ static double eval_val(state *s)
         }
         if (!isnan(sums[c])) sums[c] = train_model_forward(s->model, s->inputs, s->targets, n) * n;
     }
+    if (zero3) train_model_set_param_hook(s->model, gather_range_hook, s);
     double sum = NAN;
     if (!failed) {
         for (int r = 0; r < s->world; r++)

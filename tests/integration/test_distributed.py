@@ -66,6 +66,16 @@ class Distributed(TempDirTest):
             self.assertEqual(got["val_loss"], ref["val_loss"])
         self.assertTrue(ref["val_loss"] < 5.6)
 
+    def test_zero3_validation_with_uneven_chunks(self):
+        """ZeRO-3 with 3 ranks and 4 validation chunks (1, 1, 2 per rank): evaluation gathers the
+        parameters once instead of per layer, so the ranks' unequal work does not desynchronise
+        the collectives; loss, val_loss and digest equal one process's (4 micro-batches a rank)."""
+        args = ["--micro-batch", "2", "--val-samples", "8", "--steps", "4", "--eval-every", "2",
+                "--comm-timeout", "10"]
+        ref = ok(self, 1, args)
+        got = ok(self, 3, args + ["--zero-stage", "3"])
+        self.assertEqual((got["digest"], got["val_loss"]), (ref["digest"], ref["val_loss"]))
+
     def test_world_size_8_tiny_model_with_empty_shards(self):
         """W = 8 on a model of 4 blocks (8192 floats): ranks 4-7 own nothing; the digest still
         equals W = 1, their shards are empty in the manifest, and W = 2 resumes from it."""
