@@ -1,0 +1,215 @@
+/* train_internal.h - what the files of the train program share (not part of any public API).
+ *
+ *   train_opts.c      the command line and --config into `options`
+ *   train_step.c      the collectives over the state, the optimizer step, validation
+ *   train_snapshot.c  digests, the trainer record, the snapshot engine
+ *   train_resume.c    fresh start or resume (rank 0 decides, the others follow)
+ *   train_startup.c   ranks, store and communicator; each rank's own start-up; the ranks'
+ *                     agreement on it; shard ranges
+ *   train_main.c      main(): the loop, signals, the launcher heartbeat
+ *
+ * Exit statuses returned by the functions below that say so: 0 success, 1 runtime failure,
+ * 2 usage or configuration error (DESIGN I8). Nothing here is thread-safe: every function runs
+ * on the main thread of its rank, and those marked "collective" must be called by every rank
+ * in the same order. */
+#ifndef TRAIN_INTERNAL_H
+#define TRAIN_INTERNAL_H
+
+#include "ckpt.h"
+#include "comm.h"
+#include "data.h"
+#include "ds_config.h"
+#include "model.h"
+#include "optim.h"
+#include "prefetch.h"
+#include "store.h"
+#include "vote.h"
+
+#include <signal.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* The run's settings, from --config and the flags (train_opts.c). The strings point into
+ * argv or into the static train_ds_config given to train_read_config: never freed. */
+typedef struct options {
+    const char *data, *val_data, *ckpt_dir, *resume, *run_id, *config, *sample_log;
+    train_model_config model;
+    int micro_batch, grad_accum, steps, eval_every, ckpt_every, val_samples, log_every;
+    int grad_accum_set;   /* --grad-accum (or the config's gradient_accumulation_steps) given */
+    int global_batch;     /* --global-batch B, 0 = not given */
+    int cli_ga, cli_gb;   /* given on the command line (they override the config) */
+    int cfg_ga;           /* the config's gradient_accumulation_steps when it also gave
+                             train_batch_size: checked against B once W is known; 0 = none */
+    int zero_stage;       /* 0..3 */
+    double comm_timeout;  /* seconds, each collective */
+    double join_timeout;  /* seconds, to join the group at start */
+    uint64_t seed;
+    train_adamw_config adam;
+    int zstd_level, filter, direct_io, compress, snapshot_threads, policy, overlap;
+    unsigned keep_last;
+    int keep_every;
+    uint64_t chunk_bytes;
+} options;
+
+/* The state of one rank. main() (train_main.c) owns it: it allocates the buffers, and frees
+ * them and closes the handles at its `out:` path; the other files fill in and use the fields
+ * their functions name. */
+typedef struct state {
+    options *o;
+    train_model *model;
+    train_dataset *train, *val;
+    /* ranks (DESIGN section 3): rank r owns the elements [lo, hi) of the flat space, whole
+     * TRAIN_BLOCK blocks, the first nb % W ranks one block more */
+    int rank, world;
+    train_comm *comm;
+    elastic_store_server *server; /* rank 0 hosts the store when no launcher does */
+    train_vote *vote;
+    ckpt_group group;
+    char job_tag[40];
+    size_t np, nb, lo, hi;
+    size_t olo, ohi;         /* what the optimizer updates here: [lo, hi), all at stage 0 */
+    size_t *shard_bytes;     /* (W) params bytes per rank */
+    size_t *shard_el;        /* (W) elements per rank */
+    size_t *block_bytes;     /* (W) bytes of block sums (doubles) per rank */
+    float *m, *v;            /* (ohi - olo) Adam moments */
+    float *gsum;             /* (np) this rank's tree sum of its micro-batch gradients */
+    float *gshard;           /* (hi - lo) reduce-scattered gradient (stages 2, 3) */
+    double *blocks;          /* (nb) squared norms of gradient blocks */
+    double *xchg;            /* (W x (A + 1)) per-micro-batch losses and stop flags */
+    double *losses;          /* (M = A x W) the step's micro-batch losses in order */
+    size_t *counts;          /* (W) scratch for the counts of one collective */
+    train_tree *tree;
+    int32_t *inputs, *targets;   /* (b x T) for validation */
+    int32_t *step_inputs, *step_targets; /* (A x b x T) this rank's samples of the step */
+    uint64_t *step_samples;  /* (A x b) sample indices of the step, for --sample-log */
+    train_prefetch *prefetch; /* reads the next steps' samples ahead on its own thread */
+    int grad_accum;          /* micro-batches per rank per step (A) */
+    int global_batch;        /* sequences per step over all ranks (B = A x b x W) */
+    int64_t step;             /* completed optimizer steps */
+    uint64_t samples;         /* samples consumed */
+    ckpt_engine *engine;
+    ckpt_dir_lock *lock;
+    char run_id[64];
+    char config_hash[17];
+    double last_loss, last_val;
+    uint64_t skipped;
+    int sample_fd;
+    uint64_t moments_digest[2]; /* block digests of adam_m, adam_v for the next record */
+    char recorded_moments[2][17]; /* the loaded record's, "" when it has none (older) */
+} state;
+
+/* ------------------------------------------------------------------ train_opts.c */
+
+/* Read --config FILE from argv, if given, into *o (and *dc, which must stay alive while *o is
+ * used: o's strings may point into it). Call before train_parse_args, whose flags override
+ * it. Returns 0, or -1 after printing one line (exit 2). */
+int train_read_config(int argc, char **argv, options *o, train_ds_config *dc);
+
+/* Parse the flags into *o (holding the defaults and the config) and check the combination.
+ * --help prints the usage and exits 0. Returns 0, or -1 after printing one line (exit 2). */
+int train_parse_args(int argc, char **argv, options *o);
+
+/* ------------------------------------------------------------------ train_step.c */
+
+/* Log one line for a failed collective: the rank, the step, what (a short description) and
+ * the reason of rc (a negative errno). */
+void train_comm_failed(const state *s, const char *what, int rc);
+
+/* All-gather of one record of len bytes per rank. all: (W x len) bytes, this rank's record at
+ * all + rank x len; on return every rank's, in rank order. Uses s->counts. Collective.
+ * Returns 0 or the collective's negative errno (not logged here). */
+int train_gather_records(state *s, void *all, size_t len);
+
+/* All-gather of every rank's params shard [lo, hi) into the full buffer; nothing at W = 1 or
+ * ZeRO stage 0. Collective. Returns 0 or the collective's negative errno (logged). */
+int train_gather_params(state *s);
+
+/* The model's ZeRO-3 parameter hook (model.h): gathers the elements [lo, hi) of the flat
+ * space from the ranks that own them. ctx: the state. Also called with [0, np) to gather
+ * everything. Collective. Returns 0 or the collective's negative errno (logged). */
+int train_gather_range_hook(void *ctx, size_t lo, size_t hi);
+
+/* Validation loss over the first o->val_samples samples of s->val, with the same bits at
+ * every world size. Collective. Returns the mean loss, NaN without validation data or on a
+ * failure (logged). */
+double train_eval_val(state *s);
+
+/* One optimizer step (DESIGN section 3). On success s->step and s->samples advance and
+ * *loss_out (mean loss of the step's micro-batches), *norm_out (global gradient norm before
+ * clipping), *lr_out (learning rate used) are set; *stop_any is set when some rank received
+ * SIGTERM/SIGINT before this step's exchange. Collective. Returns 0, or a negative errno
+ * (logged): a data, gradient-accumulator or collective failure, the run cannot go on. */
+int train_step(state *s, double *loss_out, double *norm_out, float *lr_out, int *stop_any);
+
+/* ------------------------------------------------------------------ train_snapshot.c */
+
+/* XXH3-128 of the n floats at p as 32 lowercase hex digits (out: 33 bytes with the NUL). */
+void train_digest_hex(const float *p, size_t n, char out[33]);
+
+/* The digests of adam_m and adam_v over the whole flat space, independent of the sharding
+ * (each rank adds its part of [lo, hi)); out[0] adam_m, out[1] adam_v. Collective when W > 1.
+ * Returns 0, -ENOMEM, or the collective's negative errno (logged). */
+int train_moments_digest(state *s, uint64_t out[2]);
+
+/* The config hash recorded in snapshots (model shape, seed, global batch) as 16 hex digits
+ * (out: 17 bytes). */
+void train_make_config_hash(const state *s, char out[17]);
+
+/* The shortest decimal that reads back as the same float f. */
+double train_f2d(float f);
+
+/* Create s->engine for o->ckpt_dir from the options. Returns 0 or ckpt_engine_create's
+ * negative errno (logged). */
+int train_make_engine(state *s);
+
+/* Wait for the persist in flight, at most timeout_s seconds; in a group, watch for dead
+ * peers meanwhile. Returns ckpt_engine_wait's result (0, -EINPROGRESS when still running at
+ * the deadline, the persist's error), or -ECONNRESET (a peer died: the vote channel is
+ * aborted, the persist will not commit; logged). */
+int train_wait_engine(state *s, double timeout_s);
+
+/* Stage a snapshot of the current step (params, adam_m, adam_v shards and the trainer
+ * record); the engine persists it in the background. last: the final snapshot of the run,
+ * never skipped. Collective. Returns 0 (also when the stage failed or the policy skipped it:
+ * logged), or a negative errno when a collective failed or memory ran out (fatal). */
+int train_take_snapshot(state *s, int last);
+
+/* ------------------------------------------------------------------ train_resume.c */
+
+/* Fresh start or resume as o->resume says: rank 0 chooses the snapshot (--resume PATH, or the
+ * newest usable one in --ckpt-dir for auto, setting corrupt ones aside), every rank loads its
+ * ranges and checks them, and the ranks agree on the outcome. Sets the parameters, moments,
+ * step, samples, run id, global batch and accumulation per rank. Needs the model and the
+ * buffers of main and train_plan_shards. Collective. Returns the exit status: 0, 1 (runtime
+ * failure), 2 (configuration error: an incompatible or newer snapshot, a bad batch split,
+ * later snapshots in --ckpt-dir). */
+int train_resume(state *s);
+
+/* ------------------------------------------------------------------ train_startup.c */
+
+/* Join the group: ranks from the environment (torchrun's or Slurm's), rank 0 hosts the store
+ * unless the launcher does, the communicator, the job tag and the snapshot vote channel.
+ * Allocates s->counts. Returns the exit status: 0, 1 or 2 (logged). */
+int train_dist_init(state *s);
+
+/* This rank's own start-up: open the data, and on rank 0 take --ckpt-dir's lock. Returns the
+ * exit status: 0, 1 or 2 (logged, naming the rank). */
+int train_startup_local(state *s);
+
+/* Every rank's start-up status (local, from train_startup_local) and settings, exchanged
+ * once. Collective. Returns 0 when every rank started with rank 0's settings, else the same
+ * exit status on every rank (the largest failed rank's, or 2 for different settings). */
+int train_startup_agree(state *s, int local);
+
+/* Shard ranges of the flat space: np, nb, lo, hi, olo, ohi and the per-rank arrays
+ * shard_bytes, shard_el, block_bytes (allocated here, freed by main). Needs s->model.
+ * Returns 0 or -ENOMEM. */
+int train_plan_shards(state *s);
+
+/* ------------------------------------------------------------------ train_main.c */
+
+/* The SIGTERM/SIGINT received (the signal number), 0 = none: set by main's handler, read by
+ * train_step for this rank's stop flag. */
+extern volatile sig_atomic_t train_stop_signal;
+
+#endif

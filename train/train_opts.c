@@ -1,0 +1,332 @@
+/* train_opts.c - the train program's command line and --config (see train_internal.h). */
+#include "ckpt.h"
+#include "ds_config.h"
+#include "log.h"
+#include "model.h"
+#include "train_internal.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TAG "train"
+
+static const char usage_text[] =
+    "usage: train --data GLOB [options]\n"
+    "\n"
+    "Trains a GPT-2 style decoder on llm.c token shards (CPU backend), with snapshots.\n"
+    "\n"
+    "Data and model:\n"
+    "  --data GLOB           training shards (llm.c layout), required\n"
+    "  --val-data GLOB       validation shards (default: none, no val_loss)\n"
+    "  --vocab N             vocabulary size (default 256: byte-level)\n"
+    "  --n-layer N           transformer blocks (default 4)\n"
+    "  --n-embd N            embedding width (default 128)\n"
+    "  --n-head N            attention heads (default 4)\n"
+    "  --seq-len N           tokens per sequence (default 128)\n"
+    "Batch and schedule:\n"
+    "  --micro-batch N       sequences per micro-batch (default 8)\n"
+    "  --grad-accum N        micro-batches per rank per optimizer step (default 1)\n"
+    "  --global-batch B      sequences per optimizer step over all ranks (DeepSpeed's\n"
+    "                        train_batch_size); gradient accumulation per rank is derived as\n"
+    "                        B / (micro-batch x world size), so B stays fixed when the world size\n"
+    "                        changes. Without it and without --grad-accum, a resume keeps the\n"
+    "                        snapshot's B\n"
+    "  --zero-stage N        ZeRO sharding: 0 none (all-reduce, every rank holds everything),\n"
+    "                        1 optimizer state, 2 + reduce-scattered gradients (default), 3 +\n"
+    "                        parameters, gathered layer by layer for forward and backward\n"
+    "  --config FILE         DeepSpeed-style JSON (train_batch_size, train_micro_batch_size_per_gpu,\n"
+    "                        gradient_accumulation_steps, zero_optimization.stage, optimizer,\n"
+    "                        scheduler, gradient_clipping, checkpoint{dir,every,keep_last,...});\n"
+    "                        command-line flags override it; unknown keys are listed in a warning\n"
+    "  --steps N             optimizer steps to reach (default 100)\n"
+    "  --lr X                peak learning rate (default 1e-3)\n"
+    "  --min-lr-ratio X      final lr / peak lr after the cosine (default 0.1)\n"
+    "  --warmup N            linear warm-up steps (default 0)\n"
+    "  --weight-decay X      AdamW decoupled weight decay (default 0.1)\n"
+    "  --grad-clip X         global gradient-norm clip, 0 = off (default 1.0)\n"
+    "  --seed N              seed of initialisation and sample order (default 1337)\n"
+    "  --eval-every N        validation loss every N steps, 0 = only at the end (default 0)\n"
+    "  --val-samples N       validation sequences per evaluation (default 64)\n"
+    "  --log-every N         one log line every N steps (default 1)\n"
+    ;
+static const char usage_text2[] =
+    "Snapshots:\n"
+    "  --ckpt-dir DIR        snapshot folder\n"
+    "  --ckpt-every N        snapshot every N steps, and at the last step (default 0: none);\n"
+    "                        taken asynchronously: training waits only for a copy\n"
+    "  --resume MODE         none (default), auto (newest verified snapshot in --ckpt-dir,\n"
+    "                        fresh start when there is none), or a snapshot folder PATH\n"
+    "  --run-id ID           lineage id recorded in snapshots (default: random, kept on resume);\n"
+    "                        given, --resume auto skips snapshots of other run ids\n"
+    "  --keep-last K         keep the newest K snapshots of this run, 0 = all (default 0)\n"
+    "  --keep-every N        also keep snapshots whose step is a multiple of N (default 0)\n"
+    "  --snapshot-policy P   when a snapshot is due while the previous one still persists:\n"
+    "                        wait (default) or skip (counted and logged)\n"
+    "  --snapshot-threads N  compression threads of the background persist (default 2)\n"
+    "  --snapshot-overlap    start persisting while the state is still being copied: durable\n"
+    "                        sooner, but the copy that training waits for takes longer\n"
+    "  --zstd-level N        compression level (default 1)\n"
+    "  --no-compress         store chunks raw\n"
+    "  --no-shuffle          no byte-shuffle filter before compression (by default the bytes\n"
+    "                        of each float are grouped: about 1.2x instead of 1.09x on Adam\n"
+    "                        state)\n"
+    "  --chunk-mib N         raw MiB per chunk (default 4)\n"
+    "  --no-direct-io        buffered writes instead of O_DIRECT\n"
+    "Ranks (one process per rank; launched by elastic, torchrun-style or by hand):\n"
+    "  --comm-timeout S      deadline of each collective, seconds (default 60); a dead rank is\n"
+    "                        noticed at once, a stopped one at this deadline\n"
+    "  --join-timeout S      how long the ranks wait for each other at start, seconds\n"
+    "                        (default 120); a rank whose store host gave up fails at once\n"
+    "  --sample-log FILE     append \"<sample number> <sample index>\" for every sample of every\n"
+    "                        finished step (diagnostics: proves no sample repeats or is skipped)\n"
+    "  -h, --help            this text\n"
+    "\n"
+    "SIGTERM/SIGINT: finish the step, take a final snapshot (with --ckpt-every), exit 128+sig.\n"
+    "At the end it prints: final step=<n> loss=<x> val_loss=<y> params_digest=<xxh3-128 hex>\n"
+    "(val_loss=nan without --val-data).\n"
+    "Environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (torchrun's; or Slurm's\n"
+    "SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID with MASTER_ADDR/MASTER_PORT, default port 29500);\n"
+    "rank 0 hosts the rendezvous store at MASTER_ADDR:MASTER_PORT unless ELASTIC_STORE_HOSTED=1\n"
+    "(the launcher hosts it); ELASTIC_STORE_TOKEN (store secret, never logged);\n"
+    "ELASTIC_RESTART_COUNT (generation); OPENBLAS_NUM_THREADS/OPENBLAS_CORETYPE (pin them for\n"
+    "bit-identical runs); CKPT_LOG_LEVEL=error|warn|info|debug.\n"
+    "Exit status: 0 success, 1 runtime failure, 2 usage or configuration error (including an\n"
+    "unusable or locked --ckpt-dir, or later snapshots there than the step this run starts from).\n";
+
+static int parse_int(const char *flag, const char *s, long lo, long hi, int *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || *end || end == s || v < lo || v > hi) {
+        fprintf(stderr, "train: %s: '%s' is not an integer in [%ld, %ld]\n", flag, s, lo, hi);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+static int parse_float(const char *flag, const char *s, double lo, double hi, float *out)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || *end || end == s || !(v >= lo && v <= hi)) {
+        fprintf(stderr, "train: %s: '%s' is not a number in [%g, %g]\n", flag, s, lo, hi);
+        return -1;
+    }
+    *out = (float)v;
+    return 0;
+}
+
+int train_parse_args(int argc, char **argv, options *o)
+{
+    enum {
+        O_DATA = 256, O_VAL, O_VOCAB, O_NLAYER, O_NEMBD, O_NHEAD, O_SEQ, O_MB, O_GA, O_STEPS,
+        O_LR, O_MINLR, O_WARM, O_WD, O_CLIP, O_SEED, O_EVAL, O_VALS, O_LOG, O_CKDIR, O_CKEVERY,
+        O_RESUME, O_RUNID, O_ZLEVEL, O_SHUFFLE, O_NOSHUFFLE, O_CHUNK, O_NODIRECT, O_NOCOMP, O_SNTHREADS,
+        O_POLICY, O_KEEPLAST, O_KEEPEVERY, O_OVERLAP, O_GB, O_ZERO, O_CONFIG, O_CTIMEOUT, O_SLOG,
+        O_JTIMEOUT
+    };
+    static const struct option lo[] = {
+        {"data", required_argument, 0, O_DATA}, {"val-data", required_argument, 0, O_VAL},
+        {"vocab", required_argument, 0, O_VOCAB}, {"n-layer", required_argument, 0, O_NLAYER},
+        {"n-embd", required_argument, 0, O_NEMBD}, {"n-head", required_argument, 0, O_NHEAD},
+        {"seq-len", required_argument, 0, O_SEQ}, {"micro-batch", required_argument, 0, O_MB},
+        {"grad-accum", required_argument, 0, O_GA}, {"steps", required_argument, 0, O_STEPS},
+        {"lr", required_argument, 0, O_LR}, {"min-lr-ratio", required_argument, 0, O_MINLR},
+        {"warmup", required_argument, 0, O_WARM}, {"weight-decay", required_argument, 0, O_WD},
+        {"grad-clip", required_argument, 0, O_CLIP}, {"seed", required_argument, 0, O_SEED},
+        {"eval-every", required_argument, 0, O_EVAL}, {"val-samples", required_argument, 0, O_VALS},
+        {"log-every", required_argument, 0, O_LOG}, {"ckpt-dir", required_argument, 0, O_CKDIR},
+        {"ckpt-every", required_argument, 0, O_CKEVERY}, {"resume", required_argument, 0, O_RESUME},
+        {"run-id", required_argument, 0, O_RUNID}, {"zstd-level", required_argument, 0, O_ZLEVEL},
+        {"shuffle", no_argument, 0, O_SHUFFLE}, {"no-shuffle", no_argument, 0, O_NOSHUFFLE},
+        {"chunk-mib", required_argument, 0, O_CHUNK},
+        {"no-direct-io", no_argument, 0, O_NODIRECT}, {"no-compress", no_argument, 0, O_NOCOMP},
+        {"snapshot-threads", required_argument, 0, O_SNTHREADS},
+        {"snapshot-policy", required_argument, 0, O_POLICY},
+        {"keep-last", required_argument, 0, O_KEEPLAST},
+        {"keep-every", required_argument, 0, O_KEEPEVERY},
+        {"snapshot-overlap", no_argument, 0, O_OVERLAP}, {"help", no_argument, 0, 'h'},
+        {"global-batch", required_argument, 0, O_GB}, {"zero-stage", required_argument, 0, O_ZERO},
+        {"config", required_argument, 0, O_CONFIG}, {"comm-timeout", required_argument, 0, O_CTIMEOUT},
+        {"sample-log", required_argument, 0, O_SLOG},
+        {"join-timeout", required_argument, 0, O_JTIMEOUT},
+        {0, 0, 0, 0}};
+    int c, v = 0, chunk_mib = 4;
+    while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
+        int bad = 0;
+        switch (c) {
+        case O_DATA: o->data = optarg; break;
+        case O_VAL: o->val_data = optarg; break;
+        case O_VOCAB: bad = parse_int("--vocab", optarg, 2, 65536, &o->model.vocab); break;
+        case O_NLAYER: bad = parse_int("--n-layer", optarg, 1, 256, &o->model.n_layer); break;
+        case O_NEMBD: bad = parse_int("--n-embd", optarg, 1, 65536, &o->model.n_embd); break;
+        case O_NHEAD: bad = parse_int("--n-head", optarg, 1, 256, &o->model.n_head); break;
+        case O_SEQ: bad = parse_int("--seq-len", optarg, 1, 8192, &o->model.seq_len); break;
+        case O_MB: bad = parse_int("--micro-batch", optarg, 1, 65536, &o->micro_batch); break;
+        case O_GA:
+            bad = parse_int("--grad-accum", optarg, 1, 65536, &o->grad_accum);
+            o->grad_accum_set = o->cli_ga = 1;
+            if (!o->cli_gb) o->global_batch = 0; /* overrides the config's train_batch_size */
+            o->cfg_ga = 0;
+            break;
+        case O_GB:
+            bad = parse_int("--global-batch", optarg, 1, 1 << 24, &o->global_batch);
+            o->cli_gb = 1;
+            if (!o->cli_ga) o->grad_accum_set = 0;
+            o->cfg_ga = 0;
+            break;
+        case O_ZERO: bad = parse_int("--zero-stage", optarg, 0, 3, &o->zero_stage); break;
+        case O_CONFIG: break; /* read before the flags (train_read_config) */
+        case O_SLOG: o->sample_log = optarg; break;
+        case O_JTIMEOUT: {
+            float t = 0;
+            bad = parse_float("--join-timeout", optarg, 1, 86400, &t);
+            o->join_timeout = t;
+            break;
+        }
+        case O_CTIMEOUT: {
+            float t = 0;
+            bad = parse_float("--comm-timeout", optarg, 0.1, 86400, &t);
+            o->comm_timeout = t;
+            break;
+        }
+        case O_STEPS: bad = parse_int("--steps", optarg, 1, INT_MAX, &o->steps); break;
+        case O_LR: bad = parse_float("--lr", optarg, 1e-12, 10, &o->adam.lr); break;
+        case O_MINLR: bad = parse_float("--min-lr-ratio", optarg, 0, 1, &o->adam.min_lr_ratio); break;
+        case O_WARM: bad = parse_int("--warmup", optarg, 0, INT_MAX, &o->adam.warmup); break;
+        case O_WD: bad = parse_float("--weight-decay", optarg, 0, 10, &o->adam.weight_decay); break;
+        case O_CLIP: bad = parse_float("--grad-clip", optarg, 0, 1e9, &o->adam.grad_clip); break;
+        case O_SEED:
+            bad = parse_int("--seed", optarg, 0, INT_MAX, &v);
+            o->seed = (uint64_t)v;
+            break;
+        case O_EVAL: bad = parse_int("--eval-every", optarg, 0, INT_MAX, &o->eval_every); break;
+        case O_VALS: bad = parse_int("--val-samples", optarg, 1, 1 << 20, &o->val_samples); break;
+        case O_LOG: bad = parse_int("--log-every", optarg, 1, INT_MAX, &o->log_every); break;
+        case O_CKDIR: o->ckpt_dir = optarg; break;
+        case O_CKEVERY: bad = parse_int("--ckpt-every", optarg, 0, INT_MAX, &o->ckpt_every); break;
+        case O_RESUME: o->resume = optarg; break;
+        case O_RUNID: o->run_id = optarg; break;
+        case O_ZLEVEL: bad = parse_int("--zstd-level", optarg, -7, 19, &o->zstd_level); break;
+        case O_SHUFFLE: o->filter = CKPT_FILTER_SHUFFLE; break; /* the default; kept for scripts */
+        case O_NOSHUFFLE: o->filter = CKPT_FILTER_NONE; break;
+        case O_CHUNK: bad = parse_int("--chunk-mib", optarg, 1, 1024, &chunk_mib); break;
+        case O_NODIRECT: o->direct_io = 0; break;
+        case O_NOCOMP: o->compress = 0; break;
+        case O_SNTHREADS: bad = parse_int("--snapshot-threads", optarg, 1, 64, &o->snapshot_threads); break;
+        case O_POLICY:
+            if (!strcmp(optarg, "wait")) o->policy = CKPT_POLICY_WAIT;
+            else if (!strcmp(optarg, "skip")) o->policy = CKPT_POLICY_SKIP;
+            else {
+                fprintf(stderr, "train: --snapshot-policy: '%s' is not wait or skip\n", optarg);
+                bad = 1;
+            }
+            break;
+        case O_KEEPLAST:
+            bad = parse_int("--keep-last", optarg, 0, INT_MAX, &v);
+            o->keep_last = (unsigned)v;
+            break;
+        case O_KEEPEVERY: bad = parse_int("--keep-every", optarg, 0, INT_MAX, &o->keep_every); break;
+        case O_OVERLAP: o->overlap = 1; break;
+        case 'h':
+            fputs(usage_text, stdout);
+            fputs(usage_text2, stdout);
+            exit(0);
+        default: bad = 1; fputs("train: see --help\n", stderr); break;
+        }
+        if (bad) return -1;
+    }
+    if (optind < argc) {
+        fprintf(stderr, "train: unexpected argument '%s' (see --help)\n", argv[optind]);
+        return -1;
+    }
+    o->chunk_bytes = (uint64_t)chunk_mib << 20;
+    char why[160];
+    if (!o->data) {
+        fprintf(stderr, "train: --data GLOB is required (see --help)\n");
+        return -1;
+    }
+    if (train_model_config_check(&o->model, why, sizeof why) < 0) {
+        fprintf(stderr, "train: bad model configuration: %s\n", why);
+        return -1;
+    }
+    if (o->resume && strcmp(o->resume, "auto") == 0 && !o->ckpt_dir) {
+        fprintf(stderr, "train: --resume auto needs --ckpt-dir\n");
+        return -1;
+    }
+    if (o->ckpt_every > 0 && !o->ckpt_dir) {
+        fprintf(stderr, "train: --ckpt-every needs --ckpt-dir\n");
+        return -1;
+    }
+    if (o->cli_gb && o->cli_ga) {
+        fprintf(stderr, "train: give --global-batch or --grad-accum, not both (the global batch "
+                "fixes the accumulation per rank)\n");
+        return -1;
+    }
+    if (o->run_id && !(strlen(o->run_id) >= 1 && strlen(o->run_id) <= 63 &&
+                       strspn(o->run_id, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                         "0123456789_.-") == strlen(o->run_id))) {
+        fprintf(stderr, "train: --run-id must be 1-63 characters of [A-Za-z0-9_.-]\n");
+        return -1;
+    }
+    o->adam.total_steps = o->steps;
+    return 0;
+}
+
+/* Read --config FILE (before the flags, which override it). Returns 0 or -1 (printed). */
+int train_read_config(int argc, char **argv, options *o, train_ds_config *dc)
+{
+    const char *path = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--")) break;
+        if (!strcmp(argv[i], "--config") && i + 1 < argc) path = argv[++i];
+        else if (!strncmp(argv[i], "--config=", 9)) path = argv[i] + 9;
+    }
+    if (!path) return 0;
+    o->config = path;
+    char why[600], unknown[1024];
+    int rc = train_ds_config_load(path, dc, why, sizeof why, unknown, sizeof unknown);
+    if (rc < 0) {
+        fprintf(stderr, "train: --config %s\n", why[0] ? why : strerror(-rc));
+        return -1;
+    }
+    if (unknown[0]) LOG_W(TAG, "--config %s: keys not used: %s", path, unknown);
+    if (dc->has_train_batch_size) {
+        o->global_batch = dc->train_batch_size;
+        if (dc->has_grad_accum) o->cfg_ga = dc->grad_accum;
+    } else if (dc->has_grad_accum) {
+        o->grad_accum = dc->grad_accum;
+        o->grad_accum_set = 1;
+    }
+    if (dc->has_micro_batch) o->micro_batch = dc->micro_batch;
+    if (dc->has_zero_stage) o->zero_stage = dc->zero_stage;
+    if (dc->has_lr) o->adam.lr = dc->lr;
+    if (dc->has_betas) {
+        o->adam.beta1 = dc->beta1;
+        o->adam.beta2 = dc->beta2;
+    }
+    if (dc->has_eps) o->adam.eps = dc->eps;
+    if (dc->has_weight_decay) o->adam.weight_decay = dc->weight_decay;
+    if (dc->has_warmup) o->adam.warmup = dc->warmup;
+    if (dc->has_total_steps) o->steps = dc->total_steps;
+    if (dc->has_min_lr_ratio) o->adam.min_lr_ratio = dc->min_lr_ratio;
+    if (dc->has_grad_clip) o->adam.grad_clip = dc->grad_clip;
+    if (dc->has_seed) o->seed = (uint64_t)dc->seed;
+    if (dc->has_log_every) o->log_every = dc->log_every;
+    if (dc->has_ckpt_dir) o->ckpt_dir = dc->ckpt_dir;
+    if (dc->has_ckpt_every) o->ckpt_every = dc->ckpt_every;
+    if (dc->has_keep_last) o->keep_last = (unsigned)dc->keep_last;
+    if (dc->has_keep_every) o->keep_every = dc->keep_every;
+    if (dc->has_zstd_level) o->zstd_level = dc->zstd_level;
+    if (dc->has_compress) o->compress = dc->compress;
+    if (dc->has_shuffle) o->filter = dc->shuffle ? CKPT_FILTER_SHUFFLE : CKPT_FILTER_NONE;
+    if (dc->has_snapshot_policy) o->policy = dc->snapshot_policy;
+    return 0;
+}

@@ -1,0 +1,533 @@
+/* train_resume.c - fresh start or resume of the train program: rank 0 chooses, every rank
+ * loads its ranges, the ranks agree (see train_internal.h). */
+#include "clock.h"
+#include "ckpt.h"
+#include "comm.h"
+#include "data.h"
+#include "log.h"
+#include "model.h"
+#include "train_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define TAG "train"
+
+static void make_run_id(char out[64])
+{
+    uint64_t r = 0;
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        if (read(fd, &r, sizeof r) != (ssize_t)sizeof r) r = 0;
+        close(fd);
+    }
+    r ^= (uint64_t)time(NULL) * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid();
+    snprintf(out, 64, "run-%016" PRIx64, r);
+}
+
+/* Compare the snapshot's model config with ours; list the differing fields in diff. */
+static int same_model(const json_t *model, const train_model_config *c, char *diff, size_t len)
+{
+    struct { const char *k; int v; } f[] = {{"vocab", c->vocab}, {"seq_len", c->seq_len},
+                                            {"n_layer", c->n_layer}, {"n_embd", c->n_embd},
+                                            {"n_head", c->n_head}};
+    size_t off = 0;
+    diff[0] = '\0';
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
+        json_t *x = json_object_get(model, f[i].k);
+        long long sv = json_is_integer(x) ? (long long)json_integer_value(x) : -1;
+        if (sv != f[i].v && off < len)
+            off += (size_t)snprintf(diff + off, len - off, "%s%s (snapshot %lld, now %d)",
+                                    off ? ", " : "", f[i].k, sv, f[i].v);
+    }
+    return diff[0] == '\0';
+}
+
+/* Log one warning listing the optimizer and schedule settings that differ from the
+ * snapshot's: allowed, but the run no longer reproduces an uninterrupted one. */
+static void warn_changed_hparams(const json_t *tr, const options *o)
+{
+    const json_t *opt = json_object_get(tr, "optimizer");
+    struct { const char *k; double now; } f[] = {
+        {"lr", o->adam.lr}, {"min_lr_ratio", o->adam.min_lr_ratio}, {"warmup", o->adam.warmup},
+        {"total_steps", o->adam.total_steps}, {"beta1", o->adam.beta1}, {"beta2", o->adam.beta2},
+        {"eps", o->adam.eps}, {"weight_decay", o->adam.weight_decay},
+        {"grad_clip", o->adam.grad_clip}};
+    char msg[512];
+    size_t off = 0;
+    msg[0] = '\0';
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
+        json_t *x = json_object_get(opt, f[i].k);
+        if (!json_is_number(x)) continue;
+        double was = json_number_value(x);
+        if ((float)was != (float)f[i].now && off < sizeof msg)
+            off += (size_t)snprintf(msg + off, sizeof msg - off, "%s%s %g -> %g", off ? ", " : "",
+                                    f[i].k, was, f[i].now);
+    }
+    if (msg[0])
+        LOG_W(TAG, "optimizer settings differ from the snapshot's (%s): the run will not match an "
+              "uninterrupted one", msg);
+}
+
+/* The global batch this run wants, or 0 when it follows the snapshot's (neither
+ * --global-batch nor --grad-accum given). */
+static int wanted_global_batch(const state *s)
+{
+    const options *o = s->o;
+    if (o->global_batch) return o->global_batch;
+    if (o->grad_accum_set) return o->micro_batch * o->grad_accum * s->world;
+    return 0;
+}
+
+/* Set B and the accumulation per rank A = B / (b x W). Returns 0, or -EINVAL with why. */
+static int set_global_batch(state *s, int B, char *why, size_t why_len)
+{
+    const int b = s->o->micro_batch, W = s->world;
+    if (B % (b * W) != 0) {
+        snprintf(why, why_len, "a global batch of %d sequences does not split into %d rank%s x "
+                 "micro-batches of %d; choose a --global-batch that is a multiple of %d, or "
+                 "another --micro-batch", B, W, W == 1 ? "" : "s", b, b * W);
+        return -EINVAL;
+    }
+    if (s->o->cfg_ga && B != b * s->o->cfg_ga * W) {
+        snprintf(why, why_len, "--config: train_batch_size %d != micro-batch %d x "
+                 "gradient_accumulation_steps %d x world size %d", B, b, s->o->cfg_ga, W);
+        return -EINVAL;
+    }
+    s->global_batch = B;
+    s->grad_accum = B / (b * W);
+    return 0;
+}
+
+/* Load this rank's part of one snapshot: params [lo, hi) (all at ZeRO stage 0), Adam moments
+ * [olo, ohi). Local: no collective. Returns 0, -EBADMSG (corrupt: try an older one), -EINVAL
+ * (incompatible: refuse), other -errno. why gets one line. */
+static int load_part(state *s, const char *path, char *why, size_t why_len)
+{
+    ckpt_snapshot *snap;
+    int rc = ckpt_snapshot_open(&snap, path, why, why_len);
+    if (rc < 0) return rc == -EPROTONOSUPPORT ? -EINVAL : rc;
+    json_error_t jerr;
+    json_t *tr = json_loads(ckpt_snapshot_trainer_json(snap), 0, &jerr);
+    json_t *data = json_object_get(tr, "data");
+    size_t bytes = s->np * sizeof(float);
+    char diff[400];
+    json_t *opt = json_object_get(tr, "optimizer");
+    json_t *jstep = json_object_get(tr, "step"), *jsamples = json_object_get(data, "samples_consumed");
+    json_t *jt = json_object_get(opt, "t");
+    int64_t step = json_is_integer(jstep) ? json_integer_value(jstep) : -1;
+    int64_t samples = json_is_integer(jsamples) ? json_integer_value(jsamples) : -1;
+    int64_t t = json_is_integer(jt) ? json_integer_value(jt) : -1;
+    const char *dh = json_string_value(json_object_get(data, "data_hash"));
+    const char *digest = json_string_value(json_object_get(tr, "params_digest"));
+    json_t *jbatch = json_object_get(tr, "batch");
+    int64_t gb = json_integer_value(json_object_get(jbatch, "global_batch"));
+    int64_t saved_world = json_integer_value(json_object_get(jbatch, "world_size"));
+    int64_t seed = json_integer_value(json_object_get(data, "seed"));
+    char mydh[17];
+    snprintf(mydh, sizeof mydh, "%016" PRIx64, train_dataset_hash(s->train));
+    int dtypes_ok = 1;
+    for (size_t i = 0; i < ckpt_snapshot_nbuffers(snap); i++) {
+        ckpt_buffer_info bi;
+        ckpt_snapshot_buffer_info(snap, i, &bi);
+        if ((!strcmp(bi.name, "params") || !strcmp(bi.name, "adam_m") || !strcmp(bi.name, "adam_v")) &&
+            (strcmp(bi.dtype, "f32") != 0 || bi.elem_bytes != 4))
+            dtypes_ok = 0;
+    }
+    int want = wanted_global_batch(s);
+    size_t plo = s->o->zero_stage == 0 ? 0 : s->lo, phi = s->o->zero_stage == 0 ? s->np : s->hi;
+    float *params = train_model_params(s->model);
+    if (!json_is_object(tr) || !json_is_object(data) || !json_is_object(opt) || !dh || !digest) {
+        snprintf(why, why_len, "trainer record lacks its data position, optimizer or params_digest");
+        rc = -EBADMSG;
+    } else if (step != (int64_t)ckpt_snapshot_step(snap) || t != step) {
+        snprintf(why, why_len, "trainer record is inconsistent: step %lld and Adam step %lld in a "
+                 "snapshot of step %llu", (long long)step, (long long)t,
+                 (unsigned long long)ckpt_snapshot_step(snap));
+        rc = -EBADMSG;
+    } else if (!same_model(json_object_get(tr, "model"), &s->o->model, diff, sizeof diff)) {
+        snprintf(why, why_len, "model configuration differs: %s", diff);
+        rc = -EINVAL;
+    } else if (strcmp(dh, mydh) != 0) {
+        snprintf(why, why_len, "training data differs from the snapshot's (data hash %s, now %s)",
+                 dh, mydh);
+        rc = -EINVAL;
+    } else if (seed != (int64_t)s->o->seed) {
+        snprintf(why, why_len, "seed differs (snapshot %lld, now %" PRIu64 ")", (long long)seed,
+                 s->o->seed);
+        rc = -EINVAL;
+    } else if (gb < 1 || gb > (1 << 24)) {
+        snprintf(why, why_len, "trainer record has no valid global batch");
+        rc = -EBADMSG;
+    } else if (want && gb != want) {
+        snprintf(why, why_len, "global batch differs: the snapshot used %lld sequences per step "
+                 "(world size %lld), this run %d; pass --global-batch %lld (or no batch flag) to "
+                 "keep it", (long long)gb, (long long)saved_world, want, (long long)gb);
+        rc = -EINVAL;
+    } else if ((rc = set_global_batch(s, (int)gb, why, why_len)) < 0) {
+        /* why is set */
+    } else if (samples != step * gb) {
+        snprintf(why, why_len, "trainer record is inconsistent: %lld samples consumed after %lld "
+                 "steps of %lld", (long long)samples, (long long)step, (long long)gb);
+        rc = -EBADMSG;
+    } else if (ckpt_snapshot_buffer_bytes(snap, "params") != (int64_t)bytes ||
+               ckpt_snapshot_buffer_bytes(snap, "adam_m") != (int64_t)bytes ||
+               ckpt_snapshot_buffer_bytes(snap, "adam_v") != (int64_t)bytes) {
+        snprintf(why, why_len, "state buffers have the wrong size for this model");
+        rc = -EINVAL;
+    } else if (!dtypes_ok) {
+        snprintf(why, why_len, "state buffers are not f32");
+        rc = -EBADMSG;
+    } else if ((rc = ckpt_snapshot_read(snap, "params", plo * 4, (phi - plo) * 4, params + plo, why,
+                                        why_len)) == 0 &&
+               (rc = ckpt_snapshot_read(snap, "adam_m", s->olo * 4, (s->ohi - s->olo) * 4, s->m, why,
+                                        why_len)) == 0 &&
+               (rc = ckpt_snapshot_read(snap, "adam_v", s->olo * 4, (s->ohi - s->olo) * 4, s->v, why,
+                                        why_len)) == 0) {
+        if (s->rank == 0) warn_changed_hparams(tr, s->o);
+        s->step = step;
+        s->samples = (uint64_t)samples;
+        snprintf(s->run_id, sizeof s->run_id, "%s", ckpt_snapshot_run_id(snap));
+        json_t *loss = json_object_get(tr, "loss");
+        s->last_loss = json_is_number(loss) ? json_number_value(loss) : NAN;
+        json_t *md = json_object_get(tr, "moments_digest");
+        const char *dm = json_string_value(json_object_get(md, "adam_m"));
+        const char *dv = json_string_value(json_object_get(md, "adam_v"));
+        snprintf(s->recorded_moments[0], 17, "%s", dm && strlen(dm) == 16 ? dm : "");
+        snprintf(s->recorded_moments[1], 17, "%s", dv && strlen(dv) == 16 ? dv : "");
+        int64_t saved_mb = json_integer_value(json_object_get(jbatch, "micro_batch"));
+        if (saved_mb > 0 && saved_mb != s->o->micro_batch && s->rank == 0)
+            LOG_W(TAG, "micro-batch differs from the snapshot's (%lld, now %d): the global batch "
+                  "stays %lld, but the results agree with an uninterrupted run only to rounding",
+                  (long long)saved_mb, s->o->micro_batch, (long long)gb);
+        if (saved_world != s->world && s->rank == 0)
+            LOG_I(TAG, "re-sharding: the snapshot was saved by %lld rank%s, this run has %d; each "
+                  "rank reads only its ranges", (long long)saved_world, saved_world == 1 ? "" : "s",
+                  s->world);
+    }
+    char *digest_copy = rc == 0 ? strdup(digest) : NULL;
+    json_decref(tr);
+    ckpt_snapshot_close(snap);
+    if (rc == 0) {
+        if (!digest_copy) return -ENOMEM;
+        snprintf(why, why_len, "%s", digest_copy); /* handed to the caller for the check */
+        free(digest_copy);
+    }
+    return rc;
+}
+
+/* The worst of the ranks' results: -EINVAL (refuse) before any other error before -EBADMSG
+ * (corrupt) before 0. Collective; a failed collective returns its error with *comm_err set. */
+static int agree(state *s, int rc, int *comm_err)
+{
+    *comm_err = 0;
+    if (s->world == 1) return rc;
+    int32_t *all = calloc((size_t)s->world, sizeof(int32_t));
+    if (!all) {
+        *comm_err = 1;
+        return -ENOMEM;
+    }
+    all[s->rank] = rc;
+    int cr = train_gather_records(s, all, sizeof(int32_t));
+    int worst = 0;
+    for (int r = 0; r < s->world && cr == 0; r++) {
+        int x = all[r];
+        if (x == -EINVAL) worst = -EINVAL;
+        else if (x < 0 && x != -EBADMSG && worst != -EINVAL) worst = x;
+        else if (x == -EBADMSG && worst == 0) worst = x;
+    }
+    free(all);
+    if (cr < 0) {
+        train_comm_failed(s, "agreement on the snapshot", cr);
+        *comm_err = 1;
+        return cr;
+    }
+    return worst;
+}
+
+/* Load one snapshot on every rank (collective): each rank reads only its ranges, the ranks
+ * agree on the outcome, the parameters are all-gathered and their digest checked against the
+ * record. Returns 0, -EBADMSG, -EINVAL, other -errno; *comm_err when a collective failed. */
+static int load_snapshot(state *s, const char *path, char *why, size_t why_len, int *comm_err)
+{
+    char digest[600] = "";
+    int rc = load_part(s, path, why, why_len);
+    if (rc == 0) snprintf(digest, sizeof digest, "%s", why);
+    else if (rc == -EBADMSG || rc == -EINVAL || rc == -ENOENT)
+        LOG_W(TAG, "rank %d: %s: %s", s->rank, path, why);
+    if (rc == -ENOENT) rc = -EBADMSG; /* no manifest: not a snapshot */
+    rc = agree(s, rc, comm_err);
+    if (*comm_err) return rc;
+    if (rc < 0) {
+        if (why[0] == '\0' || !strcmp(why, digest))
+            snprintf(why, why_len, "another rank found it %s", rc == -EINVAL ? "incompatible" : "unreadable");
+        return rc;
+    }
+    if (train_gather_params(s) < 0) {
+        *comm_err = 1;
+        return -EIO;
+    }
+    char got[33];
+    train_digest_hex(train_model_params(s->model), s->np, got);
+    if (strcmp(got, digest) != 0) {
+        snprintf(why, why_len, "params digest %s differs from the recorded %s", got, digest);
+        return -EBADMSG;
+    }
+    uint64_t md[2];
+    if (train_moments_digest(s, md) < 0) {
+        *comm_err = 1;
+        return -EIO;
+    }
+    for (int k = 0; k < 2; k++) {
+        const char *want = s->recorded_moments[k];
+        char have[17];
+        snprintf(have, sizeof have, "%016" PRIx64, md[k]);
+        if (want[0] && strcmp(want, have) != 0) {
+            snprintf(why, why_len, "%s digest %s differs from the recorded %s (a shard restored at "
+                     "the wrong place?)", k ? "adam_v" : "adam_m", have, want);
+            return -EBADMSG;
+        }
+    }
+    why[0] = '\0';
+    return 0;
+}
+
+static void fresh_start(state *s)
+{
+    train_model_init_params(s->model, s->o->seed);
+    memset(s->m, 0, (s->ohi - s->olo) * sizeof(float));
+    memset(s->v, 0, (s->ohi - s->olo) * sizeof(float));
+    s->step = 0;
+    s->samples = 0;
+    if (s->o->run_id) snprintf(s->run_id, sizeof s->run_id, "%s", s->o->run_id);
+    else make_run_id(s->run_id);
+}
+
+/* Snapshot names already in the folder after the step we start from would collide with the
+ * ones this run is about to save (and a later --resume auto would continue the other run).
+ * Returns 0, or 2 with one line naming the newest one. Rank 0 only. */
+static int check_no_later_snapshots(state *s)
+{
+    ckpt_entry *e;
+    size_t n;
+    if (ckpt_list(s->o->ckpt_dir, &e, &n) < 0) return 0; /* unreadable: the first save reports it */
+    int rc = 0;
+    for (size_t i = n; i-- > 0;) {
+        if (e[i].status == CKPT_STATUS_INCOMPLETE || e[i].status == CKPT_STATUS_SET_ASIDE) continue;
+        if (e[i].step <= (uint64_t)s->step) break;
+        LOG_E(TAG, "refusing to start at step %" PRId64 ": %s already holds %s (run %s, %s), whose "
+              "steps this run would save again; continue that run with --resume auto, or use "
+              "another --ckpt-dir", s->step, s->o->ckpt_dir, e[i].name,
+              e[i].run_id[0] ? e[i].run_id : "?", ckpt_status_name(e[i].status));
+        rc = 2;
+        break;
+    }
+    free(e);
+    return rc;
+}
+
+/* Rank 0 tells the others what to do next during the resume. */
+enum { CMD_TRY = 0, CMD_DONE = 1 };
+typedef struct resume_msg {
+    int32_t cmd;
+    int32_t status;          /* CMD_DONE: 0 go on, else the exit status */
+    int32_t global_batch;    /* CMD_DONE: B of a fresh start */
+    char run_id[64];         /* CMD_DONE: the run id */
+    char path[CKPT_PATH_MAX];/* CMD_TRY */
+} resume_msg;
+
+/* Rank 0: try one snapshot on every rank. Returns the agreed result; *fatal set when a
+ * collective failed. */
+static int try_snapshot(state *s, const char *path, char *why, size_t why_len, int *fatal)
+{
+    if (s->world > 1) {
+        resume_msg m = {.cmd = CMD_TRY};
+        snprintf(m.path, sizeof m.path, "%s", path);
+        int rc = train_comm_broadcast(s->comm, &m, sizeof m, 0);
+        if (rc < 0) {
+            train_comm_failed(s, "broadcast of the resume plan", rc);
+            *fatal = 1;
+            return rc;
+        }
+    }
+    return load_snapshot(s, path, why, why_len, fatal);
+}
+
+/* Rank 0's side of the resume: returns 0 (resumed or fresh), 1 runtime failure, 2
+ * configuration error; the others follow (follow_resume). */
+static int resume_rank0(state *s)
+{
+    const options *o = s->o;
+    char why[600];
+    int fatal = 0;
+    if (!o->resume || !strcmp(o->resume, "none")) {
+        LOG_I(TAG, "fresh start (run %s)", s->run_id);
+        return 0;
+    }
+    if (strcmp(o->resume, "auto") != 0) {
+        struct stat st;
+        char mpath[CKPT_PATH_MAX + 16];
+        if (stat(o->resume, &st) != 0 || !S_ISDIR(st.st_mode)) {
+            LOG_E(TAG, "--resume %s: no such snapshot folder", o->resume);
+            return 2;
+        }
+        snprintf(mpath, sizeof mpath, "%s/manifest.json", o->resume);
+        ckpt_entry *inner;
+        size_t ninner = 0;
+        if (stat(mpath, &st) != 0 && ckpt_list(o->resume, &inner, &ninner) == 0) {
+            free(inner);
+            if (ninner > 0) {
+                LOG_E(TAG, "--resume %s: this holds snapshots, it is not one; use --ckpt-dir %s "
+                      "--resume auto, or name one of its step-* folders", o->resume, o->resume);
+                return 2;
+            }
+        }
+        int rc = try_snapshot(s, o->resume, why, sizeof why, &fatal);
+        if (rc < 0) {
+            if (!fatal) LOG_E(TAG, "cannot resume from %s: %s", o->resume, why);
+            return rc == -EINVAL ? 2 : 1;
+        }
+        LOG_I(TAG, "resumed from %s at step %" PRId64 " (run %s)", o->resume, s->step, s->run_id);
+        return 0;
+    }
+    int removed = ckpt_remove_temp(o->ckpt_dir);
+    if (removed < 0) LOG_W(TAG, "could not clean temp folders in %s: %s", o->ckpt_dir, strerror(-removed));
+    ckpt_entry *e;
+    size_t n;
+    int rc = ckpt_list(o->ckpt_dir, &e, &n);
+    if (rc < 0) {
+        LOG_E(TAG, "cannot list snapshots in %s: %s", o->ckpt_dir, strerror(-rc));
+        return 1;
+    }
+    int result = -1;
+    for (size_t i = n; i-- > 0;) {
+        char path[CKPT_PATH_MAX];
+        snprintf(path, sizeof path, "%s/%s", o->ckpt_dir, e[i].name);
+        if (e[i].status == CKPT_STATUS_INCOMPLETE || e[i].status == CKPT_STATUS_SET_ASIDE) {
+            LOG_D(TAG, "ignoring %s: %s", path, ckpt_status_name(e[i].status));
+            continue;
+        }
+        if (e[i].status == CKPT_STATUS_NEWER) {
+            LOG_E(TAG, "refusing to resume: %s was written by a newer version (%s); upgrade, or "
+                  "pass --resume PATH to choose an older snapshot", path, e[i].reason);
+            result = 2;
+            break;
+        }
+        if (e[i].status == CKPT_STATUS_COMMITTED && o->run_id && strcmp(e[i].run_id, o->run_id) != 0) {
+            LOG_W(TAG, "skipping %s: it belongs to run %s, another lineage (this run is %s)", path,
+                  e[i].run_id, o->run_id);
+            continue;
+        }
+        if (e[i].status == CKPT_STATUS_COMMITTED) {
+            double t0 = clock_now_s();
+            rc = try_snapshot(s, path, why, sizeof why, &fatal);
+            double load_s = clock_now_s() - t0;
+            if (fatal) {
+                result = 1;
+                break;
+            }
+            if (rc == 0) {
+                LOG_I(TAG, "resumed from %s at step %" PRId64 " (run %s): loaded and checked in "
+                      "%.0f ms", path, s->step, s->run_id, load_s * 1e3);
+                result = 0;
+                break;
+            }
+            if (rc == -EINVAL) {
+                LOG_E(TAG, "refusing to resume from %s: %s", path, why);
+                result = 2;
+                break;
+            }
+            if (rc != -EBADMSG) {
+                LOG_E(TAG, "cannot read %s: %s", path, why[0] ? why : strerror(-rc));
+                result = 1;
+                break;
+            }
+            LOG_W(TAG, "skipping corrupt snapshot %s: %s", path, why);
+        } else {
+            LOG_W(TAG, "skipping %s: corrupt (%s)", path, e[i].reason);
+        }
+        /* keep the bad bytes for inspection, under a name that frees the step for a new save */
+        char aside[96];
+        int ar = ckpt_set_aside(o->ckpt_dir, e[i].name, aside, sizeof aside);
+        if (ar == 0) LOG_W(TAG, "set %s aside as %s/%s", path, o->ckpt_dir, aside);
+        else LOG_W(TAG, "could not set %s aside: %s", path, strerror(-ar));
+    }
+    free(e);
+    if (result < 0) {
+        LOG_I(TAG, "no usable snapshot in %s: fresh start (run %s)", o->ckpt_dir, s->run_id);
+        result = 0;
+    }
+    return result;
+}
+
+/* Every rank: the resume decided by rank 0 (collective). Returns 0, 1 or 2 (exit status). */
+int train_resume(state *s)
+{
+    char why[600];
+    fresh_start(s);
+    resume_msg m;
+    int status;
+    if (s->rank == 0) {
+        status = resume_rank0(s);
+        if (status == 0 && s->step == 0) {
+            /* fresh: a failed load may have overwritten part of the state */
+            char keep[64];
+            snprintf(keep, sizeof keep, "%s", s->run_id);
+            fresh_start(s);
+            snprintf(s->run_id, sizeof s->run_id, "%s", keep);
+        }
+        if (status == 0 && s->step == 0 && set_global_batch(s, wanted_global_batch(s) ?
+                                                               wanted_global_batch(s) :
+                                                               s->o->micro_batch * s->o->grad_accum * s->world,
+                                                           why, sizeof why) < 0) {
+            LOG_E(TAG, "%s", why);
+            status = 2;
+        }
+        if (status == 0 && s->o->ckpt_every > 0) status = check_no_later_snapshots(s);
+        memset(&m, 0, sizeof m);
+        m.cmd = CMD_DONE;
+        m.status = status;
+        m.global_batch = s->global_batch;
+        snprintf(m.run_id, sizeof m.run_id, "%s", s->run_id);
+        if (s->world > 1) {
+            int rc = train_comm_broadcast(s->comm, &m, sizeof m, 0);
+            if (rc < 0 && status == 0) {
+                train_comm_failed(s, "broadcast of the resume outcome", rc);
+                status = 1;
+            }
+        }
+        return status;
+    }
+    for (;;) {
+        int rc = train_comm_broadcast(s->comm, &m, sizeof m, 0);
+        if (rc < 0) {
+            train_comm_failed(s, "waiting for rank 0's resume plan", rc);
+            return 1;
+        }
+        m.path[sizeof m.path - 1] = '\0';
+        m.run_id[sizeof m.run_id - 1] = '\0';
+        if (m.cmd == CMD_DONE) break;
+        int fatal = 0;
+        load_snapshot(s, m.path, why, sizeof why, &fatal);
+        if (fatal) return 1;
+    }
+    if (m.status != 0) return m.status;
+    if (s->step == 0) {
+        fresh_start(s);
+        if (set_global_batch(s, m.global_batch, why, sizeof why) < 0) {
+            LOG_E(TAG, "%s", why);
+            return 2;
+        }
+    }
+    snprintf(s->run_id, sizeof s->run_id, "%s", m.run_id);
+    return 0;
+}

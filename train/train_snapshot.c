@@ -1,0 +1,247 @@
+/* train_snapshot.c - digests, the trainer record and the snapshot engine of the train program
+ * (see train_internal.h). */
+#include "clock.h"
+#include "ckpt.h"
+#include "comm.h"
+#include "log.h"
+#include "model.h"
+#include "train_internal.h"
+#include "vote.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <xxhash.h>
+
+#define TAG "train"
+
+void train_digest_hex(const float *p, size_t n, char out[33])
+{
+    XXH128_hash_t h = XXH3_128bits(p, n * sizeof(float));
+    snprintf(out, 33, "%016" PRIx64 "%016" PRIx64, (uint64_t)h.high64, (uint64_t)h.low64);
+}
+
+/* Digest of x[lo, hi) (whole TRAIN_BLOCK blocks; x points at element lo) that does not depend
+ * on how the flat space is split over ranks: the sum, mod 2^64, of XXH3-64 of each block
+ * seeded with the block's index. Ranks add their parts (block_digest_sum); the total is that
+ * of the whole buffer. Used for the Adam moments, which no other digest covers as a whole: a
+ * shard restored at the wrong offset passes every chunk checksum but not this. */
+static uint64_t block_digest(const float *x, size_t lo, size_t hi)
+{
+    uint64_t sum = 0;
+    for (size_t b = lo; b < hi; b += TRAIN_BLOCK)
+        sum += XXH3_64bits_withSeed(x + (b - lo), TRAIN_BLOCK * sizeof(float), b / TRAIN_BLOCK);
+    return sum;
+}
+
+/* This rank's parts of the digests of adam_m and adam_v over its shard [lo, hi), summed over
+ * all ranks (collective when W > 1). Returns 0 or the collective's error. */
+int train_moments_digest(state *s, uint64_t out[2])
+{
+    uint64_t mine[2] = {block_digest(s->m + (s->lo - s->olo), s->lo, s->hi),
+                        block_digest(s->v + (s->lo - s->olo), s->lo, s->hi)};
+    if (s->world == 1) {
+        out[0] = mine[0];
+        out[1] = mine[1];
+        return 0;
+    }
+    uint64_t *all = calloc((size_t)s->world * 2, sizeof(uint64_t));
+    if (!all) return -ENOMEM;
+    memcpy(all + 2 * (size_t)s->rank, mine, sizeof mine);
+    int rc = train_gather_records(s, all, sizeof mine);
+    if (rc < 0) train_comm_failed(s, "all-gather of the moments digest", rc);
+    out[0] = out[1] = 0;
+    for (int r = 0; r < s->world && rc == 0; r++) {
+        out[0] += all[2 * (size_t)r];
+        out[1] += all[2 * (size_t)r + 1];
+    }
+    free(all);
+    return rc;
+}
+
+void train_make_config_hash(const state *s, char out[17])
+{
+    const options *o = s->o;
+    char buf[512];
+    int n = snprintf(buf, sizeof buf,
+                     "vocab=%d;seq_len=%d;n_layer=%d;n_embd=%d;n_head=%d;seed=%" PRIu64
+                     ";global_batch=%d",
+                     o->model.vocab, o->model.seq_len, o->model.n_layer, o->model.n_embd,
+                     o->model.n_head, o->seed, s->global_batch);
+    uint64_t h = XXH3_64bits(buf, (size_t)n);
+    snprintf(out, 17, "%016" PRIx64, h);
+}
+
+/* The shortest decimal that reads back as the same float: 0.9f is recorded as 0.9, not as
+ * 0.8999999761581421. */
+double train_f2d(float f)
+{
+    char buf[32] = "0";
+    for (int prec = 1; prec <= 9; prec++) {
+        snprintf(buf, sizeof buf, "%.*g", prec, (double)f);
+        if ((float)strtod(buf, NULL) == f) break;
+    }
+    return strtod(buf, NULL);
+}
+
+static json_t *trainer_record(state *s)
+{
+    const options *o = s->o;
+    size_t nt;
+    const train_tensor *t = train_model_tensors(s->model, &nt);
+    json_t *tensors = json_array();
+    for (size_t i = 0; i < nt; i++) {
+        json_t *shape = json_array();
+        for (int d = 0; d < t[i].ndim; d++) json_array_append_new(shape, json_integer(t[i].shape[d]));
+        json_array_append_new(tensors, json_pack("{s:s, s:o, s:I, s:b}", "name", t[i].name, "shape",
+                                                 shape, "offset", (json_int_t)t[i].offset, "decay",
+                                                 t[i].decay));
+    }
+    char digest[33], dhash[17], mdig[17], vdig[17];
+    train_digest_hex(train_model_params(s->model), train_model_num_params(s->model), digest);
+    snprintf(mdig, sizeof mdig, "%016" PRIx64, s->moments_digest[0]);
+    snprintf(vdig, sizeof vdig, "%016" PRIx64, s->moments_digest[1]);
+    snprintf(dhash, sizeof dhash, "%016" PRIx64, train_dataset_hash(s->train));
+    uint64_t n = train_dataset_num_samples(s->train);
+    return json_pack(
+        "{s:I, s:{s:i, s:i, s:i, s:i, s:i}, s:s, s:o, s:i, "
+        "s:{s:s, s:f, s:f, s:i, s:i, s:f, s:f, s:f, s:f, s:f, s:I}, "
+        "s:{s:i, s:i, s:i, s:i, s:i}, s:{s:I, s:I, s:I, s:I, s:I, s:s, s:i}, s:s, s:f, "
+        "s:{s:s, s:s}}",
+        "step", (json_int_t)s->step, "model", "vocab", o->model.vocab, "seq_len", o->model.seq_len,
+        "n_layer", o->model.n_layer, "n_embd", o->model.n_embd, "n_head", o->model.n_head,
+        "tensor_buffer", "params", "tensors", tensors, "num_params",
+        (int)train_model_num_params(s->model), "optimizer", "type", "adamw", "lr", train_f2d(o->adam.lr),
+        "min_lr_ratio", train_f2d(o->adam.min_lr_ratio), "warmup", o->adam.warmup, "total_steps",
+        o->adam.total_steps, "beta1", train_f2d(o->adam.beta1), "beta2", train_f2d(o->adam.beta2), "eps",
+        train_f2d(o->adam.eps), "weight_decay", train_f2d(o->adam.weight_decay), "grad_clip",
+        train_f2d(o->adam.grad_clip), "t", (json_int_t)s->step, "batch", "micro_batch", o->micro_batch,
+        "grad_accum", s->grad_accum, "world_size", s->world, "global_batch", s->global_batch,
+        "zero_stage", o->zero_stage,
+        "data", "samples_consumed", (json_int_t)s->samples, "epoch", (json_int_t)(s->samples / n),
+        "offset_in_epoch", (json_int_t)(s->samples % n), "seed", (json_int_t)o->seed, "num_samples",
+        (json_int_t)n, "data_hash", dhash, "files", (int)train_dataset_num_files(s->train),
+        "params_digest", digest, "loss", s->last_loss, "moments_digest", "adam_m", mdig, "adam_v",
+        vdig);
+}
+
+/* Resident memory of this process in KiB (VmRSS), or -1. */
+static long rss_kib(void)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return -1;
+    char line[256];
+    long kib = -1;
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, "VmRSS:", 6)) {
+            kib = strtol(line + 6, NULL, 10);
+            break;
+        }
+    fclose(f);
+    return kib;
+}
+
+/* Wait for the persist in flight (at most timeout_s). In a group, check every half second
+ * that no peer died meanwhile: a dead rank means no commit decision will ever come, so the
+ * vote channel is shut (the persist fails at once) and -ECONNRESET returned. */
+int train_wait_engine(state *s, double timeout_s)
+{
+    double end = clock_now_s() + timeout_s;
+    for (;;) {
+        double left = end - clock_now_s();
+        if (s->world == 1) return ckpt_engine_wait(s->engine, left > 0 ? left : 0);
+        int rc = ckpt_engine_wait(s->engine, left < 0.5 ? (left > 0 ? left : 0) : 0.5);
+        if (rc != -EINPROGRESS || left <= 0.5) return rc;
+        if ((rc = train_comm_probe(s->comm)) < 0) {
+            LOG_E(TAG, "rank %d, step %" PRId64 ": a rank died while a snapshot persisted; it will "
+                  "not be committed", s->rank, s->step);
+            train_vote_abort(s->vote);
+            return rc;
+        }
+    }
+}
+
+/* Stage a snapshot of the current state; the engine persists it in the background. Every
+ * rank stages its shard [lo, hi) of params, adam_m and adam_v (the same layout at every ZeRO
+ * stage), so that a restore at any world size is range arithmetic. Collective: the ranks first
+ * agree whether a persist is still running anywhere, so that all of them skip or wait alike.
+ * Returns 0, or a negative errno (a failed collective is fatal; a failed stage is logged). */
+int train_take_snapshot(state *s, int last)
+{
+    if (s->world > 1) {
+        uint8_t *busy = calloc((size_t)s->world, 1);
+        if (!busy) return -ENOMEM;
+        busy[s->rank] = (uint8_t)(ckpt_engine_busy(s->engine) > 0);
+        int rc = train_gather_records(s, busy, 1);
+        int any = 0;
+        for (int r = 0; r < s->world; r++) any |= busy[r];
+        free(busy);
+        if (rc < 0) {
+            train_comm_failed(s, "snapshot agreement", rc);
+            return rc;
+        }
+        if (any && s->o->policy == CKPT_POLICY_SKIP && !last) {
+            s->skipped++;
+            if (s->rank == 0)
+                LOG_W(TAG, "snapshot of step %" PRId64 " skipped: the previous one still persists on "
+                      "some rank (policy skip)", s->step);
+            return 0;
+        }
+        if (any && (rc = train_wait_engine(s, 3600.0)) == -ECONNRESET) return rc;
+    }
+    if (s->o->zero_stage == 3 && s->world > 1) {
+        int rc = train_gather_range_hook(s, 0, s->np); /* the record's params digest */
+        if (rc < 0) return rc;
+    }
+    int dr = train_moments_digest(s, s->moments_digest);
+    if (dr < 0) return dr;
+    size_t bytes = s->np * sizeof(float), off = s->lo * sizeof(float);
+    size_t sb = (s->hi - s->lo) * sizeof(float);
+    ckpt_buffer bufs[3] = {
+        {"params", "f32", 4, bytes, off, sb, train_model_params(s->model) + s->lo},
+        {"adam_m", "f32", 4, bytes, off, sb, s->m + (s->lo - s->olo)},
+        {"adam_v", "f32", 4, bytes, off, sb, s->v + (s->lo - s->olo)},
+    };
+    json_t *rec = trainer_record(s);
+    char *text = rec ? json_dumps(rec, JSON_COMPACT | JSON_REAL_PRECISION(17)) : NULL;
+    json_decref(rec);
+    if (!text) return -ENOMEM;
+    double stall = 0;
+    int rc = ckpt_engine_stage(s->engine, (uint64_t)s->step, s->run_id, s->config_hash, bufs, 3,
+                               text, &stall);
+    free(text);
+    if (rc < 0) {
+        LOG_E(TAG, "snapshot of step %" PRId64 " to %s not taken: %s", s->step, s->o->ckpt_dir,
+              strerror(-rc));
+        return 0;
+    }
+    if (rc == 0)
+        LOG_I(TAG, "snapshot step %" PRId64 " staged: stall %.1f ms for %.2f MiB; rss %.1f MiB",
+              s->step, stall * 1e3, 3.0 * (double)sb / 1048576.0, (double)rss_kib() / 1024.0);
+    return 0;
+}
+
+int train_make_engine(state *s)
+{
+    const options *o = s->o;
+    ckpt_engine_opts eo = CKPT_ENGINE_OPTS_INIT;
+    eo.save.dir = o->ckpt_dir;
+    eo.save.zstd_level = o->zstd_level;
+    eo.save.filter = o->filter;
+    eo.save.direct_io = o->direct_io;
+    eo.save.chunk_bytes = o->chunk_bytes;
+    eo.compress = o->compress;
+    eo.threads = (unsigned)o->snapshot_threads;
+    eo.policy = o->policy;
+    eo.keep_last = s->rank == 0 ? o->keep_last : 0; /* only rank 0 applies retention */
+    eo.keep_every = s->rank == 0 ? (uint64_t)o->keep_every : 0;
+    eo.reserve_bytes = 3 * (s->hi - s->lo) * sizeof(float);
+    eo.overlap = o->overlap;
+    eo.group = s->world > 1 ? &s->group : NULL;
+    int rc = ckpt_engine_create(&s->engine, &eo);
+    if (rc < 0) LOG_E(TAG, "cannot start the snapshot engine for %s: %s", o->ckpt_dir, strerror(-rc));
+    return rc;
+}
