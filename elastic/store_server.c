@@ -704,19 +704,27 @@ static int evict_oldest_pre(elastic_store_server *s, const conn *keep, double no
 
 /* Out of file descriptors: give up the spare one for a moment to take the oldest connection
  * off the listen backlog and close it, so that its client learns at once (and retries)
- * instead of waiting there, unanswered, for its whole timeout. 1 when one was refused. */
+ * instead of waiting there, unanswered, for its whole timeout. 1 when one was refused, 0 when
+ * the backlog is empty (accept4 reports EMFILE before it looks at the backlog), -1 when there
+ * is no spare descriptor or accept failed otherwise (errno). */
 static int refuse_without_fd(elastic_store_server *s, double now)
 {
-    if (s->spare_fd < 0) return 0;
+    if (s->spare_fd < 0) return -1;
     close(s->spare_fd);
     int fd = accept4(s->lfd, NULL, NULL, SOCK_CLOEXEC);
+    int e = errno;
+    if (fd >= 0) {
+        struct linger l = {1, 0};
+        setsockopt(fd, SOL_SOCKET, SO_LINGER, &l, sizeof l);
+        close(fd); /* before the spare is taken again: its number is the one free */
+    }
     /* another thread of the process may take the number meanwhile: then no spare until a
      * descriptor is free again (accept_some retries) */
     s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return 0;
-    struct linger l = {1, 0};
-    setsockopt(fd, SOL_SOCKET, SO_LINGER, &l, sizeof l);
-    close(fd);
+    if (fd < 0) {
+        errno = e;
+        return e == EAGAIN || e == EWOULDBLOCK ? 0 : -1;
+    }
     s->nofd_refused++;
     if (now - s->nofd_logged_at >= 1.0) {
         LOG_E(ES_TAG, "store: out of file descriptors (RLIMIT_NOFILE): refusing new connections "
@@ -742,13 +750,19 @@ static void accept_some(elastic_store_server *s, double now)
         socklen_t sl = sizeof ss;
         int fd = accept4(s->lfd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
-            if (errno == EINTR || errno == ECONNABORTED) continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-            if ((errno == EMFILE || errno == ENFILE) && refuse_without_fd(s, now)) continue;
+            int e = errno; /* refuse_without_fd's calls overwrite errno */
+            if (e == EINTR || e == ECONNABORTED) continue;
+            if (e == EAGAIN || e == EWOULDBLOCK) return;
+            if (e == EMFILE || e == ENFILE) {
+                int r = refuse_without_fd(s, now);
+                if (r > 0) continue;
+                if (r == 0) return;
+                if (errno != EMFILE && errno != ENFILE) e = errno;
+            }
             /* no spare descriptor, or another error: the listening socket stays readable;
              * pause accepting briefly instead of spinning */
             if (now - s->nofd_logged_at >= 1.0) {
-                LOG_E(ES_TAG, "store: accept: %s", strerror(errno));
+                LOG_E(ES_TAG, "store: accept: %s", strerror(e));
                 s->nofd_logged_at = now;
             }
             s->accept_pause_until = now + 0.1;
