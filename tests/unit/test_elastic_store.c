@@ -5,6 +5,7 @@
 #include "t_helpers.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -14,6 +15,7 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <sys/wait.h>
 #include <time.h>
 
 #define HOST "127.0.0.1"
@@ -953,6 +955,76 @@ static void test_flood_of_silent_connections(void)
     elastic_store_server_stop(s);
 }
 
+/* Out of file descriptors - not because of a flood (that holds max_unauthed at most) but of
+ * authenticated clients under a small RLIMIT_NOFILE: a new connection is accepted with the
+ * spare descriptor and closed at once, so its client learns it within milliseconds instead of
+ * waiting unanswered in the listen backlog; once a client leaves, a new one gets in. The
+ * server runs in a child with the small limit; main runs this before any thread exists. */
+static void test_out_of_descriptors(void)
+{
+    int pfd[2], qfd[2];
+    T_REQUIRE(pipe(pfd) == 0 && pipe(qfd) == 0, "pipe: %s", strerror(errno));
+    fflush(NULL);
+    pid_t pid = fork();
+    T_REQUIRE(pid >= 0, "fork: %s", strerror(errno));
+    if (pid == 0) {
+        close(pfd[0]);
+        close(qfd[1]);
+        int open_fds = 0;
+        DIR *d = opendir("/proc/self/fd");
+        if (!d) _exit(3);
+        while (readdir(d)) open_fds++;
+        closedir(d);
+        struct rlimit rl;
+        if (getrlimit(RLIMIT_NOFILE, &rl) != 0) _exit(3);
+        rl.rlim_cur = (rlim_t)open_fds + 16;
+        if (setrlimit(RLIMIT_NOFILE, &rl) != 0) _exit(3);
+        elastic_store_server_opts o = ELASTIC_STORE_SERVER_OPTS_INIT;
+        o.token = TOKEN;
+        elastic_store_server *s = NULL;
+        if (elastic_store_server_start(&s, &o) != 0) _exit(3);
+        int port = elastic_store_server_port(s);
+        if (write(pfd[1], &port, sizeof port) != (ssize_t)sizeof port) _exit(3);
+        char b;
+        while (read(qfd[0], &b, 1) < 0 && errno == EINTR) continue; /* until the parent ends */
+        elastic_store_server_stop(s);
+        _exit(0);
+    }
+    close(pfd[1]);
+    close(qfd[0]);
+    int port = 0;
+    T_REQUIRE(read(pfd[0], &port, sizeof port) == (ssize_t)sizeof port, "the child's port");
+    close(pfd[0]);
+    elastic_store_client *cs[64] = {0};
+    int n = 0;
+    while (n < 64 && elastic_store_connect(&cs[n], HOST, port, TOKEN, 0.5) == 0) n++;
+    T_CHECK(n > 0 && n < 64, "%d clients got in before the server ran out of descriptors", n);
+    int fd = raw_connect(port);
+    raw_hello(fd, TOKEN, 1);
+    double t0 = t_now_s();
+    int closed = raw_closed(fd);
+    double dt = t_now_s() - t0;
+    T_CHECK(closed && dt < 1.0, "out of descriptors: a new connection was %s after %.3f s",
+            closed ? "closed" : "left waiting", dt);
+    close(fd);
+    if (n > 0) {
+        elastic_store_close(cs[n - 1]);
+        cs[n - 1] = NULL;
+    }
+    elastic_store_client *c = NULL;
+    int r = elastic_store_connect(&c, HOST, port, TOKEN, 2.0);
+    T_CHECK(r == 0, "a client gets in once another left: %s", strerror(-r));
+    T_CHECK(c && elastic_store_set(c, "fd", "1", 1) == 0, "and is served");
+    elastic_store_close(c);
+    for (int i = 0; i < n; i++) elastic_store_close(cs[i]);
+    close(qfd[1]);
+    int st = 0;
+    T_CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0,
+            "server child: status %d", st);
+    printf("out of descriptors: %d clients in, then a new connection was %s after %.1f ms\n", n,
+           closed ? "closed" : "still waiting", dt * 1e3);
+}
+
 /* ------------------------------------------------------------------ many clients */
 
 #define NCLIENTS 64
@@ -1004,6 +1076,7 @@ static void test_many_clients(void)
 int main(void)
 {
     double t0 = t_now_s();
+    test_out_of_descriptors(); /* forks: before the first thread */
     elastic_store_server_opts o = ELASTIC_STORE_SERVER_OPTS_INIT;
     o.token = TOKEN;
     o.max_key = MAX_KEY;
