@@ -770,10 +770,12 @@ static void accept_some(elastic_store_server *s, double now)
         }
         char peer[72];
         peer_name(&ss, peer, sizeof peer);
-        conn *c = s->nconns < cap ? calloc(1, sizeof *c) : NULL; /* cap: see ACCEPT_BATCH */
+        /* full cannot happen (see ACCEPT_BATCH for the capacity); refuse rather than overrun */
+        int full = s->nconns >= cap;
+        conn *c = full ? NULL : calloc(1, sizeof *c);
         uint8_t *rb = c ? malloc(RBUF_MIN) : NULL;
         if (!c || !rb) {
-            if (c) LOG_E(ES_TAG, "store: out of memory accepting %s", peer);
+            if (!full) LOG_E(ES_TAG, "store: out of memory accepting %s", peer);
             free(c);
             free(rb);
             close(fd);
