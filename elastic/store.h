@@ -109,13 +109,53 @@ typedef struct elastic_store_server_opts {
                                Copied at start; never logged */
     uint32_t max_key;       /* longest key, bytes; default 512, range [1, 65536] */
     uint32_t max_value;     /* longest value, bytes; default 1 MiB, range [1, 256 MiB] */
-    uint32_t max_clients;   /* connections served at once; default 1024, range [1, 65536];
-                               further connections are accepted and closed at once */
+    uint32_t max_clients;   /* authenticated connections served at once; default 1024,
+                               range [1, 65536]. A client whose HELLO is accepted while
+                               max_clients others are connected is closed without an answer
+                               (elastic_store_connect retries until its timeout).
+                               Connections still in their hello do not count here */
     double hello_timeout_s; /* a connection must complete its HELLO within this, seconds;
                                default 10, range (0, 3600] */
+    uint32_t max_unauthed;  /* connections held at once that have not completed their HELLO
+                               ("pre-hello"); default 64, range [1, 65536]. See "Connection
+                               limits" below */
 } elastic_store_server_opts;
 
-#define ELASTIC_STORE_SERVER_OPTS_INIT {"127.0.0.1", 0, NULL, 512u, 1u << 20, 1024u, 10.0}
+#define ELASTIC_STORE_SERVER_OPTS_INIT {"127.0.0.1", 0, NULL, 512u, 1u << 20, 1024u, 10.0, 64u}
+
+/* Connection limits (what a flood of connections can and cannot do).
+ *
+ * Authenticated clients and pre-hello connections have separate quotas, max_clients and
+ * max_unauthed, so connections that never say hello (a port scanner, a misconfigured
+ * client, a flood of silent sockets) cannot lock authenticated clients out:
+ *  - Every connection is accepted at once and read at once. A HELLO that has arrived by then
+ *    (elastic_store_connect sends it in one piece right after connecting, so normally it
+ *    has) is served at once; the connection never waits in the pre-hello quota.
+ *  - A connection without a complete HELLO takes one of max_unauthed slots. When they are
+ *    all taken, the new connection evicts the OLDEST pre-hello connection that has sent no
+ *    byte yet, or, when each has sent part of a hello, the oldest of them. Before it is
+ *    closed the victim is read once more, so a hello that has arrived is served, not lost.
+ *    Evicted, timed-out (hello_timeout_s) and refused (max_clients) pre-hello connections
+ *    are closed with a reset, so that they leave no TIME_WAIT socket on the server.
+ * Guaranteed, whatever the number and rate of pre-hello connections:
+ *  - a client whose complete HELLO has arrived when its connection is accepted, or at the
+ *    latest when the connection would be evicted, gets in (while fewer than max_clients
+ *    authenticated clients are connected);
+ *  - a connection that has sent part of its hello is evicted only when no silent one is
+ *    left to evict: a flood of silent sockets never evicts a client that sends its hello
+ *    slowly (a slow link, a hello in pieces), as long as it completes within hello_timeout_s;
+ *  - a connection is only ever evicted for a newer one, never by one accepted before it.
+ * Not guaranteed: a client that stays silent after connecting while the flood opens
+ * max_unauthed new connections (at 10^4 per second and the default 64: about 6 ms) is
+ * evicted; elastic_store_connect then connects again (every 10..100 ms) until its timeout.
+ * File descriptors: the server holds at most max_clients + max_unauthed sockets (plus, for
+ * a moment, the up to 64 it accepts per turn of its loop, and one spare descriptor), so a
+ * flood cannot exhaust RLIMIT_NOFILE; set that limit above max_clients + max_unauthed plus
+ * what else the process opens. When the process is out of descriptors anyway, new
+ * connections are accepted (with the spare descriptor) and closed at once, so their clients
+ * retry instead of waiting in the listen backlog. Log: evicted and timed-out connections
+ * at most 10 lines per 10 s (the rest counted in one summary line), refusals at max_clients
+ * or for want of descriptors at most one line per second. */
 
 typedef struct elastic_store_server elastic_store_server;
 
@@ -147,7 +187,8 @@ typedef struct elastic_store_client elastic_store_client;
  * Errors: -EINVAL bad argument (NULL out or host, port outside [1, 65535], timeout_s <= 0,
  * token longer than ELASTIC_STORE_TOKEN_MAX), -ETIMEDOUT no server accepted the connection
  * and answered the hello within timeout_s (a server that closes the connection during the
- * hello - restarting, or at max_clients - is tried again), -EACCES token refused,
+ * hello - restarting, at max_clients, or evicted as a pre-hello connection under a flood, see
+ * "Connection limits" - is tried again), -EACCES token refused,
  * -EPROTONOSUPPORT protocol version refused, -EBADMSG malformed answer, -ENOMEM. */
 int elastic_store_connect(elastic_store_client **out, const char *host, int port,
                           const char *token, double timeout_s);

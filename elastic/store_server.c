@@ -6,6 +6,15 @@
  * key is stored, and answered TIMEDOUT at its deadline. While a request is parked, or while
  * a connection has more than OUT_HIGH bytes of answers unsent, nothing more is read from it,
  * which keeps the memory per connection bounded whatever a client sends.
+ *
+ * Connections that have not completed their HELLO ("pre-hello") have their own quota,
+ * max_unauthed, apart from the max_clients authenticated ones: a flood of silent sockets
+ * must not lock the job's own clients out (issue 9: 1100 of them did, for as long as they
+ * were held, when they counted against max_clients for their whole hello timeout). When the
+ * quota is full, a new connection evicts the oldest pre-hello one (silent ones first), so
+ * the flood churns through its own quota while a client whose hello arrives promptly always
+ * gets in. conns[] is kept in accept order (new ones are appended, the compaction in serve
+ * keeps the order), so "oldest" is "first in the array".
  */
 #include "store.h"
 
@@ -30,6 +39,10 @@
 #define OUT_HIGH (256u << 10)   /* stop taking requests while this much output is unsent */
 #define SHRINK_ABOVE (64u << 10) /* idle buffers above this are given back */
 #define CLOSE_GRACE_S 1.0        /* time to deliver a refusal before closing */
+/* Connections accepted per turn of the loop: bounds the time a flood of connections can keep
+ * the loop from serving the established ones, and the dead entries (evicted, refused) that
+ * conns[] holds until the end of the turn. */
+#define ACCEPT_BATCH 64u
 
 typedef struct entry {
     struct entry *next;
@@ -46,6 +59,8 @@ typedef struct conn {
     int closing; /* a refusal is queued; close once it is sent or at the deadline */
     int waiting; /* the head frame is a parked GET/WAIT */
     int dead;
+    int reset;       /* close with a reset (SO_LINGER 0): a refused or evicted pre-hello
+                        connection leaves no TIME_WAIT socket behind, however many come */
     double deadline; /* hello, parked request or closing deadline; 0 = none */
     uint8_t *rbuf;
     size_t rlen, rcap;
@@ -63,11 +78,14 @@ struct elastic_store_server {
     int wake[2];
     int port;
     pthread_t thread;
-    conn **conns;
+    conn **conns;      /* accept order; capacity max_clients + max_unauthed + ACCEPT_BATCH */
     size_t nconns;
+    int spare_fd;      /* /dev/null, given up to accept-and-close when out of descriptors */
     struct pollfd *pfds;
     double accept_pause_until;
     double full_logged_at;  /* last "max_clients reached" message */
+    double nofd_logged_at;  /* last "out of file descriptors" message */
+    uint64_t nofd_refused;  /* connections refused for want of a descriptor since then */
     double refused_window;  /* start of the current window of refusal messages */
     unsigned refused_logged;     /* refusal lines logged in that window */
     unsigned long long refused_quiet; /* refusals not logged in that window */
@@ -300,6 +318,14 @@ static int parse_i64(const uint8_t *p, uint32_t n, int64_t *out)
     return 0;
 }
 
+/* Authenticated connections that are still served (max_clients counts these only). */
+static size_t authed_count(const elastic_store_server *s)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < s->nconns; i++) n += s->conns[i]->authed && !s->conns[i]->dead;
+    return n;
+}
+
 static int ct_equal(const uint8_t *a, const uint8_t *b, size_t n)
 {
     uint8_t d = 0; /* constant time: the token's bytes do not steer timing */
@@ -338,6 +364,22 @@ static int do_hello(elastic_store_server *s, conn *c, uint8_t op, uint32_t id, e
         c->closing = 1;
         c->deadline = clock_now_s() + CLOSE_GRACE_S;
         return reply_status(c, op, id, ES_ST_DENIED);
+    }
+    if (authed_count(s) >= s->o.max_clients) {
+        /* no answer: elastic_store_connect retries a connection closed during the hello, so
+         * the client gets in once another one leaves. Retrying clients come back every
+         * 10..100 ms: one line per second at most. */
+        double now = clock_now_s();
+        s->full_refused++;
+        if (now - s->full_logged_at >= 1.0) {
+            LOG_W(ES_TAG, "store: refused client %s: %u clients already connected (%llu "
+                  "refused since the last message)", c->peer, (unsigned)s->o.max_clients,
+                  (unsigned long long)s->full_refused);
+            s->full_logged_at = now;
+            s->full_refused = 0;
+        }
+        c->reset = 1;
+        return H_CLOSE;
     }
     uint8_t *p = reply(c, op, id, ES_ST_OK, 10);
     if (!p) return H_CLOSE;
@@ -585,10 +627,22 @@ static void conn_pump(elastic_store_server *s, conn *c, double now)
     }
 }
 
+/* Close c's socket now (its entry is freed at the end of the loop's turn). */
+static void conn_close_fd(conn *c)
+{
+    if (c->fd < 0) return;
+    if (c->reset) {
+        struct linger l = {1, 0};
+        setsockopt(c->fd, SOL_SOCKET, SO_LINGER, &l, sizeof l);
+    }
+    close(c->fd);
+    c->fd = -1;
+}
+
 static void conn_free(conn *c)
 {
     if (!c) return;
-    if (c->fd >= 0) close(c->fd);
+    conn_close_fd(c);
     free(c->rbuf);
     free(c->wbuf);
     free(c);
@@ -610,41 +664,118 @@ static void peer_name(const struct sockaddr_storage *ss, char *out, size_t n)
     snprintf(out, n, "%s:%d", host, port);
 }
 
-static void accept_all(elastic_store_server *s, double now)
+/* Make room in the pre-hello quota for `keep`, the connection being admitted: the oldest
+ * pre-hello connection that has sent nothing goes, else (every one has started a hello) the
+ * oldest of them. A newer connection is never evicted for an older one, so a flood cannot
+ * push out the client that connected last, whose hello is the one about to arrive. The
+ * victim is read once more first: a hello that arrived since the last poll is served rather
+ * than thrown away. 1 when a slot was freed, 0 when there was no other pre-hello connection. */
+static int evict_oldest_pre(elastic_store_server *s, const conn *keep, double now)
 {
     for (;;) {
+        conn *victim = NULL;
+        for (size_t i = 0; i < s->nconns; i++) {
+            conn *c = s->conns[i];
+            if (c == keep || c->dead || c->authed) continue;
+            if (c->rlen == 0 && !c->closing) {
+                victim = c;
+                break;
+            }
+            if (!victim) victim = c;
+        }
+        if (!victim) return 0;
+        int silent = victim->rlen == 0 && !victim->closing;
+        conn_read(s, victim);
+        conn_pump(s, victim, now);
+        if (victim->dead || victim->authed) return 1;
+        /* it started a hello just now: it is no longer silent, look again (each round moves
+         * one connection out of the silent ones, so this ends) */
+        if (silent && victim->rlen > 0) continue;
+        if (refusal_may_log(s))
+            LOG_W(ES_TAG, "store: closing connection from %s: %u connections without a hello "
+                  "(max_unauthed), the oldest makes room for a new one", victim->peer,
+                  (unsigned)s->o.max_unauthed);
+        victim->reset = 1;
+        victim->dead = 1;
+        conn_close_fd(victim); /* the descriptor is free for the newcomer now */
+        return 1;
+    }
+}
+
+/* Out of file descriptors: give up the spare one for a moment to take the oldest connection
+ * off the listen backlog and close it, so that its client learns at once (and retries)
+ * instead of waiting there, unanswered, for its whole timeout. 1 when one was refused, 0 when
+ * the backlog is empty (accept4 reports EMFILE before it looks at the backlog), -1 when there
+ * is no spare descriptor or accept failed otherwise (errno). */
+static int refuse_without_fd(elastic_store_server *s, double now)
+{
+    if (s->spare_fd < 0) return -1;
+    close(s->spare_fd);
+    int fd = accept4(s->lfd, NULL, NULL, SOCK_CLOEXEC);
+    int e = errno;
+    if (fd >= 0) {
+        struct linger l = {1, 0};
+        setsockopt(fd, SOL_SOCKET, SO_LINGER, &l, sizeof l);
+        close(fd); /* before the spare is taken again: its number is the one free */
+    }
+    /* another thread of the process may take the number meanwhile: then no spare until a
+     * descriptor is free again (accept_some retries) */
+    s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        errno = e;
+        return e == EAGAIN || e == EWOULDBLOCK ? 0 : -1;
+    }
+    s->nofd_refused++;
+    if (now - s->nofd_logged_at >= 1.0) {
+        LOG_E(ES_TAG, "store: out of file descriptors (RLIMIT_NOFILE): refusing new connections "
+              "(%llu refused since the last message)", (unsigned long long)s->nofd_refused);
+        s->nofd_logged_at = now;
+        s->nofd_refused = 0;
+    }
+    return 1;
+}
+
+/* Accept up to ACCEPT_BATCH connections. Each is read at once: a client's hello normally
+ * arrives with its connection, and is then served before the connection ever waits in the
+ * pre-hello quota. One that must wait takes a slot of max_unauthed, evicting the oldest
+ * waiting one when the quota is full. */
+static void accept_some(elastic_store_server *s, double now)
+{
+    size_t pre = 0, cap = (size_t)s->o.max_clients + s->o.max_unauthed + ACCEPT_BATCH;
+    for (size_t i = 0; i < s->nconns; i++) pre += !s->conns[i]->authed && !s->conns[i]->dead;
+    if (s->spare_fd < 0) s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    for (unsigned k = 0; k < ACCEPT_BATCH; k++) {
         struct sockaddr_storage ss;
         memset(&ss, 0, sizeof ss);
         socklen_t sl = sizeof ss;
         int fd = accept4(s->lfd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
-            if (errno == EINTR || errno == ECONNABORTED) continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-            /* EMFILE and friends: the listening socket stays readable; pause accepting
-             * briefly instead of spinning. */
-            LOG_E(ES_TAG, "store: accept: %s", strerror(errno));
+            int e = errno; /* refuse_without_fd's calls overwrite errno */
+            if (e == EINTR || e == ECONNABORTED) continue;
+            if (e == EAGAIN || e == EWOULDBLOCK) return;
+            if (e == EMFILE || e == ENFILE) {
+                int r = refuse_without_fd(s, now);
+                if (r > 0) continue;
+                if (r == 0) return;
+                if (errno != EMFILE && errno != ENFILE) e = errno;
+            }
+            /* no spare descriptor, or another error: the listening socket stays readable;
+             * pause accepting briefly instead of spinning */
+            if (now - s->nofd_logged_at >= 1.0) {
+                LOG_E(ES_TAG, "store: accept: %s", strerror(e));
+                s->nofd_logged_at = now;
+            }
             s->accept_pause_until = now + 0.1;
             return;
         }
         char peer[72];
         peer_name(&ss, peer, sizeof peer);
-        if (s->nconns >= s->o.max_clients) {
-            /* retrying clients come back every 10..100 ms: one line per second at most */
-            s->full_refused++;
-            if (now - s->full_logged_at >= 1.0) {
-                LOG_W(ES_TAG, "store: refused client %s: %u clients already connected (%llu "
-                      "refused since the last message)", peer, (unsigned)s->o.max_clients,
-                      (unsigned long long)s->full_refused);
-                s->full_logged_at = now;
-                s->full_refused = 0;
-            }
-            close(fd);
-            continue;
-        }
-        conn *c = calloc(1, sizeof *c);
-        uint8_t *rb = malloc(RBUF_MIN);
+        /* full cannot happen (see ACCEPT_BATCH for the capacity); refuse rather than overrun */
+        int full = s->nconns >= cap;
+        conn *c = full ? NULL : calloc(1, sizeof *c);
+        uint8_t *rb = c ? malloc(RBUF_MIN) : NULL;
         if (!c || !rb) {
-            LOG_E(ES_TAG, "store: out of memory accepting %s", peer);
+            if (!full) LOG_E(ES_TAG, "store: out of memory accepting %s", peer);
             free(c);
             free(rb);
             close(fd);
@@ -658,6 +789,11 @@ static void accept_all(elastic_store_server *s, double now)
         c->deadline = now + s->o.hello_timeout_s;
         memcpy(c->peer, peer, sizeof peer);
         s->conns[s->nconns++] = c;
+        conn_read(s, c);
+        conn_pump(s, c, now);
+        if (c->dead || c->authed) continue;
+        if (pre >= s->o.max_unauthed && evict_oldest_pre(s, c, now)) pre--;
+        pre++;
     }
 }
 
@@ -722,7 +858,7 @@ static void *serve(void *arg)
             else if ((ev & POLLIN) && (rev & (POLLIN | POLLRDHUP | POLLHUP))) conn_read(s, c);
             else if (rev & (POLLRDHUP | POLLHUP)) c->dead = 1; /* gone while parked or blocked */
         }
-        if (s->pfds[1].revents & POLLIN) accept_all(s, now);
+        if (s->pfds[1].revents & POLLIN) accept_some(s, now);
         do {
             s->changed = 0;
             for (size_t i = 0; i < s->nconns; i++) conn_pump(s, s->conns[i], now);
@@ -735,6 +871,7 @@ static void *serve(void *arg)
                 if (!c->authed && !c->closing && refusal_may_log(s))
                     LOG_W(ES_TAG, "store: closing connection from %s: no hello within %.1f s",
                           c->peer, s->o.hello_timeout_s);
+                if (!c->authed && !c->closing) c->reset = 1;
                 if (!c->authed || c->closing) c->dead = 1;
             }
             if (c->dead) conn_free(c);
@@ -755,6 +892,7 @@ static int check_opts(const elastic_store_server_opts *o)
     if (o->max_key < 1 || o->max_key > 65536) return -EINVAL;
     if (o->max_value < 1 || o->max_value > (256u << 20)) return -EINVAL;
     if (o->max_clients < 1 || o->max_clients > 65536) return -EINVAL;
+    if (o->max_unauthed < 1 || o->max_unauthed > 65536) return -EINVAL;
     if (!(o->hello_timeout_s > 0 && o->hello_timeout_s <= 3600)) return -EINVAL;
     return 0;
 }
@@ -810,6 +948,7 @@ static void server_free(elastic_store_server *s)
     free(s->pfds);
     kv_free(s);
     if (s->lfd >= 0) close(s->lfd);
+    if (s->spare_fd >= 0) close(s->spare_fd);
     if (s->wake[0] >= 0) close(s->wake[0]);
     if (s->wake[1] >= 0) close(s->wake[1]);
     if (s->token) {
@@ -832,11 +971,13 @@ int elastic_store_server_start(elastic_store_server **out, const elastic_store_s
     s->o = *opts;
     s->o.token = NULL; /* the copy below is the only one kept */
     s->lfd = s->wake[0] = s->wake[1] = -1;
+    s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC); /* best effort: see accept_some */
     s->frame_limit = es_frame_limit(opts->max_key, opts->max_value);
     s->nbuckets = 256;
     s->buckets = calloc(s->nbuckets, sizeof *s->buckets);
-    s->conns = calloc(opts->max_clients, sizeof *s->conns);
-    s->pfds = calloc(2 + (size_t)opts->max_clients, sizeof *s->pfds);
+    size_t cap = (size_t)opts->max_clients + opts->max_unauthed + ACCEPT_BATCH;
+    s->conns = calloc(cap, sizeof *s->conns);
+    s->pfds = calloc(2 + cap, sizeof *s->pfds);
     if (opts->token && *opts->token) {
         s->token_len = strlen(opts->token);
         s->token = malloc(s->token_len + 1);

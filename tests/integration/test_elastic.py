@@ -3,8 +3,8 @@ errors, the store token, bounded stops (C19, C29), the hang watchdog (C17), pree
 ranks whose final snapshot may be missing), a busy store port, the orphan guardian (SIGKILL of
 the agent leaves no worker's child behind), several agents on one machine (C27 dead node,
 scale-up, C28 leave/rejoin cycles, C30 store host killed, agents with other settings or of
-another job refused) and, with train, kill-a-rank and preempt-and-resume with the digest of an
-uninterrupted run.
+another job refused, a flood of silent sockets on the store during rendezvous and restart) and,
+with train, kill-a-rank and preempt-and-resume with the digest of an uninterrupted run.
 
 Most tests run tests/tools/elastic_worker.py, a stand-in worker that prints its environment,
 writes progress lines and fails, hangs or ignores SIGTERM on request. Every worker carries a
@@ -13,11 +13,14 @@ Synchronisation is by log lines (the agent's and the workers'), never by sleepin
 """
 import os
 import re
+import resource
+import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import harness
@@ -94,6 +97,63 @@ def hello_status(port, token):
                 return -1
             hdr += chunk
         return hdr[9]
+
+
+class Flood(threading.Thread):
+    """n silent TCP connections to the store at port, opened as fast as this thread can and
+    held; every one the server closes is replaced at once, until stop(). Nothing is ever sent,
+    so a readable socket is one the server closed."""
+
+    def __init__(self, port, n=1100):
+        super().__init__(daemon=True)
+        self.port, self.n = port, n
+        self.halt = threading.Event()
+        self.opened = self.failed = self.peak = 0
+        self.t0 = self.t1 = None
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = 2 * n + 256  # the flood's sockets plus the test's own files
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE,
+                               (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+
+    def connect(self):
+        s = socket.socket()
+        s.settimeout(1.0)  # a full listen backlog drops SYNs: never block the flood for long
+        try:
+            s.connect(("127.0.0.1", self.port))
+        except OSError:
+            s.close()
+            self.failed += 1
+            return None
+        self.opened += 1
+        return s
+
+    def run(self):
+        socks, poller = {}, select.poll()
+        self.t0 = time.time()
+        try:
+            while not self.halt.is_set():
+                while len(socks) < self.n and not self.halt.is_set():
+                    s = self.connect()
+                    if s is None:
+                        break
+                    socks[s.fileno()] = s
+                    poller.register(s, select.POLLIN)
+                self.peak = max(self.peak, len(socks))
+                for fd, _ in poller.poll(10):
+                    poller.unregister(fd)
+                    socks.pop(fd).close()
+        finally:
+            self.t1 = time.time()
+            for s in socks.values():
+                s.close()
+
+    def stop(self):
+        self.halt.set()
+        self.join(10)
+
+    def rate(self):
+        return self.opened / max(1e-9, (self.t1 or time.time()) - self.t0)
 
 
 class Agent:
@@ -713,6 +773,56 @@ class MultiNode(ElasticTest):
         self.assertEqual(cycles, 4)
         self.assertEqual(b.wait(30), 1, b.err())
         self.assertRegex(b.err(), r"job ended by another node \(exit 1\): .*restart budget exhausted")
+
+    def test_store_flood_during_rendezvous_and_restart(self):
+        """Issue 9 item 4: a flood of silent sockets (1100, more than max_clients, each replaced
+        as soon as the store closes it) on the store of agent A while agent B joins, the ranks
+        build their mesh through the store, rank 1 is SIGKILLed after a committed snapshot and
+        both agents re-rendezvous and restart the ranks through the store: the job resumes and
+        finishes (exit 0). The store evicts the flood's oldest silent sockets (its pre-hello
+        quota) and lets the job's clients in; before, the flood held max_clients."""
+        port = free_port()
+        cmd = [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS[:-4] + [
+            "--steps", "60", "--log-every", "1", "--ckpt-dir", os.path.join(self.tmp, "ck"),
+            "--ckpt-every", "5", "--resume", "auto"]
+        # the flood competes for the cores: a generous heartbeat timeout
+        a = self.multi(port, "2", 1, cmd, name="A", hb="5")
+        a.wait_for(r"hosting the rendezvous store")
+        flood = Flood(port)
+        flood.start()
+        try:
+            deadline = time.time() + 10 * T
+            while flood.opened < flood.n and time.time() < deadline:
+                time.sleep(0.01)
+            self.assertGreaterEqual(flood.opened, flood.n, "the flood did not get going")
+            t0 = time.time()
+            b = self.multi(port, "2", 1, cmd, name="B", hb="5")
+            b.wait_for(r"round 0: node \d of 2", timeout=20)
+            joined = time.time() - t0
+            for x in (a, b):
+                x.wait_for(r"round 0: started ranks")
+            victim = next(x for x in (a, b)
+                          if re.search(r"round 0: started ranks 1\.\.1", x.err()))
+            victim.wait_for(r"\[rank 1\] .*snapshot step \d+ committed", timeout=30)
+            os.kill(victim.pids(0)[0], signal.SIGKILL)
+            t_kill = time.time()
+            for x in (a, b):
+                x.wait_for(r"round 1: first progress", timeout=30)
+            restarted = time.time() - t_kill
+            self.assertEqual(a.wait(60), 0, a.err())
+            self.assertEqual(b.wait(60), 0, b.err())
+        finally:
+            flood.stop()
+        errs = a.err() + b.err()
+        self.assertEqual(self.rounds(a.err()), [0, 1])
+        self.assertRegex(errs, r"rank 1 \(pid \d+\) was killed by signal 9")
+        self.assertRegex(errs, r"resumed from \S*step-\d+ at step \d+")
+        self.assertRegex(a.out() + b.out(), r"\[rank 0\] final step=60 ")
+        self.assertIn("connections without a hello (max_unauthed)", a.err())  # evictions logged
+        print(f"\n  store flood: {flood.opened} silent connections in {flood.t1 - flood.t0:.1f} s "
+              f"({flood.rate():.0f}/s, up to {flood.peak} held, {flood.failed} failed); agent B "
+              f"joined after {joined:.2f} s; round 1 made progress {restarted:.2f} s after the "
+              f"kill", file=sys.stderr)
 
     def test_store_host_killed_others_fail_fast(self):
         """C30: SIGKILL the agent that hosts the store: the others stop their workers and exit 1

@@ -1,16 +1,21 @@
 /* test_elastic_store.c - the TCP key-value store (elastic/store.h): operations, waits served
- * by the server, tokens, limits, hostile clients, dead servers, concurrency. Loopback only. */
+ * by the server, tokens, limits, hostile clients, floods of silent connections, dead servers,
+ * concurrency. Loopback only. */
 #include "store.h"
 #include "t_helpers.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <sys/wait.h>
 #include <time.h>
 
 #define HOST "127.0.0.1"
@@ -114,9 +119,9 @@ static int raw_closed(int fd)
     }
 }
 
-static void raw_hello(int fd, const char *token, uint16_t version)
+/* The HELLO frame (id 7) into f (64 bytes); returns its size. */
+static size_t hello_frame(uint8_t *f, const char *token, uint16_t version)
 {
-    uint8_t f[64];
     size_t tn = strlen(token);
     put32(f, (uint32_t)(5 + 4 + 2 + 4 + tn));
     f[4] = 0x01;
@@ -126,7 +131,13 @@ static void raw_hello(int fd, const char *token, uint16_t version)
     f[14] = (uint8_t)(version >> 8);
     put32(f + 15, (uint32_t)tn);
     memcpy(f + 19, token, tn);
-    raw_send(fd, f, 19 + tn);
+    return 19 + tn;
+}
+
+static void raw_hello(int fd, const char *token, uint16_t version)
+{
+    uint8_t f[64];
+    raw_send(fd, f, hello_frame(f, token, version));
 }
 
 /* ------------------------------------------------------------------ basic operations */
@@ -694,6 +705,326 @@ static void test_max_clients(void)
     elastic_store_server_stop(s);
 }
 
+/* ------------------------------------------------------------------ floods (issue 9 item 4) */
+
+/* Silent sockets of a flood: more than the default max_clients (1024), as in issue 9. */
+#define FLOOD_N 1100
+#define FLOOD_CLIENTS 8
+
+/* The flood's sockets and the server's live in this one process. */
+static void raise_nofile(void)
+{
+    struct rlimit rl;
+    rlim_t want = 3 * FLOOD_N + 256;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur >= want) return;
+    rl.rlim_cur = rl.rlim_max != RLIM_INFINITY && rl.rlim_max < want ? rl.rlim_max : want;
+    setrlimit(RLIMIT_NOFILE, &rl);
+}
+
+/* A silent connection, or -1; unlike raw_connect a failure is no test failure (the flood
+ * carries on). */
+static int flood_connect(int port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* Flood sockets the server has closed: nothing is ever sent on them, so readable means end
+ * of file or reset. */
+static int flood_held(const int *fds, int n)
+{
+    static struct pollfd p[FLOOD_N];
+    for (int i = 0; i < n; i++) p[i] = (struct pollfd){.fd = fds[i], .events = POLLIN};
+    if (poll(p, (nfds_t)n, 0) < 0) return -1;
+    int held = 0;
+    for (int i = 0; i < n; i++) held += fds[i] >= 0 && p[i].revents == 0;
+    return held;
+}
+
+static elastic_store_server *start_flood_server(uint32_t max_clients, uint32_t max_unauthed)
+{
+    elastic_store_server_opts o = ELASTIC_STORE_SERVER_OPTS_INIT;
+    o.token = TOKEN;
+    o.max_clients = max_clients;
+    o.max_unauthed = max_unauthed;
+    /* longer than the clients' connect timeout: a server that keeps silent connections for
+     * their hello timeout keeps these clients out for good */
+    o.hello_timeout_s = 5.0;
+    elastic_store_server *s = NULL;
+    int r = elastic_store_server_start(&s, &o);
+    T_REQUIRE(r == 0, "server start: %s", strerror(-r));
+    return s;
+}
+
+/* FLOOD_CLIENTS authenticated clients connect one after another (timeout 2 s each), set and
+ * get a key, and stay connected until *cs are closed by the caller. Returns the number that
+ * got in (it stops at the first that does not) and their slowest and mean connect times. */
+static int clients_get_in(int port, const char *tag, elastic_store_client **cs, double *worst,
+                          double *mean)
+{
+    int in = 0;
+    double sum = 0;
+    *worst = 0;
+    for (int i = 0; i < FLOOD_CLIENTS; i++) {
+        double t0 = t_now_s();
+        int r = elastic_store_connect(&cs[i], HOST, port, TOKEN, 2.0);
+        double dt = t_now_s() - t0;
+        T_CHECK(r == 0, "%s: client %d of %d: connect: %s after %.3f s", tag, i + 1,
+                FLOOD_CLIENTS, strerror(-r), dt);
+        if (r) break;
+        T_CHECK(dt < 1.0, "%s: client %d got in after %.3f s", tag, i + 1, dt);
+        char key[32];
+        snprintf(key, sizeof key, "%s-%d", tag, i);
+        T_CHECK(elastic_store_set(cs[i], key, tag, strlen(tag)) == 0, "%s: set %d", tag, i);
+        void *v = NULL;
+        size_t n = 0;
+        int g = elastic_store_get(cs[i], key, &v, &n, 1.0);
+        T_CHECK(g == 0 && n == strlen(tag) && memcmp(v, tag, n) == 0, "%s: get %d: %d", tag, i,
+                g);
+        free(v);
+        sum += dt;
+        if (dt > *worst) *worst = dt;
+        in++;
+    }
+    *mean = in ? sum / in : 0;
+    return in;
+}
+
+/* Eviction order with a quota of 2, one connection at a time: the oldest silent connection
+ * goes first, one that has started its hello outlives newer silent ones and is served when it
+ * completes, and a client whose hello comes with its connection gets in. */
+static void test_unauthed_quota_order(void)
+{
+    elastic_store_server *s = start_flood_server(16, 2);
+    int port = elastic_store_server_port(s);
+    uint8_t h[64], f[64];
+    size_t hn = hello_frame(h, TOKEN, 1);
+    int a = raw_connect(port);           /* silent, oldest */
+    int b = raw_connect(port);           /* starts its hello */
+    raw_send(b, h, 5);
+    int c = raw_connect(port);           /* silent: a makes room for it */
+    int d = raw_connect(port);           /* silent: c makes room (b has started) */
+    T_CHECK(raw_closed(a), "the oldest silent connection was evicted");
+    T_CHECK(raw_closed(c), "the older silent connection went before the started one");
+    raw_send(b, h + 5, hn - 5);
+    long len = raw_recv_frame(b, f, sizeof f);
+    T_CHECK(len == 16 && f[9] == 0, "the started hello completed after two evictions: len %ld",
+            len);
+    int e = raw_connect(port);           /* hello with the connection */
+    raw_hello(e, TOKEN, 1);
+    len = raw_recv_frame(e, f, sizeof f);
+    T_CHECK(len == 16 && f[9] == 0, "a prompt hello gets in with the quota full: len %ld", len);
+    close(a);
+    close(b);
+    close(c);
+    close(d);
+    close(e);
+    elastic_store_server_stop(s);
+
+    elastic_store_server_opts o = ELASTIC_STORE_SERVER_OPTS_INIT;
+    elastic_store_server *x = NULL;
+    o.max_unauthed = 0;
+    T_CHECK(elastic_store_server_start(&x, &o) == -EINVAL && !x, "max_unauthed 0");
+    o.max_unauthed = 65537;
+    T_CHECK(elastic_store_server_start(&x, &o) == -EINVAL && !x, "max_unauthed 65537");
+}
+
+typedef struct flood {
+    int port;
+    int fds[FLOOD_N];
+    struct pollfd p[FLOOD_N];
+    atomic_int stop;
+    atomic_int hold;   /* main asks the flood to open nothing for a moment ... */
+    atomic_int holding; /* ... and the flood says it does not */
+    unsigned long long opened;
+    double seconds;
+} flood;
+
+/* Keeps FLOOD_N silent sockets open: every one the server closes is replaced at once, as
+ * fast as this thread can connect. */
+static void *flood_main(void *arg)
+{
+    flood *f = arg;
+    double t0 = t_now_s();
+    while (!atomic_load(&f->stop)) {
+        if (atomic_load(&f->hold)) {
+            atomic_store(&f->holding, 1);
+            t_sleep_s(0.001);
+            continue;
+        }
+        atomic_store(&f->holding, 0);
+        for (int i = 0; i < FLOOD_N; i++)
+            f->p[i] = (struct pollfd){.fd = f->fds[i], .events = POLLIN};
+        if (poll(f->p, FLOOD_N, 10) < 0 && errno != EINTR) break;
+        for (int i = 0; i < FLOOD_N && !atomic_load(&f->stop) && !atomic_load(&f->hold); i++) {
+            if (f->fds[i] >= 0 && f->p[i].revents == 0) continue;
+            if (f->fds[i] >= 0) close(f->fds[i]);
+            f->fds[i] = flood_connect(f->port);
+            f->opened += f->fds[i] >= 0;
+        }
+    }
+    f->seconds = t_now_s() - t0;
+    return NULL;
+}
+
+/* Issue 9 item 4: FLOOD_N silent unauthenticated connections used to fill max_clients for
+ * their whole hello timeout and keep the job's own clients out. Now they take the pre-hello
+ * quota only, and authenticated clients get in at once: first with the flood held open, then
+ * with the flood replacing every socket the server closes, as fast as it can. A client that
+ * sends its hello one byte at a time gets in under that flood as well. */
+static void test_flood_of_silent_connections(void)
+{
+    raise_nofile();
+    elastic_store_server *s = start_flood_server(32, 64);
+    int port = elastic_store_server_port(s);
+    static int fds[FLOOD_N];
+    double t0 = t_now_s();
+    int opened = 0;
+    for (int i = 0; i < FLOOD_N; i++) opened += (fds[i] = flood_connect(port)) >= 0;
+    double open_s = t_now_s() - t0;
+    T_CHECK(opened == FLOOD_N, "flood: %d of %d connections opened", opened, FLOOD_N);
+
+    /* 1. the flood is held open (nothing more comes) */
+    elastic_store_client *cs[FLOOD_CLIENTS] = {0};
+    double worst, mean;
+    int in = clients_get_in(port, "held", cs, &worst, &mean);
+    T_CHECK(in == FLOOD_CLIENTS, "held flood: %d of %d clients got in", in, FLOOD_CLIENTS);
+    t_sleep_s(0.05); /* the last resets reach the flood's sockets */
+    int held = flood_held(fds, FLOOD_N);
+    T_CHECK(held >= 0 && held <= 64, "the server holds %d flood sockets (max_unauthed 64)",
+            held);
+    printf("flood held open: %d silent connections opened in %.3f s, the server holds %d of "
+           "them; %d clients got in, slowest after %.1f ms, mean %.1f ms\n",
+           opened, open_s, held, in, worst * 1e3, mean * 1e3);
+    for (int i = 0; i < FLOOD_CLIENTS; i++) elastic_store_close(cs[i]);
+    memset(cs, 0, sizeof cs);
+
+    /* 2. the flood keeps coming */
+    static flood fl;
+    memset(&fl, 0, sizeof fl);
+    fl.port = port;
+    memcpy(fl.fds, fds, sizeof fds);
+    pthread_t t;
+    T_REQUIRE(pthread_create(&t, NULL, flood_main, &fl) == 0, "flood thread");
+    t_sleep_s(0.2); /* the flood is churning */
+    in = clients_get_in(port, "churn", cs, &worst, &mean);
+    T_CHECK(in == FLOOD_CLIENTS, "churning flood: %d of %d clients got in", in, FLOOD_CLIENTS);
+
+    /* a slow hello: one byte every 20 ms. Its first byte is sent while the flood holds still
+     * for a moment: the guarantee (store.h "Connection limits") is for a connection that has
+     * started its hello; a silent one may be evicted by the next max_unauthed connections,
+     * here within milliseconds, which a test cannot time. */
+    atomic_store(&fl.hold, 1);
+    while (!atomic_load(&fl.holding)) t_sleep_s(0.001);
+    uint8_t h[64], f[64];
+    size_t hn = hello_frame(h, TOKEN, 1);
+    int slow = raw_connect(port);
+    raw_send(slow, h, 1);
+    t_sleep_s(0.05); /* the server has read the first byte */
+    atomic_store(&fl.hold, 0);
+    double ts = t_now_s();
+    for (size_t i = 1; i < hn; i++) {
+        t_sleep_s(0.02);
+        if (send(slow, h + i, 1, MSG_NOSIGNAL) != 1) break;
+    }
+    long len = raw_recv_frame(slow, f, sizeof f);
+    double slow_s = t_now_s() - ts;
+    T_CHECK(len == 16 && f[9] == 0, "slow hello under the flood: len %ld (evicted?)", len);
+    unsigned long long before = fl.opened;
+    double tb = t_now_s();
+    t_sleep_s(0.2);
+    double rate = (double)(fl.opened - before) / (t_now_s() - tb);
+    atomic_store(&fl.stop, 1);
+    pthread_join(t, NULL);
+    printf("flood churning (%.0f new connections/s while the slow hello ran, %llu in %.2f s): "
+           "%d clients got in, slowest after %.1f ms, mean %.1f ms; a %zu-byte hello sent over "
+           "%.2f s %s\n",
+           rate, fl.opened, fl.seconds, in, worst * 1e3, mean * 1e3, hn, slow_s,
+           len == 16 && f[9] == 0 ? "got in" : "did NOT get in");
+    for (int i = 0; i < FLOOD_CLIENTS; i++) elastic_store_close(cs[i]);
+    close(slow);
+    for (int i = 0; i < FLOOD_N; i++)
+        if (fl.fds[i] >= 0) close(fl.fds[i]);
+    elastic_store_server_stop(s);
+}
+
+/* Out of file descriptors - not because of a flood (that holds max_unauthed at most) but of
+ * authenticated clients under a small RLIMIT_NOFILE: a new connection is accepted with the
+ * spare descriptor and closed at once, so its client learns it within milliseconds instead of
+ * waiting unanswered in the listen backlog; once a client leaves, a new one gets in. The
+ * server runs in a child with the small limit; main runs this before any thread exists. */
+static void test_out_of_descriptors(void)
+{
+    int pfd[2], qfd[2];
+    T_REQUIRE(pipe(pfd) == 0 && pipe(qfd) == 0, "pipe: %s", strerror(errno));
+    fflush(NULL);
+    pid_t pid = fork();
+    T_REQUIRE(pid >= 0, "fork: %s", strerror(errno));
+    if (pid == 0) {
+        close(pfd[0]);
+        close(qfd[1]);
+        int open_fds = 0;
+        DIR *d = opendir("/proc/self/fd");
+        if (!d) _exit(3);
+        while (readdir(d)) open_fds++;
+        closedir(d);
+        struct rlimit rl;
+        if (getrlimit(RLIMIT_NOFILE, &rl) != 0) _exit(3);
+        rl.rlim_cur = (rlim_t)open_fds + 16;
+        if (setrlimit(RLIMIT_NOFILE, &rl) != 0) _exit(3);
+        elastic_store_server_opts o = ELASTIC_STORE_SERVER_OPTS_INIT;
+        o.token = TOKEN;
+        elastic_store_server *s = NULL;
+        if (elastic_store_server_start(&s, &o) != 0) _exit(3);
+        int port = elastic_store_server_port(s);
+        if (write(pfd[1], &port, sizeof port) != (ssize_t)sizeof port) _exit(3);
+        char b;
+        while (read(qfd[0], &b, 1) < 0 && errno == EINTR) continue; /* until the parent ends */
+        elastic_store_server_stop(s);
+        _exit(0);
+    }
+    close(pfd[1]);
+    close(qfd[0]);
+    int port = 0;
+    T_REQUIRE(read(pfd[0], &port, sizeof port) == (ssize_t)sizeof port, "the child's port");
+    close(pfd[0]);
+    elastic_store_client *cs[64] = {0};
+    int n = 0;
+    while (n < 64 && elastic_store_connect(&cs[n], HOST, port, TOKEN, 0.5) == 0) n++;
+    T_CHECK(n > 0 && n < 64, "%d clients got in before the server ran out of descriptors", n);
+    int fd = raw_connect(port);
+    raw_hello(fd, TOKEN, 1);
+    double t0 = t_now_s();
+    int closed = raw_closed(fd);
+    double dt = t_now_s() - t0;
+    T_CHECK(closed && dt < 1.0, "out of descriptors: a new connection was %s after %.3f s",
+            closed ? "closed" : "left waiting", dt);
+    close(fd);
+    if (n > 0) {
+        elastic_store_close(cs[n - 1]);
+        cs[n - 1] = NULL;
+    }
+    elastic_store_client *c = NULL;
+    int r = elastic_store_connect(&c, HOST, port, TOKEN, 2.0);
+    T_CHECK(r == 0, "a client gets in once another left: %s", strerror(-r));
+    T_CHECK(c && elastic_store_set(c, "fd", "1", 1) == 0, "and is served");
+    elastic_store_close(c);
+    for (int i = 0; i < n; i++) elastic_store_close(cs[i]);
+    close(qfd[1]);
+    int st = 0;
+    T_CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0,
+            "server child: status %d", st);
+    printf("out of descriptors: %d clients in, then a new connection was %s after %.1f ms\n", n,
+           closed ? "closed" : "still waiting", dt * 1e3);
+}
+
 /* ------------------------------------------------------------------ many clients */
 
 #define NCLIENTS 64
@@ -745,6 +1076,7 @@ static void test_many_clients(void)
 int main(void)
 {
     double t0 = t_now_s();
+    test_out_of_descriptors(); /* forks: before the first thread */
     elastic_store_server_opts o = ELASTIC_STORE_SERVER_OPTS_INIT;
     o.token = TOKEN;
     o.max_key = MAX_KEY;
@@ -777,6 +1109,8 @@ int main(void)
     test_unresponsive_server();
     test_connect_before_start();
     test_max_clients();
+    test_unauthed_quota_order();
+    test_flood_of_silent_connections();
 
     elastic_store_server_stop(srv);
     printf("test_elastic_store: %.2f s\n", t_now_s() - t0);
