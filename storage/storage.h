@@ -21,7 +21,9 @@
  * the device had returned it. Writes are counted from the start of the process across all
  * writers and threads; resubmissions of a short write do not count. The variable is read
  * once, at the first write; a malformed value is logged and ignored. "slow:MS" instead
- * delays every data write by MS milliseconds on the submitting thread (a slow disk).
+ * delays every data write by MS milliseconds on the submitting thread (a slow disk), and
+ * "eio-read:N" makes the N-th store_reader_read call of the process fail with -EIO (a
+ * device read error: transient, never a verdict on the bytes).
  *
  * Thread-safety: a writer or reader handle is used by one thread at a time; different
  * handles are independent (each owns its ring).
@@ -83,14 +85,29 @@ void store_writer_abort(store_writer *w);
 
 typedef struct store_reader store_reader;
 
-/* Open `path` read-only (O_DIRECT when allowed) with a ring of queue_depth entries
- * (reads in flight; 0 = default 8, range [1, 64]). *size_out (may be NULL) gets the file
- * size in bytes. Memory: in O_DIRECT mode up to about 4 MiB of bounce buffers, allocated on
- * first need and kept until close, whatever the request sizes.
- * Errors: -EINVAL out or path NULL or queue_depth > 64, -ENOENT, -EACCES, -ENOMEM,
- * other -errno. */
+/* Flags of the functions that open a file for reading. */
+#define STORE_NOFOLLOW 1u /* refuse a symbolic link as the last component (-ELOOP) */
+
+/* Open `path` read-only, only when it is a regular file: a FIFO, socket or device is never
+ * waited on (the open is non-blocking, then fstat decides) and gives -ENODEV, a directory
+ * -EISDIR; with STORE_NOFOLLOW a symbolic link gives -ELOOP. oflags may add O_DIRECT (the
+ * only flag accepted). Returns the descriptor (blocking mode, close-on-exec; the caller
+ * closes it) with *st_out (may be NULL) from its fstat.
+ * Errors: -EINVAL bad path, flags or oflags; -ENODEV, -EISDIR, -ELOOP (above); -ENOENT,
+ * -ENOTDIR, -EACCES, -EMFILE, ... of open(2) (O_DIRECT refused: -EINVAL). */
+struct stat;
+int store_open_regular(const char *path, unsigned flags, int oflags, struct stat *st_out);
+
+/* Open the regular file `path` read-only (O_DIRECT when allowed; as store_open_regular, so a
+ * FIFO never blocks) with a ring of queue_depth entries (reads in flight; 0 = default 8,
+ * range [1, 64]). flags: 0 or STORE_NOFOLLOW. *size_out (may be NULL) gets the file size in
+ * bytes. Memory: in O_DIRECT mode up to about 4 MiB of bounce buffers, allocated on first
+ * need and kept until close, whatever the request sizes.
+ * Errors: -EINVAL out or path NULL, queue_depth > 64 or unknown flags; -ENODEV, -EISDIR,
+ * -ELOOP not a regular file (store_open_regular); -ENOENT, -EACCES, -EMFILE, -ENOMEM, other
+ * -errno of open(2) or io_uring_queue_init. */
 int store_reader_open(store_reader **out, const char *path, unsigned queue_depth,
-                      uint64_t *size_out);
+                      unsigned flags, uint64_t *size_out);
 
 /* One range to read: file offset and length in bytes, destination (any alignment). */
 typedef struct store_read_req {
@@ -111,11 +128,14 @@ int store_reader_read(store_reader *r, const store_read_req *reqs, size_t n);
 /* Close and free; accepts NULL. */
 void store_reader_close(store_reader *r);
 
-/* Read a whole (small) file into a malloc'ed buffer with a terminating NUL; *len_out (may
- * be NULL) gets its size without the NUL; *buf_out is NULL on error. max_bytes bounds the
- * size (-EFBIG past it). The caller frees.
- * Errors: -ENOENT, -EFBIG, -ENOMEM, other -errno. */
-int store_read_file(const char *path, size_t max_bytes, char **buf_out, size_t *len_out);
+/* Read a whole (small) regular file into a malloc'ed buffer with a terminating NUL;
+ * *len_out (may be NULL) gets its size without the NUL; *buf_out is NULL on error. max_bytes
+ * bounds the size (-EFBIG past it). flags: 0 or STORE_NOFOLLOW. The file is opened as
+ * store_open_regular does, so a FIFO never blocks. The caller frees.
+ * Errors: -ENOENT, -EFBIG, -ENODEV / -EISDIR / -ELOOP (not a regular file), -ENOMEM, other
+ * -errno (-EACCES, -EMFILE, -EIO, ...). */
+int store_read_file(const char *path, size_t max_bytes, unsigned flags, char **buf_out,
+                    size_t *len_out);
 
 /* Create `path` with the given bytes, fsync it and close it (buffered I/O).
  * Errors: -EEXIST, -ENOSPC, -EIO, other -errno. A partial file is unlinked on error. */

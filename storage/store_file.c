@@ -46,6 +46,8 @@ static atomic_int fault_err;          /* -ENOSPC / -EIO, 0 = off */
 static atomic_ullong fault_nth;       /* 1-based index of the write that fails */
 static atomic_ullong fault_count;     /* data writes submitted so far in this process */
 static atomic_ullong fault_slow_ms;   /* slow:MS - every data write waits MS milliseconds */
+static atomic_ullong fault_read_nth;  /* eio-read:N - 1-based index of the read call that fails */
+static atomic_ullong fault_read_count;/* store_reader_read calls so far in this process */
 
 static void fault_parse(void)
 {
@@ -65,6 +67,9 @@ static void fault_parse(void)
         } else if (!strncmp(s, "slow:", 5)) {
             err = 1; /* not an error: a delay */
             num = s + 5;
+        } else if (!strncmp(s, "eio-read:", 9)) {
+            err = 2; /* a read, not a write */
+            num = s + 9;
         }
         char *end = NULL;
         if (num) {
@@ -72,14 +77,18 @@ static void fault_parse(void)
             n = strtoull(num, &end, 10);
         }
         if (!num || errno || end == num || *end || n == 0) {
-            LOG_W(TAG, "ignoring malformed CKPT_FAULT_STORE=\"%s\" (want enospc:N, eio:N or "
-                  "slow:MS)", s);
+            LOG_W(TAG, "ignoring malformed CKPT_FAULT_STORE=\"%s\" (want enospc:N, eio:N, "
+                  "eio-read:N or slow:MS)", s);
             err = 0;
             n = 0;
         }
     }
     if (err == 1) {
         atomic_store(&fault_slow_ms, n);
+        err = 0;
+        n = 0;
+    } else if (err == 2) {
+        atomic_store(&fault_read_nth, n);
         err = 0;
         n = 0;
     }
@@ -555,9 +564,9 @@ struct store_reader {
 };
 
 int store_reader_open(store_reader **out, const char *path, unsigned queue_depth,
-                      uint64_t *size_out)
+                      unsigned flags, uint64_t *size_out)
 {
-    if (!out || !path || queue_depth > 64) return -EINVAL;
+    if (!out || !path || queue_depth > 64 || (flags & ~STORE_NOFOLLOW)) return -EINVAL;
     *out = NULL;
     if (queue_depth == 0) queue_depth = 8;
     int rc = 0;
@@ -573,26 +582,22 @@ int store_reader_open(store_reader **out, const char *path, unsigned queue_depth
         rc = -ENOMEM;
         goto fail;
     }
-    r->fd = open(path, O_RDONLY | O_DIRECT | O_CLOEXEC);
+    struct stat st;
+    r->fd = store_open_regular(path, flags, O_DIRECT, &st);
     if (r->fd >= 0) {
         r->direct = true;
-    } else if (errno == EINVAL) {
+    } else if (r->fd == -EINVAL) {
         LOG_D(TAG, "%s: O_DIRECT not supported by the file system, using buffered I/O", path);
-        r->fd = open(path, O_RDONLY | O_CLOEXEC);
+        r->fd = store_open_regular(path, flags, 0, &st);
     }
     if (r->fd < 0) {
-        rc = -errno;
-        if (rc == -ENOENT) /* often expected (probing); the caller decides */
-            LOG_D(TAG, "open %s for reading: %s", path, strerror(errno));
+        rc = r->fd;
+        /* often expected (probing, or a verdict on a folder's contents): the caller decides */
+        if (rc == -ENOENT || rc == -ELOOP || rc == -EISDIR || rc == -ENODEV || rc == -ENOTDIR)
+            LOG_D(TAG, "open %s for reading: %s", path, strerror(-rc));
         else
-            LOG_E(TAG, "open %s for reading: %s", path, strerror(errno));
+            LOG_E(TAG, "open %s for reading: %s", path, strerror(-rc));
         goto fail;
-    }
-    struct stat st;
-    if (fstat(r->fd, &st)) {
-        rc = -errno;
-        LOG_E(TAG, "fstat %s: %s", path, strerror(errno));
-        goto fail_fd;
     }
     r->size = (uint64_t)st.st_size;
     rc = io_uring_queue_init(queue_depth, &r->ring, 0);
@@ -709,6 +714,14 @@ static int r_complete(store_reader *r, struct io_uring_cqe *cqe, bool resubmit)
     return rc;
 }
 
+/* Called once per store_reader_read; true when this call is to fail with -EIO. */
+static bool read_fault_next(void)
+{
+    fault_parse();
+    unsigned long long nth = atomic_load(&fault_read_nth);
+    return nth && atomic_fetch_add(&fault_read_count, 1) + 1 == nth;
+}
+
 int store_reader_read(store_reader *r, const store_read_req *reqs, size_t n)
 {
     if (!r || (n && !reqs)) return -EINVAL;
@@ -716,6 +729,10 @@ int store_reader_read(store_reader *r, const store_read_req *reqs, size_t n)
     for (size_t k = 0; k < n; k++)
         if ((reqs[k].len && !reqs[k].dst) || reqs[k].offset > UINT64_MAX - reqs[k].len)
             return -EINVAL;
+    if (read_fault_next()) {
+        LOG_W(TAG, "injecting %s on a read of %s (CKPT_FAULT_STORE)", strerror(EIO), r->path);
+        return -EIO;
+    }
 
     int err = 0;
     unsigned inflight = 0;

@@ -17,24 +17,49 @@
 /* Deeper trees than this are refused by store_remove_tree (one open fd per level). */
 #define REMOVE_MAX_DEPTH 128
 
-int store_read_file(const char *path, size_t max_bytes, char **buf_out, size_t *len_out)
+int store_open_regular(const char *path, unsigned flags, int oflags, struct stat *st_out)
+{
+    if (!path || (flags & ~STORE_NOFOLLOW) || (oflags & ~O_DIRECT) != 0) return -EINVAL;
+    /* O_NONBLOCK so that opening a FIFO returns at once instead of waiting for a writer
+     * (a regular file ignores it; it is cleared below all the same) */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | oflags |
+                            ((flags & STORE_NOFOLLOW) ? O_NOFOLLOW : 0));
+    if (fd < 0) return -errno;
+    struct stat st;
+    int rc = 0;
+    if (fstat(fd, &st) != 0) rc = -errno;
+    else if (S_ISDIR(st.st_mode)) rc = -EISDIR;
+    else if (!S_ISREG(st.st_mode)) rc = -ENODEV;
+    else {
+        int fl = fcntl(fd, F_GETFL);
+        if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) rc = -errno;
+    }
+    if (rc < 0) {
+        close(fd);
+        return rc;
+    }
+    if (st_out) *st_out = st;
+    return fd;
+}
+
+int store_read_file(const char *path, size_t max_bytes, unsigned flags, char **buf_out,
+                    size_t *len_out)
 {
     if (!path || !buf_out) return -EINVAL;
     *buf_out = NULL;
     if (len_out) *len_out = 0;
     int rc = 0;
     char *buf = NULL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        rc = -errno;
-        if (rc != -ENOENT) LOG_E(TAG, "open %s: %s", path, strerror(errno));
-        return rc;
-    }
     struct stat st;
-    if (fstat(fd, &st)) {
-        rc = -errno;
-        LOG_E(TAG, "fstat %s: %s", path, strerror(errno));
-        goto out;
+    int fd = store_open_regular(path, flags, 0, &st);
+    if (fd < 0) {
+        rc = fd;
+        /* a missing file or one of the wrong type is the caller's verdict to give */
+        if (rc != -ENOENT && rc != -ELOOP && rc != -EISDIR && rc != -ENODEV && rc != -ENOTDIR)
+            LOG_E(TAG, "open %s: %s", path, strerror(-rc));
+        else
+            LOG_D(TAG, "open %s: %s", path, strerror(-rc));
+        return rc;
     }
     if ((uint64_t)st.st_size > max_bytes) {
         rc = -EFBIG;

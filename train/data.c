@@ -403,7 +403,7 @@ int train_prepare(const char *out_dir, const char *const *files, size_t nfiles,
     for (size_t i = 0; i < nfiles && rc == 0; i++) {
         char *text = NULL;
         size_t len = 0;
-        rc = store_read_file(files[i], (size_t)1 << 31, &text, &len);
+        rc = store_read_file(files[i], (size_t)1 << 31, 0, &text, &len);
         if (rc < 0) {
             log_why(why, why_len, "%s: cannot read: %s", files[i], strerror(-rc));
             break;

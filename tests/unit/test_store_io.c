@@ -154,7 +154,7 @@ static void test_writer_errors(const char *dir)
     T_CHECK(w == NULL, "*out cleared on error");
     char *buf = NULL;
     size_t len = 0;
-    T_CHECK(store_read_file(p, 100, &buf, &len) == 0 && len == 4 && !memcmp(buf, "keep", 4),
+    T_CHECK(store_read_file(p, 100, 0, &buf, &len) == 0 && len == 4 && !memcmp(buf, "keep", 4),
             "existing file untouched");
     free(buf);
     unlink(p);
@@ -207,7 +207,7 @@ static void test_reader(const char *dir)
     for (size_t qi = 0; qi < sizeof qds / sizeof *qds; qi++) {
         store_reader *r = NULL;
         uint64_t got_size = 0;
-        int rc = store_reader_open(&r, p, qds[qi], &got_size);
+        int rc = store_reader_open(&r, p, qds[qi], 0, &got_size);
         T_REQUIRE(rc == 0, "reader open qd %u: %d", qds[qi], rc);
         T_CHECK(got_size == size, "size %llu", (unsigned long long)got_size);
 
@@ -290,9 +290,9 @@ static void test_reader(const char *dir)
         store_reader_close(r);
     }
     store_reader *r = NULL;
-    T_CHECK(store_reader_open(&r, p, 65, NULL) == -EINVAL, "qd 65");
+    T_CHECK(store_reader_open(&r, p, 65, 0, NULL) == -EINVAL, "qd 65");
     char *missing = path_in(dir, "missing.bin");
-    T_CHECK(store_reader_open(&r, missing, 0, NULL) == -ENOENT, "missing file");
+    T_CHECK(store_reader_open(&r, missing, 0, 0, NULL) == -ENOENT, "missing file");
     free(missing);
     store_reader_close(NULL);
 
@@ -300,7 +300,7 @@ static void test_reader(const char *dir)
     char *e = path_in(dir, "empty.bin");
     REQUIRE_OK(write_pattern(e, 0, &o, 1), "empty file");
     uint64_t esz = 1;
-    REQUIRE_OK(store_reader_open(&r, e, 2, &esz), "open empty");
+    REQUIRE_OK(store_reader_open(&r, e, 2, 0, &esz), "open empty");
     T_CHECK(esz == 0, "empty size");
     unsigned char c;
     store_read_req q = {0, 1, &c};
@@ -321,22 +321,22 @@ static void test_file_helpers(const char *dir)
     T_CHECK(store_write_file_durable(a, msg, 3) == -EEXIST, "write durable: exists");
     char *buf = NULL;
     size_t len = 0;
-    T_CHECK(store_read_file(a, 1000, &buf, &len) == 0 && len == strlen(msg) &&
+    T_CHECK(store_read_file(a, 1000, 0, &buf, &len) == 0 && len == strlen(msg) &&
                 !strcmp(buf, msg),
             "read back");
     free(buf);
     buf = (char *)1;
-    T_CHECK(store_read_file(a, 5, &buf, &len) == -EFBIG && buf == NULL, "max_bytes");
-    T_CHECK(store_read_file(a, strlen(msg), &buf, NULL) == 0, "max_bytes == size");
+    T_CHECK(store_read_file(a, 5, 0, &buf, &len) == -EFBIG && buf == NULL, "max_bytes");
+    T_CHECK(store_read_file(a, strlen(msg), 0, &buf, NULL) == 0, "max_bytes == size");
     free(buf);
-    T_CHECK(store_read_file(b, 1000, &buf, &len) == -ENOENT, "missing");
+    T_CHECK(store_read_file(b, 1000, 0, &buf, &len) == -ENOENT, "missing");
     T_CHECK(store_rename_durable(a, b) == 0, "rename");
     T_CHECK(access(a, F_OK) != 0 && access(b, F_OK) == 0, "renamed");
     T_CHECK(store_rename_durable(a, b) == -ENOENT, "rename of missing");
 
     char *z = path_in(dir, "zero");
     T_CHECK(store_write_file_durable(z, NULL, 0) == 0, "empty durable file");
-    T_CHECK(store_read_file(z, 0, &buf, &len) == 0 && len == 0 && buf && buf[0] == 0,
+    T_CHECK(store_read_file(z, 0, 0, &buf, &len) == 0 && len == 0 && buf && buf[0] == 0,
             "empty read");
     free(buf);
 
@@ -476,6 +476,49 @@ static void test_faults(const char *dir)
     }
 }
 
+/* Only regular files are opened for reading: a FIFO must not hang the reader (it would wait
+ * for a writer forever), a directory or a device is refused, and with STORE_NOFOLLOW so is a
+ * symbolic link. An alarm turns a hang into a failure. */
+static void test_file_types(const char *dir)
+{
+    char *fifo = path_in(dir, "fifo"), *sub = path_in(dir, "sub"), *reg = path_in(dir, "reg");
+    char *link = path_in(dir, "link");
+    REQUIRE_OK(mkfifo(fifo, 0644), "mkfifo");
+    REQUIRE_OK(mkdir(sub, 0755), "mkdir");
+    REQUIRE_OK(store_write_file_durable(reg, "data", 4), "regular file");
+    REQUIRE_OK(symlink(reg, link), "symlink");
+    alarm(20);
+    char *buf = NULL;
+    store_reader *r = NULL;
+    T_CHECK(store_read_file(fifo, 100, 0, &buf, NULL) == -ENODEV && !buf, "read_file FIFO");
+    T_CHECK(store_reader_open(&r, fifo, 0, 0, NULL) == -ENODEV && !r, "reader FIFO");
+    T_CHECK(store_read_file(sub, 100, 0, &buf, NULL) == -EISDIR, "read_file directory");
+    T_CHECK(store_reader_open(&r, sub, 0, 0, NULL) == -EISDIR, "reader directory");
+    T_CHECK(store_read_file("/dev/null", 100, 0, &buf, NULL) == -ENODEV, "read_file device");
+    T_CHECK(store_read_file(link, 100, STORE_NOFOLLOW, &buf, NULL) == -ELOOP, "nofollow link");
+    T_CHECK(store_reader_open(&r, link, 0, STORE_NOFOLLOW, NULL) == -ELOOP, "reader nofollow");
+    size_t len = 0;
+    T_CHECK(store_read_file(link, 100, 0, &buf, &len) == 0 && len == 4, "link followed");
+    free(buf);
+    uint64_t size = 0;
+    T_CHECK(store_reader_open(&r, link, 0, 0, &size) == 0 && size == 4, "reader follows link");
+    store_reader_close(r);
+    r = NULL;
+    T_CHECK(store_reader_open(&r, reg, 0, 7, NULL) == -EINVAL, "unknown flags");
+    int fd = store_open_regular(reg, STORE_NOFOLLOW, 0, NULL);
+    T_CHECK(fd >= 0 && !(fcntl(fd, F_GETFL) & O_NONBLOCK), "blocking descriptor");
+    if (fd >= 0) close(fd);
+    alarm(0);
+    unlink(fifo);
+    unlink(link);
+    unlink(reg);
+    rmdir(sub);
+    free(fifo);
+    free(sub);
+    free(reg);
+    free(link);
+}
+
 static void run_all(const char *dir)
 {
     printf("storage tests in %s\n", dir);
@@ -483,6 +526,7 @@ static void run_all(const char *dir)
     test_writer_errors(dir);
     test_reader(dir);
     test_file_helpers(dir);
+    test_file_types(dir);
 }
 
 int main(void)
