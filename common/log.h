@@ -25,14 +25,24 @@ void log_set_rank(int rank);
 int log_enabled(enum log_level level);
 
 /* printf-style message with a subsystem tag ("ckpt", "train", "store", ...). A trailing
- * newline is added. Lines longer than 2 KiB are cut. */
+ * newline is added. Lines longer than 2 KiB are cut. The message is made printable
+ * (log_printable), so names from outside never put escape sequences on a terminal. */
 void log_msg(enum log_level level, const char *tag, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 /* printf-style one-line reason into a caller's buffer (the `why` out-parameters of the
- * library: the caller decides whether and how to print it). Truncated to why_len - 1 bytes
- * and NUL-terminated; does nothing when why is NULL or why_len is 0. Thread-safe. */
+ * library: the caller decides whether and how to print it). Made printable as
+ * log_printable does, truncated to why_len - 1 bytes and NUL-terminated; does nothing when
+ * why is NULL or why_len is 0. Thread-safe. */
 void log_why(char *why, size_t why_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* Copy n bytes of src into dst (dst_len bytes with the NUL) as printable, valid UTF-8 text:
+ * printable ASCII and valid UTF-8 sequences of printable characters are kept; every other
+ * byte - control characters (newline and ESC included), DEL, C1 controls U+0080..U+009F,
+ * invalid or cut UTF-8 - becomes the four characters \xNN. The output is cut at a whole
+ * character when it does not fit. Returns its length in bytes (0 when dst_len is 0).
+ * Thread-safe. Used for log lines, reasons, and names that programs print or put in JSON. */
+size_t log_printable(char *dst, size_t dst_len, const char *src, size_t n);
 
 #define LOG_E(tag, ...) log_msg(LOG_ERROR, tag, __VA_ARGS__)
 #define LOG_W(tag, ...) log_msg(LOG_WARN, tag, __VA_ARGS__)
