@@ -31,6 +31,21 @@
 /* Longest snapshot folder path this module handles, bytes including the NUL. */
 #define CKPT_PATH_MAX 4096
 
+/* Limits of the format (docs/FORMAT.md, "Limits"): a reader rejects a manifest past any of
+ * them as corrupt, and a writer refuses (-EINVAL, or -EFBIG for the manifest's size) to save
+ * a snapshot that would pass one, so that everything written can be read. They are sized for
+ * the largest jobs we can imagine - tens of thousands of ranks, tens of thousands of
+ * tensors saved as separate buffers, tens of terabytes of state - and no more, because
+ * every manifest is parsed whole (about 20 bytes of memory per manifest byte while parsing,
+ * for a moment) and listing opens every snapshot's manifest. */
+#define CKPT_MAX_MANIFEST_BYTES (96u << 20) /* manifest.json, bytes */
+#define CKPT_MAX_WORLD_SIZE 65536u          /* ranks that saved it = data files at most */
+#define CKPT_MAX_BUFFERS 65536u             /* state buffers */
+#define CKPT_MAX_CHUNKS (1u << 18)          /* chunks over all buffers and ranks (262144:
+                                               1 TiB of state at 4 MiB chunks, 64 TiB at
+                                               256 MiB chunks) */
+#define CKPT_MAX_TRAINER_BYTES (16u << 20)  /* the trainer record, compact JSON, bytes */
+
 /* Filters applied to a chunk before compression. */
 enum ckpt_filter {
     CKPT_FILTER_NONE = 0,
@@ -78,12 +93,28 @@ typedef struct ckpt_save_stats {
  * a JSON object (text); it is stored verbatim under "trainer". `run_id` and `config_hash`
  * are free-form identifiers ([A-Za-z0-9_.-]{1,63}) recorded for lineage checks.
  * On any error nothing is committed and the temp folder is removed; an existing committed
- * snapshot is never modified. stats may be NULL.
- * Errors: -EINVAL (bad options, names, JSON), -EEXIST (step already committed), -ENOSPC,
- * -EIO, -ENOMEM, other -errno. */
+ * snapshot is never modified. stats may be NULL. Nothing past the format's limits is written
+ * (CKPT_MAX_*): more buffers, chunks (ckpt_snapshot_max_chunks) or trainer-record bytes than
+ * they allow give -EINVAL, a manifest over CKPT_MAX_MANIFEST_BYTES -EFBIG.
+ * Errors: -EINVAL (bad options, names, JSON, limits), -EEXIST (step already committed),
+ * -EFBIG, -ENOSPC, -EIO, -ENOMEM, other -errno. */
 int ckpt_save(const ckpt_save_opts *opts, uint64_t step, const char *run_id,
               const char *config_hash, const ckpt_buffer *bufs, size_t nbufs,
               const char *trainer_json, ckpt_save_stats *stats);
+
+/* Upper bound of the chunks a snapshot of these buffers (their total_bytes) takes when cut
+ * into chunk_bytes pieces by world_size ranks: per buffer ceil(total / chunk_bytes) plus one
+ * per shard boundary. UINT64_MAX on overflow or a zero argument. Thread-safe. */
+uint64_t ckpt_snapshot_max_chunks(const ckpt_buffer *bufs, size_t nbufs, uint64_t chunk_bytes,
+                                  uint32_t world_size);
+
+/* The smallest chunk size of chunk_bytes x 2^k (k >= 0), at most 1 GiB, for which a snapshot
+ * of these buffers by world_size ranks stays within CKPT_MAX_CHUNKS; 0 when none does or
+ * chunk_bytes is not a multiple of 16 of at least 4096. A trainer calls it once with its
+ * whole buffers (only total_bytes is read) so that huge states get larger chunks, not a
+ * refused save. Thread-safe. */
+uint64_t ckpt_fit_chunk_bytes(uint64_t chunk_bytes, const ckpt_buffer *bufs, size_t nbufs,
+                              uint32_t world_size);
 
 /* ------------------------------------------------------------------ asynchronous engine
  *
@@ -256,10 +287,13 @@ typedef struct ckpt_dir_lock ckpt_dir_lock;
  * dir/.lock for the caller's lifetime, so that two runs never write the same snapshot
  * folder (they would remove each other's temp folders and collide on step names). The
  * lock file holds the owner's pid; the kernel drops the lock when the process dies, so a
- * crash never leaves the folder locked. Readers (ckpt-inspect) take no lock.
+ * crash never leaves the folder locked. Readers (ckpt-inspect) take no lock. dir/.lock is
+ * opened without following a symbolic link and only as a regular file, so that no link
+ * makes another file receive the pid and no FIFO blocks the call.
  * Errors: -EBUSY another process holds it (*holder_pid, when not NULL, gets its pid or 0),
- * -ENOTDIR / -EACCES / -EROFS / other -errno of mkdir or open (the folder is unusable),
- * -ENOMEM. */
+ * -ELOOP dir/.lock is a symbolic link, -EISDIR / -ENODEV it is a folder / a FIFO, socket or
+ * device, -ENOTDIR / -EACCES / -EROFS / other -errno of mkdir or open (the folder is
+ * unusable), -ENOMEM. */
 int ckpt_dir_lock_acquire(const char *dir, ckpt_dir_lock **out, long *holder_pid);
 
 /* Release the lock and free the handle; accepts NULL. */
@@ -281,14 +315,21 @@ int ckpt_remove_temp(const char *dir);
 typedef struct ckpt_snapshot ckpt_snapshot;
 
 /* Open the snapshot folder `path` (".../step-000000020"): read manifest.json, check its
- * checksum, format and version, and check that the described layout is consistent
- * (chunks cover each shard exactly, shards cover each buffer exactly, data files exist with
- * the sizes the manifest gives). Does not read chunk data. On failure, `why` (if not NULL)
- * receives a one-line reason of at most why_len bytes. The caller frees *out with
- * ckpt_snapshot_close().
- * Errors: -ENOENT (no folder or no manifest), -EBADMSG (manifest corrupt, checksum
- * mismatch, inconsistent layout, data file missing or shorter than described),
- * -EPROTONOSUPPORT (format_version newer than CKPT_FORMAT_VERSION), -ENOMEM. */
+ * checksum, format and version, the format's limits, and that the described layout is
+ * consistent (chunks cover each shard exactly, shards cover each buffer exactly once, data
+ * files are named for their rank and exist as regular files with the sizes the manifest
+ * gives). Does not read chunk data. manifest.json and the data files are opened without
+ * following symbolic links and only when they are regular files, so a FIFO never blocks.
+ * On failure, `why` (if not NULL) receives a one-line reason of at most why_len bytes. The
+ * caller frees *out with ckpt_snapshot_close().
+ *
+ * Only evidence about the folder's contents makes -EBADMSG (DESIGN I7): any other error is
+ * returned as it is and says nothing about the snapshot, which may be fine.
+ * Errors: -ENOENT (no such folder), -EBADMSG (no manifest, manifest corrupt or over the
+ * limits, checksum mismatch, inconsistent layout, a data file missing, of the wrong type or
+ * size, or a file name the format does not define), -EPROTONOSUPPORT (format_version newer
+ * than CKPT_FORMAT_VERSION), -EINVAL (path NULL or too long), -ENOMEM, and the environment's
+ * errors, which never mean corrupt: -EMFILE, -ENFILE, -EACCES, -EIO, ... */
 int ckpt_snapshot_open(ckpt_snapshot **out, const char *path, char *why, size_t why_len);
 
 /* Frees the handle; accepts NULL. */
@@ -361,7 +402,11 @@ enum ckpt_status {
     CKPT_STATUS_CORRUPT = 1,    /* final name, but manifest missing, corrupt or inconsistent */
     CKPT_STATUS_NEWER = 2,      /* manifest of a newer format version */
     CKPT_STATUS_INCOMPLETE = 3, /* a temp folder: a save in progress or interrupted */
-    CKPT_STATUS_SET_ASIDE = 4   /* a corrupt snapshot renamed by ckpt_set_aside */
+    CKPT_STATUS_SET_ASIDE = 4,  /* a corrupt snapshot renamed by ckpt_set_aside */
+    CKPT_STATUS_UNREADABLE = 5  /* final name, but reading its manifest or stat-ing its files
+                                   failed for a reason that says nothing about its bytes
+                                   (ckpt_entry.error: -EMFILE, -EACCES, -EIO, ...): it may be
+                                   fine; never set aside, never skipped silently */
 };
 
 typedef struct ckpt_entry {
@@ -373,15 +418,18 @@ typedef struct ckpt_entry {
     char name[256];        /* folder name */
     char run_id[64];       /* lineage; empty when unknown */
     char reason[160];      /* why not committed; empty when committed */
+    int error;             /* CKPT_STATUS_UNREADABLE: the negative errno; else 0 */
 } ckpt_entry;
 
 /* List snapshot folders under dir, sorted by step (numerically, ascending; temp folders
- * after final ones of the same step). The caller frees *entries with free().
- * A missing dir gives 0 entries. Errors: -errno of opendir, -ENOMEM. */
+ * after final ones of the same step). Each final-name folder is opened (ckpt_snapshot_open)
+ * to tell committed from corrupt, newer-format or unreadable; one that disappears while it is
+ * examined (retention or a set-aside renamed it) is left out. The caller frees *entries with
+ * free(). A missing dir gives 0 entries. Errors: -errno of opendir, -ENOMEM. */
 int ckpt_list(const char *dir, ckpt_entry **entries, size_t *n);
 
 /* Name of a status for humans and JSON: "committed", "corrupt", "newer-format",
- * "incomplete", "set-aside". */
+ * "incomplete", "set-aside", "unreadable". */
 const char *ckpt_status_name(int status);
 
 /* Folder name of a step: "step-%09llu" into buf (at least 32 bytes). */

@@ -53,6 +53,34 @@ static int pwrite_all(int fd, const void *buf, size_t len, uint64_t off)
     return 0;
 }
 
+static int cmp_desc_offset(const void *a, const void *b)
+{
+    const tensor_desc *x = *(const tensor_desc *const *)a, *y = *(const tensor_desc *const *)b;
+    return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+/* 0 when no two tensors of t share a byte of the buffer (empty tensors share none), else
+ * -EINVAL naming two that do. Sorts a copy by offset: n log n. */
+static int check_disjoint(const tensor_desc *t, size_t n, const char *bufname, char *why,
+                          size_t why_len)
+{
+    const tensor_desc **v = malloc((n ? n : 1) * sizeof *v);
+    if (!v) return -ENOMEM;
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (t[i].bytes) v[m++] = &t[i];
+    qsort(v, m, sizeof *v, cmp_desc_offset);
+    int rc = 0;
+    for (size_t i = 1; i < m && rc == 0; i++)
+        if (v[i - 1]->offset + v[i - 1]->bytes > v[i]->offset) {
+            log_why(why, why_len, "tensors %s and %s overlap in buffer %s", v[i - 1]->name,
+                    v[i]->name, bufname);
+            rc = -EINVAL;
+        }
+    free(v);
+    return rc;
+}
+
 /* Validate the tensor table against a buffer of `elems` elements of `elem_bytes` bytes, add
  * one header entry per tensor to hdr, and fill *out (malloc'ed) in table order. */
 static int parse_table(const json_t *trainer, const char *bufname, uint64_t elems,
@@ -143,6 +171,9 @@ static int parse_table(const json_t *trainer, const char *bufname, uint64_t elem
         }
         pos += t[i].bytes;
     }
+    /* tensors lie disjoint in their buffer: the output is then no larger than the buffer (a
+     * table of overlapping tensors made a 1.2 MB snapshot export 966 MB) */
+    if ((rc = check_disjoint(t, n, bufname, why, why_len)) < 0) goto out;
     *data_bytes = pos;
 out:
     if (rc < 0) {

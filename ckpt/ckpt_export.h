@@ -66,7 +66,8 @@ typedef struct ckpt_export_stats {
  * the file and chunk for corrupt data. `stats` may be NULL.
  *
  * Errors: -EINVAL (s or out_path NULL, window_bytes out of range; the trainer record has no usable tensor table: not
- * JSON, missing or malformed tensors, duplicate names, a tensor outside the buffer; an
+ * JSON, missing or malformed tensors, duplicate names, a tensor outside the buffer or two
+ * tensors that overlap in it; an
  * unsupported dtype), -ENOENT (no tensor buffer of that name), -EEXIST (out_path exists and
  * force is 0, or the temp file exists), -EBADMSG (a chunk is corrupt), -ENOMEM, -ENOSPC,
  * -EIO, other -errno of open, write, fsync, rename.

@@ -9,8 +9,6 @@
 #define CKPT_FORMAT_NAME "ckptsys.snapshot"
 /* The manifest's checksum member; see docs/FORMAT.md "Manifest checksum". */
 #define CKPT_MANIFEST_SUM_KEY ",\"manifest_xxh3\":\""
-/* Largest manifest accepted by readers, bytes. */
-#define CKPT_MANIFEST_MAX (256u << 20)
 
 /* Byte-shuffle n bytes of elem_bytes-wide elements from src into dst (byte plane k of every
  * element first for k = 0..elem_bytes-1); a tail of n % elem_bytes bytes is copied as is.
@@ -26,6 +24,9 @@ int ckpt_parse_hex64(const char *s, uint64_t *v);
 
 /* Name check for buffers, run ids and config hashes: [A-Za-z0-9_.-]{1,63}. */
 int ckpt_valid_name(const char *s);
+
+/* Data file name of a rank: "rank-%05u.bin" into buf (at least 32 bytes). */
+void ckpt_rank_filename(uint32_t rank, char *buf, size_t len);
 
 /* Parse "step-%09llu" exactly (9 or more digits, nothing after): 0 and *step, or -1. */
 int ckpt_parse_step_dirname(const char *name, uint64_t *step);

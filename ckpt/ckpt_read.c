@@ -109,20 +109,24 @@ static int cmp_chunk(const void *a, const void *b)
     return x->offset < y->offset ? -1 : x->offset > y->offset;
 }
 
-/* Check the manifest's checksum member (docs/FORMAT.md) over the raw file bytes. */
+/* Check the manifest's checksum member (docs/FORMAT.md) over the raw file bytes: the file
+ * ends with the member's key, exactly 16 lowercase hex digits, '"}' and a newline. */
 static int check_manifest_sum(const char *text, size_t len, char *why, size_t why_len)
 {
+    static const char tail[] = "\"}\n";
     const char *key = CKPT_MANIFEST_SUM_KEY;
-    size_t klen = strlen(key);
-    const char *last = NULL;
-    for (const char *p = text; (p = strstr(p, key)) != NULL; p++) last = p;
-    if (!last) {
-        log_why(why, why_len, "manifest has no manifest_xxh3 member");
+    size_t klen = strlen(key), tlen = sizeof tail - 1;
+    if (memchr(text, '\0', len)) {
+        log_why(why, why_len, "manifest contains a NUL byte");
         return -EBADMSG;
     }
-    const char *hex = last + klen;
-    if ((size_t)(hex - text) + 16 > len) {
-        log_why(why, why_len, "manifest checksum member is cut short");
+    if (len < klen + 16 + tlen || memcmp(text + len - klen - 16 - tlen, key, klen) != 0) {
+        log_why(why, why_len, "manifest does not end with its manifest_xxh3 member");
+        return -EBADMSG;
+    }
+    const char *last = text + len - klen - 16 - tlen, *hex = last + klen;
+    if (memcmp(hex + 16, tail, tlen) != 0) {
+        log_why(why, why_len, "manifest checksum is not followed by the closing '\"}' and a newline");
         return -EBADMSG;
     }
     char tmp[17];
@@ -130,7 +134,7 @@ static int check_manifest_sum(const char *text, size_t len, char *why, size_t wh
     tmp[16] = '\0';
     uint64_t want;
     if (ckpt_parse_hex64(tmp, &want) < 0) {
-        log_why(why, why_len, "manifest checksum is not 16 hex digits");
+        log_why(why, why_len, "manifest checksum is not 16 lowercase hex digits");
         return -EBADMSG;
     }
     uint64_t got = XXH3_64bits(text, (size_t)(last - text));
@@ -142,7 +146,36 @@ static int check_manifest_sum(const char *text, size_t len, char *why, size_t wh
     return 0;
 }
 
-static int parse_chunks(ckpt_snapshot *s, buffer *b, const json_t *jshards, char *why,
+/* A failure to open or inspect a file of the snapshot: evidence about the folder's contents
+ * (missing, wrong type) is corruption; anything else (EMFILE, EACCES, EIO, ...) says nothing
+ * about the bytes and is passed on as it is (DESIGN I7). */
+static int file_error(int rc)
+{
+    switch (rc) {
+    case -ENOENT: case -ENOTDIR: case -EISDIR: case -ELOOP: case -ENODEV: case -EFBIG:
+        return -EBADMSG;
+    default:
+        return rc;
+    }
+}
+
+static const char *file_error_text(int rc)
+{
+    switch (rc) {
+    case -ENOENT: return "is missing";
+    case -ENOTDIR: case -EISDIR: case -ELOOP: case -ENODEV: return "is not a regular file";
+    default: return strerror(-rc);
+    }
+}
+
+/* a + b into *sum; -1 on overflow */
+static int add_u64(uint64_t a, uint64_t b, uint64_t *sum)
+{
+    return __builtin_add_overflow(a, b, sum) ? -1 : 0;
+}
+
+static int parse_chunks(ckpt_snapshot *s, buffer *b, const json_t *jshards,
+                        const uint32_t *rank_file, size_t *nchunks_all, char *why,
                         size_t why_len)
 {
     size_t n = 0, i, j;
@@ -154,19 +187,25 @@ static int parse_chunks(ckpt_snapshot *s, buffer *b, const json_t *jshards, char
             return -EBADMSG;
         }
         n += json_array_size(cs);
+        if (n > CKPT_MAX_CHUNKS - *nchunks_all) {
+            log_why(why, why_len, "more than %u chunks in all (the format's limit)",
+                    (unsigned)CKPT_MAX_CHUNKS);
+            return -EBADMSG;
+        }
     }
+    *nchunks_all += n;
     b->chunks = calloc(n ? n : 1, sizeof *b->chunks);
     if (!b->chunks) return -ENOMEM;
     b->nchunks = 0;
     json_array_foreach(jshards, i, sh) {
         const char *fname = get_s(sh, "file");
-        int64_t soff = get_u(sh, "offset"), sbytes = get_u(sh, "bytes");
-        uint32_t fidx = UINT32_MAX;
-        for (size_t f = 0; fname && f < s->nfiles; f++)
-            if (!strcmp(s->files[f].name, fname)) fidx = (uint32_t)f;
-        if (fidx == UINT32_MAX || soff < 0 || sbytes < 0) {
-            log_why(why, why_len, "buffer %s: shard %zu names an unknown file or lacks offset/bytes",
-                    b->name, i);
+        int64_t soff = get_u(sh, "offset"), sbytes = get_u(sh, "bytes"), srank = get_u(sh, "rank");
+        uint32_t fidx = srank >= 0 && srank < (int64_t)s->world_size ? rank_file[srank] : UINT32_MAX;
+        uint64_t send;
+        if (fidx == UINT32_MAX || !fname || strcmp(s->files[fidx].name, fname) != 0 || soff < 0 ||
+            sbytes < 0 || add_u64((uint64_t)soff, (uint64_t)sbytes, &send) < 0) {
+            log_why(why, why_len, "buffer %s: shard %zu names an unknown rank or file, or lacks "
+                    "offset/bytes", b->name, i);
             return -EBADMSG;
         }
         uint64_t expect = (uint64_t)soff;
@@ -176,6 +215,7 @@ static int parse_chunks(ckpt_snapshot *s, buffer *b, const json_t *jshards, char
             int64_t off = get_u(c, "offset"), bytes = get_u(c, "bytes");
             int64_t foff = get_u(c, "file_offset"), sb = get_u(c, "stored_bytes");
             const char *codec = get_s(c, "codec"), *filter = get_s(c, "filter");
+            uint64_t fend;
             if (off < 0 || bytes <= 0 || foff < 0 || sb < 0 || !codec || !filter ||
                 ckpt_parse_hex64(get_s(c, "xxh3_raw"), &k->xxh_raw) < 0 ||
                 ckpt_parse_hex64(get_s(c, "xxh3_stored"), &k->xxh_stored) < 0) {
@@ -201,12 +241,21 @@ static int parse_chunks(ckpt_snapshot *s, buffer *b, const json_t *jshards, char
                         "chunk_bytes", b->name, j, fname, (long long)bytes);
                 return -EBADMSG;
             }
-            if ((uint64_t)off != expect || (!k->codec_zstd && sb != bytes)) {
+            /* the stored size is bounded by the raw size, so that no manifest makes a reader
+             * allocate more than the chunk can need (a sparse file is long but says nothing) */
+            if (k->codec_zstd ? (uint64_t)sb > ZSTD_compressBound((size_t)bytes) || sb == 0
+                              : sb != bytes || k->filter != CKPT_FILTER_NONE) {
+                log_why(why, why_len, "buffer %s: chunk %zu of %s: %lld stored bytes for %lld raw "
+                        "bytes is impossible for codec %s, filter %s", b->name, j, fname,
+                        (long long)sb, (long long)bytes, codec, filter);
+                return -EBADMSG;
+            }
+            if ((uint64_t)off != expect) {
                 log_why(why, why_len, "buffer %s: chunk %zu of %s does not follow its predecessor",
                         b->name, j, fname);
                 return -EBADMSG;
             }
-            if ((uint64_t)foff + (uint64_t)sb > s->files[fidx].bytes) {
+            if (add_u64((uint64_t)foff, (uint64_t)sb, &fend) < 0 || fend > s->files[fidx].bytes) {
                 log_why(why, why_len, "buffer %s: chunk %zu lies past the end of %s (%llu bytes)",
                         b->name, j, fname, (unsigned long long)s->files[fidx].bytes);
                 return -EBADMSG;
@@ -217,12 +266,16 @@ static int parse_chunks(ckpt_snapshot *s, buffer *b, const json_t *jshards, char
             k->stored_bytes = (uint64_t)sb;
             k->file = fidx;
             k->index = (uint32_t)j;
-            expect += (uint64_t)bytes;
+            if (add_u64(expect, (uint64_t)bytes, &expect) < 0 || expect > send) {
+                log_why(why, why_len, "buffer %s: chunks of shard %zu run past its %lld bytes",
+                        b->name, i, (long long)sbytes);
+                return -EBADMSG;
+            }
             if (k->stored_bytes > s->max_stored) s->max_stored = k->stored_bytes;
             if (k->bytes > s->max_raw) s->max_raw = k->bytes;
             b->nchunks++;
         }
-        if (expect != (uint64_t)soff + (uint64_t)sbytes) {
+        if (expect != send) {
             log_why(why, why_len, "buffer %s: chunks of shard %zu do not add up to its %lld bytes",
                     b->name, i, (long long)sbytes);
             return -EBADMSG;
@@ -232,14 +285,64 @@ static int parse_chunks(ckpt_snapshot *s, buffer *b, const json_t *jshards, char
     uint64_t pos = 0;
     for (i = 0; i < b->nchunks; i++) {
         if (b->chunks[i].offset != pos) break;
-        pos += b->chunks[i].bytes;
+        pos += b->chunks[i].bytes; /* <= the shard's end, checked above */
     }
     if (i != b->nchunks || pos != b->total_bytes) {
-        log_why(why, why_len, "buffer %s: shards do not cover its %llu bytes exactly", b->name,
+        log_why(why, why_len, "buffer %s: shards do not cover its %llu bytes exactly once", b->name,
                 (unsigned long long)b->total_bytes);
         return -EBADMSG;
     }
     return 0;
+}
+
+/* Check data file `name` of the snapshot: it must exist as a regular file (not a link) of
+ * exactly `bytes` bytes. */
+static int check_data_file(const ckpt_snapshot *s, const char *name, uint64_t bytes, char *why,
+                           size_t why_len)
+{
+    char p[CKPT_PATH_MAX];
+    struct stat st;
+    if (ckpt_path_join(p, sizeof p, s->path, name) < 0) return -ENAMETOOLONG;
+    if (lstat(p, &st) != 0) {
+        int rc = -errno;
+        log_why(why, why_len, "data file %s %s", p, file_error_text(rc));
+        return file_error(rc);
+    }
+    if (!S_ISREG(st.st_mode)) {
+        log_why(why, why_len, "data file %s is not a regular file", p);
+        return -EBADMSG;
+    }
+    if ((uint64_t)st.st_size != bytes) {
+        log_why(why, why_len, "data file %s has %lld bytes, manifest says %llu", p,
+                (long long)st.st_size, (unsigned long long)bytes);
+        return -EBADMSG;
+    }
+    return 0;
+}
+
+static int cmp_name_index(const void *a, const void *b, void *arg)
+{
+    const buffer *bufs = arg;
+    return strcmp(bufs[*(const size_t *)a].name, bufs[*(const size_t *)b].name);
+}
+
+/* Buffer names must be unique: sort an index by name and compare neighbours (n log n; a
+ * pairwise check took minutes on a large manifest). */
+static int check_unique_buffers(const ckpt_snapshot *s, char *why, size_t why_len)
+{
+    if (s->nbuffers < 2) return 0;
+    size_t *idx = malloc(s->nbuffers * sizeof *idx);
+    if (!idx) return -ENOMEM;
+    for (size_t i = 0; i < s->nbuffers; i++) idx[i] = i;
+    qsort_r(idx, s->nbuffers, sizeof *idx, cmp_name_index, s->buffers);
+    int rc = 0;
+    for (size_t i = 1; i < s->nbuffers && rc == 0; i++)
+        if (!strcmp(s->buffers[idx[i - 1]].name, s->buffers[idx[i]].name)) {
+            log_why(why, why_len, "buffer %s appears twice", s->buffers[idx[i]].name);
+            rc = -EBADMSG;
+        }
+    free(idx);
+    return rc;
 }
 
 static int parse_manifest(ckpt_snapshot *s, const json_t *m, char *why, size_t why_len)
@@ -260,10 +363,18 @@ static int parse_manifest(ckpt_snapshot *s, const json_t *m, char *why, size_t w
     json_t *jfiles = json_object_get(m, "files"), *jbufs = json_object_get(m, "buffers");
     json_t *trainer = json_object_get(m, "trainer");
     int64_t chunk_max = get_u(m, "chunk_bytes");
-    if (step < 0 || ws < 1 || ws > 1 << 20 || !run_id || !chash || !json_is_array(jfiles) ||
+    if (step < 0 || ws < 1 || !run_id || !chash || !json_is_array(jfiles) ||
         !json_is_array(jbufs) || !json_is_object(trainer)) {
         log_why(why, why_len, "manifest lacks step, world_size, run_id, config_hash, files, "
                               "buffers or trainer");
+        return -EBADMSG;
+    }
+    if (ws > CKPT_MAX_WORLD_SIZE || json_array_size(jfiles) > (size_t)ws ||
+        json_array_size(jbufs) > CKPT_MAX_BUFFERS) {
+        log_why(why, why_len, "world_size %lld with %zu files, or %zu buffers: over the format's "
+                "limits (world size %u, one file per rank, %u buffers)", (long long)ws,
+                json_array_size(jfiles), json_array_size(jbufs), (unsigned)CKPT_MAX_WORLD_SIZE,
+                (unsigned)CKPT_MAX_BUFFERS);
         return -EBADMSG;
     }
     if (!ckpt_valid_name(run_id) || !ckpt_valid_name(chash)) {
@@ -291,70 +402,87 @@ static int parse_manifest(ckpt_snapshot *s, const json_t *m, char *why, size_t w
     s->config_hash = strdup(chash);
     s->trainer_json = json_dumps(trainer, JSON_COMPACT | JSON_SORT_KEYS | JSON_REAL_PRECISION(17));
     if (!s->run_id || !s->config_hash || !s->trainer_json) return -ENOMEM;
+    if (strlen(s->trainer_json) > CKPT_MAX_TRAINER_BYTES) {
+        log_why(why, why_len, "trainer record of %zu bytes is over the format's limit (%u)",
+                strlen(s->trainer_json), (unsigned)CKPT_MAX_TRAINER_BYTES);
+        return -EBADMSG;
+    }
 
+    /* files: exactly the names the format defines, rank-<5 digits>.bin of their own rank, at
+     * most one per rank; rank_file maps a rank to its file (UINT32_MAX: none) */
+    int rc = 0;
+    uint32_t *rank_file = malloc((size_t)ws * sizeof *rank_file);
+    if (!rank_file) return -ENOMEM;
+    memset(rank_file, 0xff, (size_t)ws * sizeof *rank_file);
     s->nfiles = json_array_size(jfiles);
     s->files = calloc(s->nfiles ? s->nfiles : 1, sizeof *s->files);
-    if (!s->files) return -ENOMEM;
+    if (!s->files) {
+        rc = -ENOMEM;
+        goto out;
+    }
     size_t i;
     json_t *jf;
     json_array_foreach(jfiles, i, jf) {
         const char *name = get_s(jf, "name");
         int64_t bytes = get_u(jf, "bytes");
         int64_t frank = get_u(jf, "rank");
-        if (!name || !ckpt_valid_name(name) || bytes < 0 || frank < 0 || frank >= ws) {
-            log_why(why, why_len, "file entry %zu is malformed (name, bytes, or rank in [0, %lld))",
-                    i, (long long)ws);
-            return -EBADMSG;
+        char want[32];
+        if (frank >= 0) ckpt_rank_filename((uint32_t)frank, want, sizeof want);
+        if (!name || bytes < 0 || frank < 0 || frank >= ws || strcmp(name, want) != 0) {
+            log_why(why, why_len, "file entry %zu is malformed (name rank-<5 digits>.bin of its "
+                    "rank, bytes, rank in [0, %lld))", i, (long long)ws);
+            rc = -EBADMSG;
+            goto out;
         }
-        for (size_t k = 0; k < i; k++)
-            if (!strcmp(s->files[k].name, name)) {
-                log_why(why, why_len, "data file %s is listed twice", name);
-                return -EBADMSG;
-            }
-        char p[CKPT_PATH_MAX];
-        struct stat st;
-        if (ckpt_path_join(p, sizeof p, s->path, name) < 0 || stat(p, &st) != 0) {
-            log_why(why, why_len, "data file %s is missing", p);
-            return -EBADMSG;
+        if (rank_file[frank] != UINT32_MAX) {
+            log_why(why, why_len, "data file %s is listed twice", name);
+            rc = -EBADMSG;
+            goto out;
         }
-        if ((uint64_t)st.st_size != (uint64_t)bytes) {
-            log_why(why, why_len, "data file %s has %lld bytes, manifest says %lld", p,
-                    (long long)st.st_size, (long long)bytes);
-            return -EBADMSG;
-        }
+        if ((rc = check_data_file(s, name, (uint64_t)bytes, why, why_len)) < 0) goto out;
         s->files[i].name = strdup(name);
-        if (!s->files[i].name) return -ENOMEM;
+        if (!s->files[i].name) {
+            rc = -ENOMEM;
+            goto out;
+        }
         s->files[i].bytes = (uint64_t)bytes;
+        rank_file[frank] = (uint32_t)i;
     }
 
     s->nbuffers = json_array_size(jbufs);
     s->buffers = calloc(s->nbuffers ? s->nbuffers : 1, sizeof *s->buffers);
-    if (!s->buffers) return -ENOMEM;
+    if (!s->buffers) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    size_t nchunks_all = 0;
     json_t *jb;
     json_array_foreach(jbufs, i, jb) {
         buffer *b = &s->buffers[i];
         const char *name = get_s(jb, "name"), *dtype = get_s(jb, "dtype");
         int64_t eb = get_u(jb, "elem_bytes"), total = get_u(jb, "total_bytes");
         json_t *shards = json_object_get(jb, "shards");
-        if (!name || !ckpt_valid_name(name) || !dtype || !(eb == 1 || eb == 2 || eb == 4 || eb == 8) ||
-            total < 0 || !json_is_array(shards)) {
+        if (!name || !ckpt_valid_name(name) || !ckpt_valid_name(dtype) ||
+            !(eb == 1 || eb == 2 || eb == 4 || eb == 8) || total < 0 || total % eb != 0 ||
+            !json_is_array(shards)) {
             log_why(why, why_len, "buffer entry %zu is malformed", i);
-            return -EBADMSG;
+            rc = -EBADMSG;
+            goto out;
         }
-        for (size_t k = 0; k < i; k++)
-            if (!strcmp(s->buffers[k].name, name)) {
-                log_why(why, why_len, "buffer %s appears twice", name);
-                return -EBADMSG;
-            }
         b->name = strdup(name);
         b->dtype = strdup(dtype);
-        if (!b->name || !b->dtype) return -ENOMEM;
+        if (!b->name || !b->dtype) {
+            rc = -ENOMEM;
+            goto out;
+        }
         b->elem_bytes = (uint32_t)eb;
         b->total_bytes = (uint64_t)total;
-        int rc = parse_chunks(s, b, shards, why, why_len);
-        if (rc < 0) return rc;
+        if ((rc = parse_chunks(s, b, shards, rank_file, &nchunks_all, why, why_len)) < 0) goto out;
     }
-    return 0;
+    rc = check_unique_buffers(s, why, why_len);
+out:
+    free(rank_file);
+    return rc;
 }
 
 uint64_t ckpt_snapshot_step(const ckpt_snapshot *s) { return s->step; }
@@ -457,10 +585,10 @@ static int load_chunk(const ckpt_snapshot *s, rctx *c, const buffer *b, const ch
     if (ckpt_path_join(p, sizeof p, s->path, f->name) < 0) return -ENAMETOOLONG;
     if (!c->readers[k->file]) {
         uint64_t size = 0;
-        rc = store_reader_open(&c->readers[k->file], p, 8, &size);
+        rc = store_reader_open(&c->readers[k->file], p, 8, STORE_NOFOLLOW, &size);
         if (rc < 0) {
-            log_why(bad, bad_len, "%s: cannot open: %s", p, strerror(-rc));
-            return rc == -ENOENT ? -EBADMSG : rc;
+            log_why(bad, bad_len, "%s: cannot open: %s", p, file_error_text(rc));
+            return file_error(rc);
         }
         if (size != f->bytes) {
             log_why(bad, bad_len, "%s: %llu bytes, manifest says %llu", p,
@@ -666,11 +794,23 @@ int ckpt_snapshot_open(ckpt_snapshot **out, const char *path, char *why, size_t 
     s->threads = 2;
     snprintf(s->path, sizeof s->path, "%s", path);
     ckpt_path_join(mpath, sizeof mpath, path, CKPT_MANIFEST_NAME); /* length checked above */
-    int rc = store_read_file(mpath, CKPT_MANIFEST_MAX, &text, &len);
+    int rc = store_read_file(mpath, CKPT_MAX_MANIFEST_BYTES, STORE_NOFOLLOW, &text, &len);
     if (rc < 0) {
-        if (rc == -ENOENT) log_why(why, why_len, "no %s", CKPT_MANIFEST_NAME);
-        else log_why(why, why_len, "cannot read %s: %s", CKPT_MANIFEST_NAME, strerror(-rc));
-        if (rc != -ENOMEM && rc != -ENOENT) rc = -EBADMSG;
+        struct stat st;
+        if (rc == -ENOENT && stat(path, &st) != 0 && errno == ENOENT) {
+            log_why(why, why_len, "no such snapshot folder");
+            goto out; /* -ENOENT: nothing there (or it was just removed) */
+        }
+        if (rc == -EFBIG)
+            log_why(why, why_len, "%s is larger than the format's limit of %u bytes",
+                    CKPT_MANIFEST_NAME, (unsigned)CKPT_MAX_MANIFEST_BYTES);
+        else if (rc == -ENOTDIR)
+            log_why(why, why_len, "not a folder");
+        else if (rc == -ENOENT)
+            log_why(why, why_len, "no %s", CKPT_MANIFEST_NAME);
+        else
+            log_why(why, why_len, "cannot read %s: %s", CKPT_MANIFEST_NAME, file_error_text(rc));
+        rc = file_error(rc);
         goto out;
     }
     if ((rc = check_manifest_sum(text, len, why, why_len)) < 0) goto out;
@@ -681,6 +821,8 @@ int ckpt_snapshot_open(ckpt_snapshot **out, const char *path, char *why, size_t 
         rc = -EBADMSG;
         goto out;
     }
+    free(text); /* the parsed tree is all that is needed from here on */
+    text = NULL;
     rc = parse_manifest(s, m, why, why_len);
 out:
     json_decref(m);
@@ -754,6 +896,13 @@ int ckpt_list(const char *dir, ckpt_entry **entries, size_t *n)
         ckpt_snapshot *s = NULL;
         int rc = ckpt_path_join(path, sizeof path, dir, e->d_name);
         if (rc == 0) rc = ckpt_snapshot_open(&s, path, en->reason, sizeof en->reason);
+        struct stat st;
+        if ((rc == -ENOENT || rc == -EBADMSG) && lstat(path, &st) != 0 && errno == ENOENT) {
+            /* gone since readdir saw it: retention renamed it away, or a resume set it
+             * aside; it was never corrupt, so it is not listed */
+            cnt--;
+            continue;
+        }
         if (rc == 0) {
             en->status = CKPT_STATUS_COMMITTED;
             en->created = s->created;
@@ -765,8 +914,14 @@ int ckpt_list(const char *dir, ckpt_entry **entries, size_t *n)
                          (unsigned long long)s->step);
             }
             ckpt_snapshot_close(s);
+        } else if (rc == -EPROTONOSUPPORT) {
+            en->status = CKPT_STATUS_NEWER;
+        } else if (rc == -EBADMSG || rc == -ENOENT) {
+            en->status = CKPT_STATUS_CORRUPT;
         } else {
-            en->status = rc == -EPROTONOSUPPORT ? CKPT_STATUS_NEWER : CKPT_STATUS_CORRUPT;
+            /* EMFILE, EACCES, EIO, ENOMEM...: nothing is known about the bytes */
+            en->status = CKPT_STATUS_UNREADABLE;
+            en->error = rc;
         }
     }
     closedir(d);

@@ -123,6 +123,11 @@ int ckpt_parse_temp_dirname(const char *name, uint64_t *step)
     return 0;
 }
 
+void ckpt_rank_filename(uint32_t rank, char *buf, size_t len)
+{
+    snprintf(buf, len, "rank-%05u.bin", rank);
+}
+
 void ckpt_step_dirname(uint64_t step, char *buf, size_t len)
 {
     snprintf(buf, len, "step-%09llu", (unsigned long long)step);
@@ -136,6 +141,7 @@ const char *ckpt_status_name(int status)
     case CKPT_STATUS_NEWER: return "newer-format";
     case CKPT_STATUS_INCOMPLETE: return "incomplete";
     case CKPT_STATUS_SET_ASIDE: return "set-aside";
+    case CKPT_STATUS_UNREADABLE: return "unreadable";
     default: return "unknown";
     }
 }

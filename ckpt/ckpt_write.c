@@ -54,8 +54,14 @@ static int check_opts(const ckpt_save_opts *o)
     return 0;
 }
 
+static int cmp_buffer_name(const void *a, const void *b)
+{
+    return strcmp((*(const ckpt_buffer *const *)a)->name, (*(const ckpt_buffer *const *)b)->name);
+}
+
 static int check_buffers(const ckpt_buffer *bufs, size_t nbufs, int sharded)
 {
+    if (nbufs > CKPT_MAX_BUFFERS) return -EINVAL;
     for (size_t i = 0; i < nbufs; i++) {
         const ckpt_buffer *b = &bufs[i];
         if (!ckpt_valid_name(b->name) || !ckpt_valid_name(b->dtype)) return -EINVAL;
@@ -64,11 +70,44 @@ static int check_buffers(const ckpt_buffer *bufs, size_t nbufs, int sharded)
         if (b->bytes && !b->data) return -EINVAL;
         if (b->offset > b->total_bytes || b->bytes > b->total_bytes - b->offset) return -EINVAL;
         if (b->total_bytes % b->elem_bytes || b->offset % b->elem_bytes) return -EINVAL;
+        if (b->total_bytes > (uint64_t)INT64_MAX) return -EINVAL; /* a JSON integer */
         /* a world of one rank saves whole buffers: a partial one could never be restored */
         if (!sharded && (b->offset != 0 || b->bytes != b->total_bytes)) return -EINVAL;
-        for (size_t j = 0; j < i; j++)
-            if (!strcmp(bufs[j].name, b->name)) return -EINVAL;
     }
+    if (nbufs < 2) return 0;
+    /* unique names: sorted, neighbours compared (a pairwise check is quadratic) */
+    const ckpt_buffer **v = malloc(nbufs * sizeof *v);
+    if (!v) return -ENOMEM;
+    for (size_t i = 0; i < nbufs; i++) v[i] = &bufs[i];
+    qsort(v, nbufs, sizeof *v, cmp_buffer_name);
+    int rc = 0;
+    for (size_t i = 1; i < nbufs && rc == 0; i++)
+        if (!strcmp(v[i - 1]->name, v[i]->name)) rc = -EINVAL;
+    free(v);
+    return rc;
+}
+
+uint64_t ckpt_snapshot_max_chunks(const ckpt_buffer *bufs, size_t nbufs, uint64_t chunk_bytes,
+                                  uint32_t world_size)
+{
+    if (!chunk_bytes || !world_size) return UINT64_MAX;
+    uint64_t n = 0;
+    for (size_t i = 0; i < nbufs; i++) {
+        /* cutting a buffer into W shards adds at most one chunk per shard boundary */
+        uint64_t k = bufs[i].total_bytes / chunk_bytes + (bufs[i].total_bytes % chunk_bytes != 0) +
+                     (world_size - 1);
+        if (__builtin_add_overflow(n, k, &n)) return UINT64_MAX;
+    }
+    return n;
+}
+
+uint64_t ckpt_fit_chunk_bytes(uint64_t chunk_bytes, const ckpt_buffer *bufs, size_t nbufs,
+                              uint32_t world_size)
+{
+    if (chunk_bytes < 4096 || chunk_bytes % 16) return 0;
+    for (; chunk_bytes <= (1ull << 30); chunk_bytes *= 2)
+        if (ckpt_snapshot_max_chunks(bufs, nbufs, chunk_bytes, world_size) <= CKPT_MAX_CHUNKS)
+            return chunk_bytes;
     return 0;
 }
 
@@ -83,6 +122,12 @@ static int write_manifest(const char *path, json_t *body)
     char *file = NULL;
     if (n < 2 || text[n - 1] != '}') {
         rc = -EINVAL;
+        goto out;
+    }
+    if (n + strlen(CKPT_MANIFEST_SUM_KEY) + 16 + 3 > CKPT_MAX_MANIFEST_BYTES) {
+        LOG_E(TAG, "the manifest would have %zu bytes, more than readers accept (%u)", n,
+              (unsigned)CKPT_MAX_MANIFEST_BYTES);
+        rc = -EFBIG;
         goto out;
     }
     n -= 1; /* drop the closing brace */
@@ -454,7 +499,17 @@ int ckpt_check_save_group(const ckpt_save_opts *opts, const char *run_id, const 
     if (rc < 0) return rc;
     if (!ckpt_valid_name(run_id) || !ckpt_valid_name(config_hash) || (nbufs && !bufs)) return -EINVAL;
     if ((rc = ckpt_check_group(group)) < 0) return rc;
-    return check_buffers(bufs, nbufs, group != NULL);
+    if ((rc = check_buffers(bufs, nbufs, group != NULL)) < 0) return rc;
+    uint64_t most = ckpt_snapshot_max_chunks(bufs, nbufs, opts->chunk_bytes,
+                                             group ? group->world_size : 1);
+    if (most > CKPT_MAX_CHUNKS) {
+        LOG_E(TAG, "a snapshot of this state could need %llu chunks of %llu bytes, more than the "
+              "format allows (%u): use larger chunks (ckpt_fit_chunk_bytes)",
+              (unsigned long long)most, (unsigned long long)opts->chunk_bytes,
+              (unsigned)CKPT_MAX_CHUNKS);
+        return -EINVAL;
+    }
+    return 0;
 }
 
 /* ------------------------------------------------------------------ sharded commit */
@@ -537,7 +592,7 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
     int own_files = 0; /* rank != 0: its files may lie in tmp_dir */
     int decision_known = 0; /* rank != 0: rank 0's negative decision was read */
     char file_name[32];
-    snprintf(file_name, sizeof file_name, "rank-%05u.bin", rank);
+    ckpt_rank_filename(rank, file_name, sizeof file_name);
 
     ckpt_step_dirname(step, name, sizeof name);
     char tmp_name[160];
@@ -558,6 +613,19 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
               (unsigned long long)step, trainer ? "not an object" : jerr.text);
         rc = -EINVAL;
         goto out;
+    }
+    {
+        /* as the reader measures it: compact, sorted */
+        char *compact = json_dumps(trainer, JSON_COMPACT | JSON_SORT_KEYS | JSON_REAL_PRECISION(17));
+        size_t tlen = compact ? strlen(compact) : 0;
+        free(compact);
+        if (!compact || tlen > CKPT_MAX_TRAINER_BYTES) {
+            if (compact)
+                LOG_E(TAG, "trainer record for step %llu has %zu bytes, more than readers accept "
+                      "(%u)", (unsigned long long)step, tlen, (unsigned)CKPT_MAX_TRAINER_BYTES);
+            rc = compact ? -EINVAL : -ENOMEM;
+            goto out;
+        }
     }
     if ((rc = mkdir_p(opts->dir)) < 0) {
         LOG_E(TAG, "cannot create snapshot folder %s: %s", opts->dir, strerror(-rc));
@@ -708,7 +776,7 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
         if ((rc = ckpt_snapshot_open(&probe, tmp_dir, why, sizeof why)) < 0) {
             LOG_E(TAG, "merged manifest of step %llu does not validate: %s",
                   (unsigned long long)step, why);
-            if (rc != -ENOMEM) rc = -EBADMSG;
+            if (rc == -ENOENT || rc == -EPROTONOSUPPORT) rc = -EBADMSG;
             goto out;
         }
         ckpt_snapshot_close(probe);
@@ -894,8 +962,16 @@ int ckpt_dir_lock_acquire(const char *dir, ckpt_dir_lock **out, long *holder_pid
     if (rc < 0) return rc;
     char path[CKPT_PATH_MAX];
     if ((rc = ckpt_path_join(path, sizeof path, dir, ".lock")) < 0) return rc;
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd < 0) return -errno;
+    /* never through a link (a .lock -> /some/file link would have that file overwritten with
+     * our pid), never a FIFO (O_NONBLOCK: the open does not wait), only a regular file */
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
+    if (fd < 0) return errno == ENXIO ? -ENODEV : -errno; /* ENXIO: a socket */
+    struct stat st;
+    rc = fstat(fd, &st) != 0 ? -errno : !S_ISREG(st.st_mode) ? -ENODEV : 0;
+    if (rc < 0) {
+        close(fd);
+        return rc;
+    }
     if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
         rc = errno == EWOULDBLOCK ? -EBUSY : -errno;
         if (holder_pid) {
