@@ -137,6 +137,14 @@ void store_reader_close(store_reader *r);
 int store_read_file(const char *path, size_t max_bytes, unsigned flags, char **buf_out,
                     size_t *len_out);
 
+/* The canonical absolute form of path into out (len bytes): the real path of its longest
+ * existing prefix (links resolved, relative paths taken from the working folder), then the
+ * rest with "." and ".." folded and repeated slashes dropped, so that two processes get the
+ * same text for the same folder whether or not it exists yet (one of them may be creating
+ * it). Thread-safe. Errors: -EINVAL path NULL or empty, -ENAMETOOLONG, -errno of getcwd or
+ * realpath other than ENOENT and ENOTDIR (-EACCES, -ELOOP, ...). */
+int store_canonical_path(const char *path, char *out, size_t len);
+
 /* Create `path` with the given bytes, fsync it and close it (buffered I/O).
  * Errors: -EEXIST, -ENOSPC, -EIO, other -errno. A partial file is unlinked on error. */
 int store_write_file_durable(const char *path, const void *buf, size_t len);

@@ -5,6 +5,7 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <limits.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -109,6 +110,62 @@ out:
     free(buf);
     close(fd);
     return rc;
+}
+
+int store_canonical_path(const char *path, char *out, size_t len)
+{
+    char abs[2 * 4096];
+    if (!path || !*path) return -EINVAL;
+    if (path[0] == '/') {
+        if (snprintf(abs, sizeof abs, "%s", path) >= (int)sizeof abs) return -ENAMETOOLONG;
+    } else {
+        char cwd[4096];
+        if (!getcwd(cwd, sizeof cwd)) return -errno;
+        if (snprintf(abs, sizeof abs, "%s/%s", cwd, path) >= (int)sizeof abs) return -ENAMETOOLONG;
+    }
+    /* the longest prefix that exists, resolved; cut at a '/' each time it does not */
+    size_t n = strlen(abs);
+    char real[PATH_MAX];
+    for (;;) {
+        char save = abs[n];
+        abs[n] = '\0';
+        char *r = realpath(n ? abs : "/", real);
+        abs[n] = save;
+        if (r) break;
+        if (errno != ENOENT && errno != ENOTDIR) return -errno;
+        while (n > 0 && abs[n - 1] != '/') n--; /* drop the last component */
+        while (n > 1 && abs[n - 1] == '/') n--;
+        if (n <= 1) {
+            snprintf(real, sizeof real, "/");
+            n = 0;
+            break;
+        }
+    }
+    /* the rest, component by component: "." dropped, ".." takes one back */
+    size_t o = (size_t)snprintf(out, len, "%s", real);
+    if (o >= len) return -ENAMETOOLONG;
+    const char *p = abs + n;
+    while (*p) {
+        while (*p == '/') p++;
+        const char *e = p;
+        while (*e && *e != '/') e++;
+        size_t k = (size_t)(e - p);
+        if (k == 0) break;
+        if (k == 1 && p[0] == '.') {
+        } else if (k == 2 && p[0] == '.' && p[1] == '.') {
+            while (o > 1 && out[o - 1] != '/') o--;
+            if (o > 1) o--;
+            out[o] = '\0';
+        } else {
+            if (o + (o > 1) + k + 1 > len) return -ENAMETOOLONG;
+            if (o > 1) out[o++] = '/';
+            memcpy(out + o, p, k);
+            o += k;
+            out[o] = '\0';
+        }
+        p = e;
+    }
+    return 0;
 }
 
 int store_write_file_durable(const char *path, const void *buf, size_t len)

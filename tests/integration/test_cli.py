@@ -86,7 +86,7 @@ class Cli(h.TempDirTest):
         self.assertTrue(v["ok"])
         p = h.run([h.INSPECT, "show", os.path.join(ckpt, "step-000000099")])
         self.assertEqual(p.returncode, 1)
-        self.assertIn("no manifest.json", p.stderr)
+        self.assertIn("no such snapshot folder", p.stderr)
 
     def test_inspect_plan(self):
         """ckpt-inspect plan: each rank of a new world size needs exactly its range of the
@@ -127,7 +127,7 @@ class Cli(h.TempDirTest):
             self.assertIn(msg, p.stderr)
         p = h.run([h.INSPECT, "plan", os.path.join(ckpt, "step-000000099"), "--world-size", "2"])
         self.assertEqual(p.returncode, 1)
-        self.assertIn("no manifest.json", p.stderr)
+        self.assertIn("no such snapshot folder", p.stderr)
 
 
 if __name__ == "__main__":

@@ -210,7 +210,7 @@ class Export(h.TempDirTest):
         with open(self.out, "wb") as f:
             f.write(b"precious")
         r = self.export()
-        self.assertEqual(r.returncode, 1)
+        self.assertEqual(r.returncode, 2, "an existing OUT without --force is a usage error")
         self.assertRegex(r.stderr, re.escape(self.out) + r": exists")
         self.assertEqual(read_bytes(self.out), b"precious")
         self.assertEqual(self.leftovers(), [])

@@ -519,6 +519,42 @@ static void test_file_types(const char *dir)
     free(link);
 }
 
+/* One canonical text for a folder whether or not it exists yet (ranks compare it while rank 0
+ * may be creating it): links of the existing prefix resolved, the rest folded. */
+static void test_canonical_path(const char *dir)
+{
+    char real[4096], out[4096], want[4200], in[4200];
+    T_REQUIRE(realpath(dir, real) != NULL, "realpath");
+    T_CHECK(store_canonical_path(dir, out, sizeof out) == 0 && !strcmp(out, real), "existing: %s", out);
+    static const struct { const char *in, *tail; } cases[] = {
+        {"/new/sub", "/new/sub"}, {"/new/../x", "/x"}, {"//a/./b/", "/a/b"},
+        {"/a/b/../../c", "/c"}, {"/.", ""},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        snprintf(in, sizeof in, "%s%s", dir, cases[i].in);
+        snprintf(want, sizeof want, "%s%s", real, cases[i].tail);
+        T_CHECK(store_canonical_path(in, out, sizeof out) == 0 && !strcmp(out, want),
+                "%s: %s, want %s", in, out, want);
+    }
+    char *link = path_in(dir, "link");
+    REQUIRE_OK(symlink(real, link), "symlink");
+    snprintf(in, sizeof in, "%s/new", link);
+    snprintf(want, sizeof want, "%s/new", real);
+    T_CHECK(store_canonical_path(in, out, sizeof out) == 0 && !strcmp(out, want), "via link: %s", out);
+    char cwd[4096];
+    T_REQUIRE(getcwd(cwd, sizeof cwd) != NULL, "getcwd");
+    REQUIRE_OK(chdir(dir), "chdir");
+    snprintf(want, sizeof want, "%s/rel/x", real);
+    T_CHECK(store_canonical_path("rel/x", out, sizeof out) == 0 && !strcmp(out, want), "relative: %s", out);
+    T_CHECK(store_canonical_path("./rel/./x", out, sizeof out) == 0 && !strcmp(out, want), "./: %s", out);
+    REQUIRE_OK(chdir(cwd), "chdir back");
+    T_CHECK(store_canonical_path("/", out, sizeof out) == 0 && !strcmp(out, "/"), "root: %s", out);
+    T_CHECK(store_canonical_path("", out, sizeof out) == -EINVAL, "empty");
+    T_CHECK(store_canonical_path(dir, out, 4) == -ENAMETOOLONG, "short buffer");
+    unlink(link);
+    free(link);
+}
+
 static void run_all(const char *dir)
 {
     printf("storage tests in %s\n", dir);
@@ -527,6 +563,7 @@ static void run_all(const char *dir)
     test_reader(dir);
     test_file_helpers(dir);
     test_file_types(dir);
+    test_canonical_path(dir);
 }
 
 int main(void)
