@@ -279,32 +279,36 @@ static int optimizer_param(ctx *c, const char *path, const char *name,
   const int adam = a->adam;
   int rc = 0;
   if (!strcmp(name, "lr")) {
-    rc = get_num(c, path, v, LR, 0, &o->has_lr, &o->lr, &c->opt_lr);
+    rc = get_num(c, path, v, LR, 1, &o->has_lr, &o->lr, &c->opt_lr);
     c->has_opt_lr = o->has_lr;
   } else if (!strcmp(name, "betas")) {
     const range br = {0, 1, 0, 1};
     int h1 = 0, h2 = 0;
-    if (!json_is_array(v) || json_array_size(v) != 2) {
+    if (is_auto(v)) {
+      o->has_betas = 0; /* both from the flags or the defaults */
+    } else if (!json_is_array(v) || json_array_size(v) != 2) {
       char got[64];
       describe(v, got, sizeof got);
       rc = fail(c, path, "expected [beta1, beta2], got %s", got);
     } else {
       char ekey[KEY_MAX + 8];
       snprintf(ekey, sizeof ekey, "%s[0]", path);
-      rc = get_num(c, ekey, json_array_get(v, 0), br, 0, &h1, &o->beta1, NULL);
+      rc = get_num(c, ekey, json_array_get(v, 0), br, 1, &h1, &o->beta1, NULL);
       if (!rc) {
         snprintf(ekey, sizeof ekey, "%s[1]", path);
         rc =
-            get_num(c, ekey, json_array_get(v, 1), br, 0, &h2, &o->beta2, NULL);
+            get_num(c, ekey, json_array_get(v, 1), br, 1, &h2, &o->beta2, NULL);
       }
+      if (!rc && h1 != h2)
+        rc = fail(c, path, "give both betas, or \"auto\" for both");
       o->has_betas = h1 && h2;
     }
   } else if (!strcmp(name, "eps")) {
     const range er = {0, INFINITY, 1, 0};
-    rc = get_num(c, path, v, er, 0, &o->has_eps, &o->eps, NULL);
+    rc = get_num(c, path, v, er, 1, &o->has_eps, &o->eps, NULL);
   } else if (!strcmp(name, "weight_decay")) {
     const range wr = {0, 10, 0, 0};
-    rc = get_num(c, path, v, wr, 0, &o->has_weight_decay, &o->weight_decay,
+    rc = get_num(c, path, v, wr, 1, &o->has_weight_decay, &o->weight_decay,
                  NULL);
   } else if (!strcmp(name, "adam_w_mode")) {
     /* DeepSpeed: "Adam" means AdamW unless adam_w_mode is false; "AdamW" is
@@ -335,17 +339,17 @@ static int scheduler_param(ctx *c, const char *path, const char *name,
   const int kind = a->kind;
   int rc = 0;
   if (!strcmp(name, "warmup_num_steps")) {
-    rc = get_int(c, path, v, 0, INT_MAX, 0, &o->has_warmup, &o->warmup);
+    rc = get_int(c, path, v, 0, INT_MAX, 1, &o->has_warmup, &o->warmup);
   } else if (!strcmp(name, "total_num_steps")) {
-    rc = get_int(c, path, v, 1, INT_MAX, 0, &o->has_total_steps,
+    rc = get_int(c, path, v, 1, INT_MAX, 1, &o->has_total_steps,
                  &o->total_steps);
   } else if (!strcmp(name, "cos_min_ratio") && kind == SCHED_COSINE) {
     const range mr = {0, 1, 0, 0};
-    rc = get_num(c, path, v, mr, 0, &o->has_min_lr_ratio, &o->min_lr_ratio,
+    rc = get_num(c, path, v, mr, 1, &o->has_min_lr_ratio, &o->min_lr_ratio,
                  NULL);
   } else if (!strcmp(name, "warmup_max_lr")) {
     float f;
-    rc = get_num(c, path, v, LR, 0, &c->has_sched_lr, &f, &c->sched_lr);
+    rc = get_num(c, path, v, LR, 1, &c->has_sched_lr, &f, &c->sched_lr);
   } else {
     rc = note(c, path, NULL);
   }

@@ -143,6 +143,34 @@ static void test_empty_and_auto(void) {
   T_CHECK(c.has_seed && c.seed == 0, "%d %d", c.has_seed, c.seed);
   T_CHECK(unk[0] == 0, "'%s'", unk);
   free(p);
+
+  /* "auto" in optimizer.params and scheduler.params, as Hugging Face's DeepSpeed
+   * configs write them: the flags or the defaults supply the values (issue 9) */
+  p = put("auto_opt.json",
+          "{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": \"auto\", "
+          "\"betas\": \"auto\", \"eps\": \"auto\", \"weight_decay\": \"auto\"}}, "
+          "\"scheduler\": {\"type\": \"WarmupCosineLR\", \"params\": "
+          "{\"warmup_num_steps\": \"auto\", \"total_num_steps\": \"auto\", "
+          "\"warmup_max_lr\": \"auto\", \"cos_min_ratio\": \"auto\"}}}");
+  memset(&c, 0x5a, sizeof c);
+  rc = train_ds_config_load(p, &c, why, sizeof why, unk, sizeof unk);
+  T_CHECK(rc == 0, "auto optimizer/scheduler params: rc %d %s", rc, why);
+  T_CHECK(!c.has_lr && !c.has_betas && !c.has_eps && !c.has_weight_decay &&
+              !c.has_warmup && !c.has_total_steps && !c.has_min_lr_ratio,
+          "auto must leave has_ 0");
+  free(p);
+  p = put("auto_beta.json",
+          "{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"betas\": "
+          "[\"auto\", 0.95]}}}");
+  rc = train_ds_config_load(p, &c, why, sizeof why, unk, sizeof unk);
+  T_CHECK(rc == -EINVAL && strstr(why, "optimizer.params.betas"), "one beta auto: %d %s", rc, why);
+  free(p);
+  p = put("auto_betas2.json",
+          "{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"betas\": "
+          "[\"auto\", \"auto\"], \"lr\": 0.001}}}");
+  rc = train_ds_config_load(p, &c, why, sizeof why, unk, sizeof unk);
+  T_CHECK(rc == 0 && !c.has_betas && c.has_lr, "both betas auto: %d %s", rc, why);
+  free(p);
 }
 
 static void test_scheduler_and_optimizer(void) {
@@ -206,7 +234,7 @@ static const bad bads[] = {
     {"{\"seed\": 1, \"seed\": 2}", -EINVAL, "line 1 column "},
     /* wrong type */
     {"{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": \"abc\"}}}",
-     -EINVAL, "optimizer.params.lr: expected a number in (0, 10], got \"abc\""},
+     -EINVAL, "optimizer.params.lr: expected a number in (0, 10] or \"auto\", got \"abc\""},
     {"{\"zero_optimization\": 2}", -EINVAL,
      "zero_optimization: expected an object, got 2"},
     {"{\"optimizer\": {\"type\": \"AdamW\", \"params\": [1]}}", -EINVAL,
@@ -244,20 +272,20 @@ static const bad bads[] = {
     {"{\"zero_optimization\": {\"stage\": 4}}", -EINVAL,
      "zero_optimization.stage: expected an integer in [0, 3], got 4"},
     {"{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 0}}}", -EINVAL,
-     "optimizer.params.lr: expected a number in (0, 10], got 0"},
+     "optimizer.params.lr: expected a number in (0, 10] or \"auto\", got 0"},
     {"{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 11}}}",
      -EINVAL, "optimizer.params.lr: expected a number in (0, 10]"},
     {"{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"betas\": [0.9, "
      "1.0]}}}",
      -EINVAL,
-     "optimizer.params.betas[1]: expected a number in [0, 1), got 1.0"},
+     "optimizer.params.betas[1]: expected a number in [0, 1) or \"auto\", got 1.0"},
     {"{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"betas\": "
      "[0.9999999999, 0.9]}}}",
      -EINVAL,
      "optimizer.params.betas[0]: expected a number in [0, 1)"}, /* 1.0f as float
                                                                  */
     {"{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"eps\": 0}}}",
-     -EINVAL, "optimizer.params.eps: expected a number > 0, got 0"},
+     -EINVAL, "optimizer.params.eps: expected a number > 0 or \"auto\", got 0"},
     {"{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"eps\": 1e-50}}}",
      -EINVAL, "optimizer.params.eps: expected a number > 0"}, /* 0 as a float */
     {"{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"weight_decay\": "
@@ -266,15 +294,15 @@ static const bad bads[] = {
     {"{\"scheduler\": {\"type\": \"WarmupCosineLR\", \"params\": "
      "{\"cos_min_ratio\": 1.5}}}",
      -EINVAL,
-     "scheduler.params.cos_min_ratio: expected a number in [0, 1], got 1.5"},
+     "scheduler.params.cos_min_ratio: expected a number in [0, 1] or \"auto\", got 1.5"},
     {"{\"scheduler\": {\"type\": \"WarmupCosineLR\", \"params\": "
      "{\"total_num_steps\": 0}}}",
      -EINVAL,
-     "scheduler.params.total_num_steps: expected an integer >= 1, got 0"},
+     "scheduler.params.total_num_steps: expected an integer >= 1 or \"auto\", got 0"},
     {"{\"scheduler\": {\"type\": \"WarmupLR\", \"params\": "
      "{\"warmup_num_steps\": -5}}}",
      -EINVAL,
-     "scheduler.params.warmup_num_steps: expected an integer >= 0, got -5"},
+     "scheduler.params.warmup_num_steps: expected an integer >= 0 or \"auto\", got -5"},
     {"{\"checkpoint\": {\"zstd_level\": 20}}", -EINVAL,
      "checkpoint.zstd_level: expected an integer in [-7, 19], got 20"},
     {"{\"checkpoint\": {\"keep_last\": -1}}", -EINVAL,
