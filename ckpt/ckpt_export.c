@@ -288,13 +288,26 @@ int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_e
     /* header: metadata first, then the tensors in table order */
     char step[32];
     snprintf(step, sizeof step, "%llu", (unsigned long long)ckpt_snapshot_step(s));
-    source = realpath(ckpt_snapshot_path(s), NULL);
+    {
+        /* metadata values must be UTF-8 (safetensors readers, and jansson refuses others):
+         * a path that is not gets \xNN for its odd bytes */
+        char *real = realpath(ckpt_snapshot_path(s), NULL);
+        const char *p = real ? real : ckpt_snapshot_path(s);
+        size_t cap = 4 * strlen(p) + 1;
+        source = malloc(cap);
+        if (source) log_printable(source, cap, p, strlen(p));
+        free(real);
+        if (!source) {
+            rc = -ENOMEM;
+            goto out;
+        }
+    }
     const char *digest = json_string_value(json_object_get(trainer, "params_digest"));
     json_t *meta = json_pack("{s:s, s:s, s:s, s:s, s:s, s:s}", "format", "pt", "step", step,
                              "run_id", ckpt_snapshot_run_id(s) ? ckpt_snapshot_run_id(s) : "",
                              "config_hash",
                              ckpt_snapshot_config_hash(s) ? ckpt_snapshot_config_hash(s) : "",
-                             "source_snapshot", source ? source : ckpt_snapshot_path(s),
+                             "source_snapshot", source,
                              "producer", "ckpt-inspect " CKPT_VERSION);
     hdr = json_object();
     if (!meta || !hdr || json_object_set_new(hdr, "__metadata__", meta) ||

@@ -41,7 +41,69 @@ static const char usage_text[] =
     "  -q, --quiet        no progress lines\n"
     "  -h, --help         this text\n"
     "\n"
-    "Exit status: 0 success, 1 failure (corrupt or unreadable snapshot), 2 usage error.\n";
+    "Names and paths that are not printable UTF-8 are shown with \\xNN for each such byte,\n"
+    "in text and in JSON.\n"
+    "\n"
+    "Exit status: 0 success; 1 the snapshot is corrupt, missing, of a newer format or\n"
+    "refused (export: also a failed write); 2 usage error (export: OUT exists without\n"
+    "--force); 3 the snapshot could not be read for a reason that says nothing about its\n"
+    "bytes (too many open files, permission, I/O error, out of memory): it may be fine.\n";
+
+enum { EXIT_FAILURE_ = 1, EXIT_USAGE = 2, EXIT_UNREADABLE = 3 };
+
+/* Exit status for a failure to open or read a snapshot: only evidence about the snapshot
+ * (corrupt, missing, newer format, refused) is 1 (DESIGN I7). */
+static int status_of(int rc)
+{
+    switch (rc) {
+    case -EBADMSG: case -ENOENT: case -EPROTONOSUPPORT: case -EINVAL: return EXIT_FAILURE_;
+    default: return EXIT_UNREADABLE;
+    }
+}
+
+/* What a failure means, for JSON: "corrupt", "missing", "newer-format", "refused" or
+ * "unreadable". */
+static const char *verdict_of(int rc)
+{
+    switch (rc) {
+    case -EBADMSG: return "corrupt";
+    case -ENOENT: return "missing";
+    case -EPROTONOSUPPORT: return "newer-format";
+    case -EINVAL: return "refused";
+    default: return "unreadable";
+    }
+}
+
+/* Printable form of a name or path from outside (log_printable), for text output: one of a
+ * few rotating buffers, valid until the call after next-but-six. */
+static const char *P(const char *s)
+{
+    static char bufs[8][4 * CKPT_PATH_MAX + 1];
+    static unsigned next;
+    char *b = bufs[next++ % 8];
+    log_printable(b, sizeof bufs[0], s ? s : "", s ? strlen(s) : 0);
+    return b;
+}
+
+/* A JSON string of any bytes (printable UTF-8, as P): json_pack's "s" returns NULL on text
+ * that is not valid UTF-8, and a NULL output crashed the program. */
+static json_t *J(const char *s) { return json_string(P(s)); }
+
+/* Print a JSON value, or a one-line error when it could not be built or dumped. ASCII only
+ * (JSON_ENSURE_ASCII): a string from a manifest may hold C1 controls, which a terminal can
+ * obey, and JSON escapes them only on request. */
+static int print_json(json_t *o, size_t flags)
+{
+    char *t = o ? json_dumps(o, flags | JSON_ENSURE_ASCII) : NULL;
+    json_decref(o);
+    if (!t) {
+        fprintf(stderr, "ckpt-inspect: out of memory building the JSON output\n");
+        return -1;
+    }
+    printf("%s\n", t);
+    free(t);
+    return 0;
+}
 
 static void fmt_time(int64_t t, char *buf, size_t len)
 {
@@ -74,34 +136,35 @@ static int cmd_list(const char *dir, int json)
     size_t n;
     struct stat st;
     if (stat(dir, &st) != 0) {
-        fprintf(stderr, "ckpt-inspect: cannot list %s: %s\n", dir, strerror(errno));
-        return 1;
+        int err = errno;
+        fprintf(stderr, "ckpt-inspect: cannot list %s: %s\n", P(dir), strerror(err));
+        return err == ENOENT || err == ENOTDIR ? EXIT_FAILURE_ : EXIT_UNREADABLE;
     }
     if (!S_ISDIR(st.st_mode)) {
-        fprintf(stderr, "ckpt-inspect: cannot list %s: not a folder\n", dir);
-        return 1;
+        fprintf(stderr, "ckpt-inspect: cannot list %s: not a folder\n", P(dir));
+        return EXIT_FAILURE_;
     }
     int rc = ckpt_list(dir, &e, &n);
     if (rc < 0) {
-        fprintf(stderr, "ckpt-inspect: cannot list %s: %s\n", dir, strerror(-rc));
-        return 1;
+        fprintf(stderr, "ckpt-inspect: cannot list %s: %s\n", P(dir), strerror(-rc));
+        return EXIT_UNREADABLE;
     }
     if (json) {
         json_t *arr = json_array();
         for (size_t i = 0; i < n; i++) {
-            json_t *o = json_pack("{s:s, s:I, s:s, s:I, s:I, s:I}", "name", e[i].name, "step",
+            json_t *o = json_pack("{s:o, s:I, s:s, s:I, s:I, s:I}", "name", J(e[i].name), "step",
                                   (json_int_t)e[i].step, "status", ckpt_status_name(e[i].status),
                                   "created_unix", (json_int_t)e[i].created, "raw_bytes",
                                   (json_int_t)e[i].raw_bytes, "stored_bytes",
                                   (json_int_t)e[i].stored_bytes);
-            if (e[i].reason[0]) json_object_set_new(o, "reason", json_string(e[i].reason));
+            if (o && e[i].reason[0]) json_object_set_new(o, "reason", J(e[i].reason));
+            if (o && e[i].error) json_object_set_new(o, "error", J(strerror(-e[i].error)));
             json_array_append_new(arr, o);
         }
-        json_t *top = json_pack("{s:s, s:o}", "dir", dir, "snapshots", arr);
-        char *s = json_dumps(top, JSON_INDENT(2));
-        printf("%s\n", s);
-        free(s);
-        json_decref(top);
+        if (print_json(json_pack("{s:o, s:o}", "dir", J(dir), "snapshots", arr), JSON_INDENT(2))) {
+            free(e);
+            return EXIT_UNREADABLE;
+        }
     } else {
         printf("%-12s %-20s %12s %12s %6s  %s\n", "step", "time (UTC)", "raw", "stored", "ratio",
                "status");
@@ -119,29 +182,29 @@ static int cmd_list(const char *dir, int json)
                 snprintf(ratio, sizeof ratio, "-");
             }
             printf("%-12llu %-20s %12s %12s %6s  %s%s%s\n", (unsigned long long)e[i].step, t, r, s,
-                   ratio, ckpt_status_name(e[i].status), e[i].reason[0] ? ": " : "", e[i].reason);
+                   ratio, ckpt_status_name(e[i].status), e[i].reason[0] ? ": " : "", P(e[i].reason));
         }
-        if (n == 0) printf("(no snapshots in %s)\n", dir);
+        if (n == 0) printf("(no snapshots in %s)\n", P(dir));
     }
     free(e);
     return 0;
 }
 
+/* Open a snapshot; on failure report it (stderr, and JSON on stdout) and return the exit
+ * status, else 0. */
 static int open_or_report(ckpt_snapshot **s, const char *path, int json)
 {
     char why[512] = "";
     int rc = ckpt_snapshot_open(s, path, why, sizeof why);
     if (rc < 0) {
-        if (json) {
-            json_t *o = json_pack("{s:s, s:b, s:s}", "snapshot", path, "ok", 0, "error",
-                                  why[0] ? why : strerror(-rc));
-            char *t = json_dumps(o, JSON_INDENT(2));
-            printf("%s\n", t);
-            free(t);
-            json_decref(o);
-        }
-        fprintf(stderr, "ckpt-inspect: %s: %s\n", path, why[0] ? why : strerror(-rc));
-        return 1;
+        if (json)
+            print_json(json_pack("{s:o, s:b, s:s, s:o}", "snapshot", J(path), "ok", 0, "status",
+                                 verdict_of(rc), "error", J(why[0] ? why : strerror(-rc))),
+                       JSON_INDENT(2));
+        fprintf(stderr, "ckpt-inspect: %s: %s%s\n", P(path), why[0] ? why : strerror(-rc),
+                status_of(rc) == EXIT_UNREADABLE ? " (could not read; the snapshot may be fine)"
+                                                 : "");
+        return status_of(rc);
     }
     return 0;
 }
@@ -149,7 +212,8 @@ static int open_or_report(ckpt_snapshot **s, const char *path, int json)
 static int cmd_show(const char *path, int json)
 {
     ckpt_snapshot *s;
-    if (open_or_report(&s, path, json)) return 1;
+    int orc = open_or_report(&s, path, json);
+    if (orc) return orc;
     uint64_t raw, stored;
     ckpt_snapshot_sizes(s, &raw, &stored);
     json_error_t jerr;
@@ -159,31 +223,28 @@ static int cmd_show(const char *path, int json)
         for (size_t i = 0; i < ckpt_snapshot_nbuffers(s); i++) {
             ckpt_buffer_info bi;
             ckpt_snapshot_buffer_info(s, i, &bi);
-            json_array_append_new(bufs, json_pack("{s:s, s:s, s:i, s:I, s:I, s:I}", "name", bi.name,
-                                                  "dtype", bi.dtype, "elem_bytes", (int)bi.elem_bytes,
+            json_array_append_new(bufs, json_pack("{s:o, s:o, s:i, s:I, s:I, s:I}", "name", J(bi.name),
+                                                  "dtype", J(bi.dtype), "elem_bytes", (int)bi.elem_bytes,
                                                   "raw_bytes", (json_int_t)bi.total_bytes,
                                                   "stored_bytes", (json_int_t)bi.stored_bytes,
                                                   "chunks", (json_int_t)bi.nchunks));
         }
-        json_t *o = json_pack("{s:s, s:I, s:i, s:s, s:s, s:I, s:I, s:I, s:o, s:o}", "snapshot",
-                              path, "step", (json_int_t)ckpt_snapshot_step(s), "world_size",
+        json_t *o = json_pack("{s:o, s:I, s:i, s:s, s:s, s:I, s:I, s:I, s:o, s:o}", "snapshot",
+                              J(path), "step", (json_int_t)ckpt_snapshot_step(s), "world_size",
                               (int)ckpt_snapshot_world_size(s), "run_id", ckpt_snapshot_run_id(s),
                               "config_hash", ckpt_snapshot_config_hash(s), "created_unix",
                               (json_int_t)ckpt_snapshot_created(s), "raw_bytes", (json_int_t)raw,
                               "stored_bytes", (json_int_t)stored, "buffers", bufs, "trainer",
                               trainer ? trainer : json_object());
-        char *t = json_dumps(o, JSON_INDENT(2) | JSON_REAL_PRECISION(17));
-        printf("%s\n", t);
-        free(t);
-        json_decref(o);
+        int prc = print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(17));
         ckpt_snapshot_close(s);
-        return 0;
+        return prc ? EXIT_UNREADABLE : 0;
     }
     char t[32], r[32], st[32];
     fmt_time(ckpt_snapshot_created(s), t, sizeof t);
     fmt_bytes(raw, r, sizeof r);
     fmt_bytes(stored, st, sizeof st);
-    printf("snapshot     %s\n", path);
+    printf("snapshot     %s\n", P(path));
     printf("step         %llu\n", (unsigned long long)ckpt_snapshot_step(s));
     printf("world size   %u\n", ckpt_snapshot_world_size(s));
     printf("run id       %s\n", ckpt_snapshot_run_id(s));
@@ -203,10 +264,9 @@ static int cmd_show(const char *path, int json)
     }
     json_t *tensors = json_object_get(trainer, "tensors");
     if (json_is_array(tensors)) {
+        const char *tb = json_string_value(json_object_get(trainer, "tensor_buffer"));
         printf("\ntensors (%zu, offsets in elements of buffer %s)\n", json_array_size(tensors),
-               json_string_value(json_object_get(trainer, "tensor_buffer"))
-                   ? json_string_value(json_object_get(trainer, "tensor_buffer"))
-                   : "params");
+               tb ? P(tb) : "params");
         size_t i;
         json_t *tt;
         json_array_foreach(tensors, i, tt) {
@@ -218,7 +278,7 @@ static int cmd_show(const char *path, int json)
                                         (long long)json_integer_value(d));
                 if (off >= sizeof shape) break;
             }
-            printf("  %-28s (%s) at %lld\n", json_string_value(json_object_get(tt, "name")), shape,
+            printf("  %-28s (%s) at %lld\n", P(json_string_value(json_object_get(tt, "name"))), shape,
                    (long long)json_integer_value(json_object_get(tt, "offset")));
         }
     }
@@ -227,8 +287,10 @@ static int cmd_show(const char *path, int json)
     json_t *val;
     json_object_foreach(trainer, key, val) {
         if (!strcmp(key, "tensors") || !strcmp(key, "tensor_buffer")) continue;
-        char *txt = json_dumps(val, JSON_COMPACT | JSON_ENCODE_ANY | JSON_REAL_PRECISION(10));
-        printf("  %-12s %s\n", key, txt ? txt : "?");
+        /* ASCII only: every control or non-ASCII character as a \\u escape */
+        char *txt = json_dumps(val, JSON_COMPACT | JSON_ENCODE_ANY | JSON_ENSURE_ASCII |
+                                        JSON_REAL_PRECISION(10));
+        printf("  %-12s %s\n", P(key), txt ? txt : "?");
         free(txt);
     }
     json_decref(trainer);
@@ -264,7 +326,8 @@ static int on_progress(void *ctx, uint64_t done, uint64_t total)
 static int cmd_verify(const char *path, int json, int quiet)
 {
     ckpt_snapshot *s;
-    if (open_or_report(&s, path, json)) return 1;
+    int orc = open_or_report(&s, path, json);
+    if (orc) return orc;
     progress_state p = {.quiet = quiet || json};
     clock_gettime(CLOCK_MONOTONIC, &p.start);
     p.last = p.start;
@@ -276,61 +339,63 @@ static int cmd_verify(const char *path, int json, int quiet)
     uint64_t raw, stored;
     ckpt_snapshot_sizes(s, &raw, &stored);
     if (json) {
-        json_t *o = json_pack("{s:s, s:b, s:I, s:I, s:f}", "snapshot", path, "ok", rc == 0,
+        json_t *o = json_pack("{s:o, s:b, s:I, s:I, s:f}", "snapshot", J(path), "ok", rc == 0,
                               "raw_bytes", (json_int_t)raw, "stored_bytes", (json_int_t)stored,
                               "seconds", (double)(int64_t)(el * 1e6) / 1e6);
-        if (rc < 0) json_object_set_new(o, "error", json_string(bad[0] ? bad : strerror(-rc)));
-        char *t = json_dumps(o, JSON_INDENT(2));
-        printf("%s\n", t);
-        free(t);
-        json_decref(o);
+        if (o && rc < 0) {
+            json_object_set_new(o, "status", json_string(verdict_of(rc)));
+            json_object_set_new(o, "error", J(bad[0] ? bad : strerror(-rc)));
+        }
+        print_json(o, JSON_INDENT(2));
     }
     if (rc < 0) {
-        fprintf(stderr, "ckpt-inspect: verify %s failed: %s\n", path, bad[0] ? bad : strerror(-rc));
+        fprintf(stderr, "ckpt-inspect: verify %s failed: %s%s\n", P(path), bad[0] ? bad : strerror(-rc),
+                status_of(rc) == EXIT_UNREADABLE ? " (could not read; the snapshot may be fine)"
+                                                 : "");
     } else if (!json) {
-        printf("OK %s: step %llu, %llu raw bytes in %.2f s (%.1f MiB/s)\n", path,
+        printf("OK %s: step %llu, %llu raw bytes in %.2f s (%.1f MiB/s)\n", P(path),
                (unsigned long long)ckpt_snapshot_step(s), (unsigned long long)raw, el,
                el > 0 ? (double)raw / 1048576.0 / el : 0.0);
     }
     ckpt_snapshot_close(s);
-    return rc < 0 ? 1 : 0;
+    return rc < 0 ? status_of(rc) : 0;
 }
 
 static int cmd_export(const char *path, const char *out, int json, const ckpt_export_opts *eo)
 {
     const int force = eo->force;
     ckpt_snapshot *s;
-    if (open_or_report(&s, path, json)) return 1;
+    int orc = open_or_report(&s, path, json);
+    if (orc) return orc;
     char why[768] = "";
     ckpt_export_stats st = {0};
     int rc = ckpt_export_safetensors(s, out, eo, &st, why, sizeof why);
     ckpt_snapshot_close(s);
     const char *msg = why[0] ? why : strerror(-rc);
     if (json) {
-        json_t *o = json_pack("{s:s, s:s, s:b}", "snapshot", path, "output", out, "ok", rc == 0);
-        if (rc < 0) {
-            json_object_set_new(o, "error", json_string(msg));
-        } else {
+        json_t *o = json_pack("{s:o, s:o, s:b}", "snapshot", J(path), "output", J(out), "ok", rc == 0);
+        if (o && rc < 0) {
+            json_object_set_new(o, "error", J(msg));
+        } else if (o) {
             json_object_set_new(o, "tensors", json_integer((json_int_t)st.tensors));
             json_object_set_new(o, "data_bytes", json_integer((json_int_t)st.data_bytes));
             json_object_set_new(o, "file_bytes", json_integer((json_int_t)st.file_bytes));
             json_object_set_new(o, "seconds", json_real(st.seconds));
         }
-        char *t = json_dumps(o, JSON_INDENT(2));
-        printf("%s\n", t);
-        free(t);
-        json_decref(o);
+        print_json(o, JSON_INDENT(2));
     }
     if (rc < 0) {
-        fprintf(stderr, "ckpt-inspect: export %s failed: %s%s\n", path, msg,
-                rc == -EEXIST && !force && access(out, F_OK) == 0 ? " (--force replaces it)" : "");
-        return 1;
+        int exists = rc == -EEXIST && !force && access(out, F_OK) == 0;
+        fprintf(stderr, "ckpt-inspect: export %s failed: %s%s\n", P(path), msg,
+                exists ? " (--force replaces it)" : "");
+        /* an existing OUT without --force is a usage error, like any refused argument */
+        return exists ? EXIT_USAGE : EXIT_FAILURE_;
     }
     if (!json)
         printf("exported %zu tensors (%llu bytes of data, %llu bytes in all) from %s to %s in "
                "%.2f s\n",
                st.tensors, (unsigned long long)st.data_bytes, (unsigned long long)st.file_bytes,
-               path, out, st.seconds);
+               P(path), P(out), st.seconds);
     return 0;
 }
 
@@ -340,14 +405,15 @@ static int cmd_export(const char *path, const char *out, int json, const ckpt_ex
 static int cmd_plan(const char *path, uint32_t world, int json)
 {
     ckpt_snapshot *s;
-    if (open_or_report(&s, path, json)) return 1;
+    int orc = open_or_report(&s, path, json);
+    if (orc) return orc;
     ckpt_rank_reads *rr = calloc(world, sizeof *rr);
     int rc = rr ? ckpt_snapshot_plan(s, PLAN_ALIGN_BYTES, world, rr) : -ENOMEM;
     if (rc < 0) {
-        fprintf(stderr, "ckpt-inspect: plan %s: %s\n", path, strerror(-rc));
+        fprintf(stderr, "ckpt-inspect: plan %s: %s\n", P(path), strerror(-rc));
         free(rr);
         ckpt_snapshot_close(s);
-        return 1;
+        return status_of(rc);
     }
     ckpt_rank_reads tot = {0, 0, 0, 0, 0};
     for (uint32_t r = 0; r < world; r++) {
@@ -368,20 +434,17 @@ static int cmd_plan(const char *path, uint32_t world, int json)
                                                    (json_int_t)rr[r].read_stored_bytes, "chunks",
                                                    (json_int_t)rr[r].chunks, "files",
                                                    (json_int_t)rr[r].files));
-        json_t *o = json_pack("{s:s, s:I, s:i, s:i, s:I, s:I, s:I, s:I, s:o}", "snapshot", path,
+        json_t *o = json_pack("{s:o, s:I, s:i, s:i, s:I, s:I, s:I, s:I, s:o}", "snapshot", J(path),
                               "step", (json_int_t)ckpt_snapshot_step(s), "saved_world_size",
                               (int)ckpt_snapshot_world_size(s), "world_size", (int)world,
                               "align_bytes", (json_int_t)PLAN_ALIGN_BYTES, "need_bytes",
                               (json_int_t)tot.need_bytes, "read_raw_bytes",
                               (json_int_t)tot.read_raw_bytes, "read_stored_bytes",
                               (json_int_t)tot.read_stored_bytes, "ranks", ranks);
-        char *t = json_dumps(o, JSON_INDENT(2));
-        printf("%s\n", t);
-        free(t);
-        json_decref(o);
+        print_json(o, JSON_INDENT(2));
     } else {
         printf("plan %s: step %llu, saved by %u rank%s, restored by %u (units of %u bytes)\n",
-               path, (unsigned long long)ckpt_snapshot_step(s), ckpt_snapshot_world_size(s),
+               P(path), (unsigned long long)ckpt_snapshot_step(s), ckpt_snapshot_world_size(s),
                ckpt_snapshot_world_size(s) == 1 ? "" : "s", world, PLAN_ALIGN_BYTES);
         printf("  %-8s %14s %14s %14s %8s %6s\n", "rank", "needs", "decodes", "reads", "chunks",
                "files");

@@ -43,23 +43,18 @@ struct train_dataset {
  * rewritten under a running job then gives an error, not a SIGBUS. */
 static int open_shard(shard *s, int seq_len, int vocab, XXH3_state_t *hs, char *why, size_t why_len)
 {
-    int fd = open(s->path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        int e = errno;
-        log_why(why, why_len, "%s: cannot open: %s", s->path, strerror(e));
-        return -e;
-    }
-    s->fd = fd;
+    /* a FIFO or a folder matched by the glob is refused at once, never waited on */
     struct stat st;
-    if (fstat(fd, &st) != 0) {
-        int e = errno;
-        log_why(why, why_len, "%s: cannot stat: %s", s->path, strerror(e));
-        return -e;
-    }
-    if (!S_ISREG(st.st_mode)) {
+    int fd = store_open_regular(s->path, 0, 0, &st);
+    if (fd == -ENODEV || fd == -EISDIR) {
         log_why(why, why_len, "%s: not a regular file", s->path);
         return -EBADMSG;
     }
+    if (fd < 0) {
+        log_why(why, why_len, "%s: cannot open: %s", s->path, strerror(-fd));
+        return fd;
+    }
+    s->fd = fd;
     const size_t hdr = TRAIN_SHARD_HEADER_INTS * sizeof(int32_t);
     if ((size_t)st.st_size < hdr) {
         log_why(why, why_len, "%s: %lld bytes, shorter than the %zu-byte header", s->path,

@@ -33,6 +33,8 @@
  * argv or into the static train_ds_config given to train_read_config: never freed. */
 typedef struct options {
     const char *data, *val_data, *ckpt_dir, *resume, *run_id, *config, *sample_log;
+    int allow_fresh_start; /* --allow-fresh-start: --resume auto may start from step 0 when
+                              every snapshot in --ckpt-dir is corrupt */
     train_model_config model;
     int micro_batch, grad_accum, steps, eval_every, ckpt_every, val_samples, log_every;
     int grad_accum_set;   /* --grad-accum (or the config's gradient_accumulation_steps) given */
@@ -186,6 +188,13 @@ int train_take_snapshot(state *s, int last);
 int train_resume(state *s);
 
 /* ------------------------------------------------------------------ train_startup.c */
+
+/* The exit status for an error found in an input before the first step (DESIGN I8): 1 when
+ * rc is transient or environmental (-EMFILE, -ENFILE, -ENOMEM, -EIO, -ETIMEDOUT, -EAGAIN,
+ * -EINTR, -EBUSY, -ECONNRESET, -ENOSPC: a retry may succeed), else 2 (the input is wrong:
+ * missing, malformed, corrupt, refused, not permitted; the agent never retries it). */
+int train_input_status(int rc);
+
 
 /* Join the group: ranks from the environment (torchrun's or Slurm's), rank 0 hosts the store
  * unless the launcher does, the communicator, the job tag and the snapshot vote channel.

@@ -36,7 +36,12 @@ void openblas_set_num_threads(int num_threads);
  * a final snapshot, print the final line and exit 128 + signal. */
 volatile sig_atomic_t train_stop_signal;
 
-static void on_stop_signal(int sig) { train_stop_signal = sig; }
+/* The first stop request decides (a SIGINT after a SIGTERM does not turn exit 143 into
+ * 130); the handlers block each other, so the test and the store cannot interleave. */
+static void on_stop_signal(int sig)
+{
+    if (!train_stop_signal) train_stop_signal = sig;
+}
 
 static void install_stop_handlers(void)
 {
@@ -44,6 +49,8 @@ static void install_stop_handlers(void)
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_stop_signal;
     sigemptyset(&sa.sa_mask);
+    sigaddset(&sa.sa_mask, SIGTERM);
+    sigaddset(&sa.sa_mask, SIGINT);
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
 }

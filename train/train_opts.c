@@ -60,6 +60,9 @@ static const char usage_text2[] =
     "                        taken asynchronously: training waits only for a copy\n"
     "  --resume MODE         none (default), auto (newest verified snapshot in --ckpt-dir,\n"
     "                        fresh start when there is none), or a snapshot folder PATH\n"
+    "  --allow-fresh-start   with --resume auto: start from step 0 when --ckpt-dir holds\n"
+    "                        snapshots but none can be restored (all corrupt: they are set\n"
+    "                        aside); without it such a run exits 2 listing each and why\n"
     "  --run-id ID           lineage id recorded in snapshots (default: random, kept on resume);\n"
     "                        given, --resume auto skips snapshots of other run ids\n"
     "  --keep-last K         keep the newest K snapshots of this run, 0 = all (default 0)\n"
@@ -130,7 +133,7 @@ int train_parse_args(int argc, char **argv, options *o)
         O_LR, O_MINLR, O_WARM, O_WD, O_CLIP, O_SEED, O_EVAL, O_VALS, O_LOG, O_CKDIR, O_CKEVERY,
         O_RESUME, O_RUNID, O_ZLEVEL, O_SHUFFLE, O_NOSHUFFLE, O_CHUNK, O_NODIRECT, O_NOCOMP, O_SNTHREADS,
         O_POLICY, O_KEEPLAST, O_KEEPEVERY, O_OVERLAP, O_GB, O_ZERO, O_CONFIG, O_CTIMEOUT, O_SLOG,
-        O_JTIMEOUT
+        O_JTIMEOUT, O_FRESH
     };
     static const struct option lo[] = {
         {"data", required_argument, 0, O_DATA}, {"val-data", required_argument, 0, O_VAL},
@@ -157,6 +160,7 @@ int train_parse_args(int argc, char **argv, options *o)
         {"config", required_argument, 0, O_CONFIG}, {"comm-timeout", required_argument, 0, O_CTIMEOUT},
         {"sample-log", required_argument, 0, O_SLOG},
         {"join-timeout", required_argument, 0, O_JTIMEOUT},
+        {"allow-fresh-start", no_argument, 0, O_FRESH},
         {0, 0, 0, 0}};
     int c, v = 0, chunk_mib = 4;
     while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -214,6 +218,7 @@ int train_parse_args(int argc, char **argv, options *o)
         case O_CKEVERY: bad = parse_int("--ckpt-every", optarg, 0, INT_MAX, &o->ckpt_every); break;
         case O_RESUME: o->resume = optarg; break;
         case O_RUNID: o->run_id = optarg; break;
+        case O_FRESH: o->allow_fresh_start = 1; break;
         case O_ZLEVEL: bad = parse_int("--zstd-level", optarg, -7, 19, &o->zstd_level); break;
         case O_SHUFFLE: o->filter = CKPT_FILTER_SHUFFLE; break; /* the default; kept for scripts */
         case O_NOSHUFFLE: o->filter = CKPT_FILTER_NONE; break;

@@ -144,6 +144,7 @@ static int load_part(state *s, const char *path, char *why, size_t why_len)
             dtypes_ok = 0;
     }
     int want = wanted_global_batch(s);
+    int64_t want_samples = 0; /* step x gb, checked: both come from the record */
     size_t plo = s->o->zero_stage == 0 ? 0 : s->lo, phi = s->o->zero_stage == 0 ? s->np : s->hi;
     float *params = train_model_params(s->model);
     if (!json_is_object(tr) || !json_is_object(data) || !json_is_object(opt) || !dh || !digest) {
@@ -175,7 +176,7 @@ static int load_part(state *s, const char *path, char *why, size_t why_len)
         rc = -EINVAL;
     } else if ((rc = set_global_batch(s, (int)gb, why, why_len)) < 0) {
         /* why is set */
-    } else if (samples != step * gb) {
+    } else if (__builtin_mul_overflow(step, gb, &want_samples) || samples != want_samples) {
         snprintf(why, why_len, "trainer record is inconsistent: %lld samples consumed after %lld "
                  "steps of %lld", (long long)samples, (long long)step, (long long)gb);
         rc = -EBADMSG;
@@ -312,22 +313,43 @@ static void fresh_start(state *s)
     else make_run_id(s->run_id);
 }
 
-/* Snapshot names already in the folder after the step we start from would collide with the
- * ones this run is about to save (and a later --resume auto would continue the other run).
- * Returns 0, or 2 with one line naming the newest one. Rank 0 only. */
+/* Would this run save a snapshot of `step`? It saves every ckpt_every steps after the step
+ * it starts from, and at its last step. (A stop by SIGTERM saves one more, at a step nobody
+ * can foresee: a collision there fails that one save, cleanly, with "already exists".) */
+static int would_save(const state *s, uint64_t step)
+{
+    const options *o = s->o;
+    return step > (uint64_t)s->step && step <= (uint64_t)o->steps &&
+           (step % (uint64_t)o->ckpt_every == 0 || step == (uint64_t)o->steps);
+}
+
+/* Snapshot names already in the folder that this run is about to save again would collide
+ * (and without --run-id a later --resume auto would continue the other run, so any later
+ * snapshot is refused then). With --run-id, lineages are told apart: only a step this run
+ * would save is refused. Returns 0, or 2 with one line naming the snapshot, its run and what
+ * to do. Rank 0 only. */
 static int check_no_later_snapshots(state *s)
 {
+    const options *o = s->o;
     ckpt_entry *e;
     size_t n;
-    if (ckpt_list(s->o->ckpt_dir, &e, &n) < 0) return 0; /* unreadable: the first save reports it */
+    if (ckpt_list(o->ckpt_dir, &e, &n) < 0) return 0; /* unreadable: the first save reports it */
     int rc = 0;
     for (size_t i = n; i-- > 0;) {
         if (e[i].status == CKPT_STATUS_INCOMPLETE || e[i].status == CKPT_STATUS_SET_ASIDE) continue;
         if (e[i].step <= (uint64_t)s->step) break;
-        LOG_E(TAG, "refusing to start at step %" PRId64 ": %s already holds %s (run %s, %s), whose "
-              "steps this run would save again; continue that run with --resume auto, or use "
-              "another --ckpt-dir", s->step, s->o->ckpt_dir, e[i].name,
-              e[i].run_id[0] ? e[i].run_id : "?", ckpt_status_name(e[i].status));
+        if (o->run_id && !would_save(s, e[i].step)) continue;
+        const char *who = e[i].run_id[0] ? e[i].run_id : "?";
+        if (o->run_id)
+            LOG_E(TAG, "refusing to start at step %" PRId64 ": %s already holds %s (run %s, %s), "
+                  "a step this run (%s) would save; continue run %s with --run-id %s --resume "
+                  "auto, use another --ckpt-dir, or change --steps/--ckpt-every", s->step,
+                  o->ckpt_dir, e[i].name, who, ckpt_status_name(e[i].status), o->run_id, who, who);
+        else
+            LOG_E(TAG, "refusing to start at step %" PRId64 ": %s already holds %s (run %s, %s), "
+                  "whose steps this run would save again; continue that run with --resume auto, "
+                  "give this run its own --run-id, or use another --ckpt-dir", s->step,
+                  o->ckpt_dir, e[i].name, who, ckpt_status_name(e[i].status));
         rc = 2;
         break;
     }
@@ -341,6 +363,7 @@ typedef struct resume_msg {
     int32_t cmd;
     int32_t status;          /* CMD_DONE: 0 go on, else the exit status */
     int32_t global_batch;    /* CMD_DONE: B of a fresh start */
+    int32_t resumed;         /* CMD_DONE: 1 a snapshot was loaded and accepted by every rank */
     char run_id[64];         /* CMD_DONE: the run id */
     char path[CKPT_PATH_MAX];/* CMD_TRY */
 } resume_msg;
@@ -362,43 +385,65 @@ static int try_snapshot(state *s, const char *path, char *why, size_t why_len, i
     return load_snapshot(s, path, why, why_len, fatal);
 }
 
-/* Rank 0's side of the resume: returns 0 (resumed or fresh), 1 runtime failure, 2
- * configuration error; the others follow (follow_resume). */
-static int resume_rank0(state *s)
+/* Rank 0's side of --resume PATH: 0 resumed; an unreadable, corrupt or incompatible
+ * snapshot named explicitly is an input error (2), a transient failure 1. */
+static int resume_path(state *s, int *resumed)
+{
+    const options *o = s->o;
+    char why[600] = "";
+    int fatal = 0;
+    struct stat st;
+    char mpath[CKPT_PATH_MAX + 16];
+    if (stat(o->resume, &st) != 0 || !S_ISDIR(st.st_mode)) {
+        int e = errno;
+        if (stat(o->resume, &st) != 0 && e != ENOENT && e != ENOTDIR) {
+            LOG_E(TAG, "--resume %s: cannot read it: %s", o->resume, strerror(e));
+            return train_input_status(-e);
+        }
+        LOG_E(TAG, "--resume %s: no such snapshot folder", o->resume);
+        return 2;
+    }
+    snprintf(mpath, sizeof mpath, "%s/manifest.json", o->resume);
+    ckpt_entry *inner;
+    size_t ninner = 0;
+    if (lstat(mpath, &st) != 0 && ckpt_list(o->resume, &inner, &ninner) == 0) {
+        free(inner);
+        if (ninner > 0) {
+            LOG_E(TAG, "--resume %s: this holds snapshots, it is not one; use --ckpt-dir %s "
+                  "--resume auto, or name one of its step-* folders", o->resume, o->resume);
+            return 2;
+        }
+    }
+    int rc = try_snapshot(s, o->resume, why, sizeof why, &fatal);
+    if (fatal) return 1;
+    if (rc < 0) {
+        int status = rc == -EBADMSG || rc == -EPROTONOSUPPORT ? 2 : train_input_status(rc);
+        LOG_E(TAG, "cannot resume from %s: %s%s", o->resume, why[0] ? why : strerror(-rc),
+              status == 1 ? " (a transient error: the snapshot may be fine)" : "");
+        return status;
+    }
+    *resumed = 1;
+    LOG_I(TAG, "resumed from %s at step %" PRId64 " (run %s)", o->resume, s->step, s->run_id);
+    return 0;
+}
+
+/* Rank 0's side of the resume: returns 0 (resumed, *resumed = 1, or a fresh start), 1 runtime
+ * failure, 2 configuration error; the others follow (train_resume). With --resume auto the
+ * newest restorable snapshot wins: a corrupt one is set aside and the next older tried; one
+ * that cannot be read for a transient reason stops the resume (exit 1, nothing renamed,
+ * DESIGN I7); when snapshots exist but none can be restored, the run starts fresh only with
+ * --allow-fresh-start. */
+static int resume_rank0(state *s, int *resumed)
 {
     const options *o = s->o;
     char why[600];
     int fatal = 0;
+    *resumed = 0;
     if (!o->resume || !strcmp(o->resume, "none")) {
         LOG_I(TAG, "fresh start (run %s)", s->run_id);
         return 0;
     }
-    if (strcmp(o->resume, "auto") != 0) {
-        struct stat st;
-        char mpath[CKPT_PATH_MAX + 16];
-        if (stat(o->resume, &st) != 0 || !S_ISDIR(st.st_mode)) {
-            LOG_E(TAG, "--resume %s: no such snapshot folder", o->resume);
-            return 2;
-        }
-        snprintf(mpath, sizeof mpath, "%s/manifest.json", o->resume);
-        ckpt_entry *inner;
-        size_t ninner = 0;
-        if (stat(mpath, &st) != 0 && ckpt_list(o->resume, &inner, &ninner) == 0) {
-            free(inner);
-            if (ninner > 0) {
-                LOG_E(TAG, "--resume %s: this holds snapshots, it is not one; use --ckpt-dir %s "
-                      "--resume auto, or name one of its step-* folders", o->resume, o->resume);
-                return 2;
-            }
-        }
-        int rc = try_snapshot(s, o->resume, why, sizeof why, &fatal);
-        if (rc < 0) {
-            if (!fatal) LOG_E(TAG, "cannot resume from %s: %s", o->resume, why);
-            return rc == -EINVAL ? 2 : 1;
-        }
-        LOG_I(TAG, "resumed from %s at step %" PRId64 " (run %s)", o->resume, s->step, s->run_id);
-        return 0;
-    }
+    if (strcmp(o->resume, "auto") != 0) return resume_path(s, resumed);
     int removed = ckpt_remove_temp(o->ckpt_dir);
     if (removed < 0) LOG_W(TAG, "could not clean temp folders in %s: %s", o->ckpt_dir, strerror(-removed));
     ckpt_entry *e;
@@ -409,10 +454,22 @@ static int resume_rank0(state *s)
         return 1;
     }
     int result = -1;
+    size_t bad = 0;       /* snapshots found corrupt now, set aside */
+    size_t earlier = 0;   /* folders set aside as corrupt by earlier resumes */
+    char (*lines)[1024] = calloc(n ? n : 1, sizeof *lines); /* why each one failed */
+    if (!lines) {
+        free(e);
+        return 1;
+    }
     for (size_t i = n; i-- > 0;) {
         char path[CKPT_PATH_MAX];
         snprintf(path, sizeof path, "%s/%s", o->ckpt_dir, e[i].name);
-        if (e[i].status == CKPT_STATUS_INCOMPLETE || e[i].status == CKPT_STATUS_SET_ASIDE) {
+        if (e[i].status == CKPT_STATUS_SET_ASIDE) {
+            snprintf(lines[bad + earlier++], sizeof lines[0], "%.255s: set aside as corrupt earlier",
+                     e[i].name);
+            continue;
+        }
+        if (e[i].status == CKPT_STATUS_INCOMPLETE) {
             LOG_D(TAG, "ignoring %s: %s", path, ckpt_status_name(e[i].status));
             continue;
         }
@@ -422,13 +479,23 @@ static int resume_rank0(state *s)
             result = 2;
             break;
         }
+        if (e[i].status == CKPT_STATUS_UNREADABLE) {
+            /* says nothing about its bytes: neither skip it (an older one would silently
+             * win) nor set it aside; a restart may read it */
+            LOG_E(TAG, "cannot read %s: %s; not resuming (nothing was renamed or skipped: the "
+                  "snapshot may be fine, and a restart tries it again)", path, e[i].reason);
+            result = 1;
+            break;
+        }
         if (e[i].status == CKPT_STATUS_COMMITTED && o->run_id && strcmp(e[i].run_id, o->run_id) != 0) {
             LOG_W(TAG, "skipping %s: it belongs to run %s, another lineage (this run is %s)", path,
                   e[i].run_id, o->run_id);
             continue;
         }
+        const char *reason = e[i].reason;
         if (e[i].status == CKPT_STATUS_COMMITTED) {
             double t0 = clock_now_s();
+            why[0] = '\0';
             rc = try_snapshot(s, path, why, sizeof why, &fatal);
             double load_s = clock_now_s() - t0;
             if (fatal) {
@@ -438,6 +505,7 @@ static int resume_rank0(state *s)
             if (rc == 0) {
                 LOG_I(TAG, "resumed from %s at step %" PRId64 " (run %s): loaded and checked in "
                       "%.0f ms", path, s->step, s->run_id, load_s * 1e3);
+                *resumed = 1;
                 result = 0;
                 break;
             }
@@ -447,23 +515,42 @@ static int resume_rank0(state *s)
                 break;
             }
             if (rc != -EBADMSG) {
-                LOG_E(TAG, "cannot read %s: %s", path, why[0] ? why : strerror(-rc));
+                LOG_E(TAG, "cannot read %s: %s; not resuming (nothing was renamed or skipped: the "
+                      "snapshot may be fine, and a restart tries it again)", path,
+                      why[0] ? why : strerror(-rc));
                 result = 1;
                 break;
             }
             LOG_W(TAG, "skipping corrupt snapshot %s: %s", path, why);
+            reason = why;
         } else {
             LOG_W(TAG, "skipping %s: corrupt (%s)", path, e[i].reason);
         }
+        snprintf(lines[bad++ + earlier], sizeof lines[0], "%.255s: corrupt: %.600s", e[i].name, reason);
         /* keep the bad bytes for inspection, under a name that frees the step for a new save */
         char aside[96];
         int ar = ckpt_set_aside(o->ckpt_dir, e[i].name, aside, sizeof aside);
         if (ar == 0) LOG_W(TAG, "set %s aside as %s/%s", path, o->ckpt_dir, aside);
         else LOG_W(TAG, "could not set %s aside: %s", path, strerror(-ar));
     }
+    if (result < 0 && bad + earlier > 0 && !o->allow_fresh_start) {
+        /* snapshots existed and none could be restored: starting from step 0 silently would
+         * lose the run's work; an input error (DESIGN I8), a restart would find the same */
+        LOG_E(TAG, "refusing to start from step 0: %s holds %zu snapshot%s and none can be "
+              "restored:", o->ckpt_dir, bad + earlier, bad + earlier == 1 ? "" : "s");
+        for (size_t i = 0; i < bad + earlier; i++) LOG_E(TAG, "  %s", lines[i]);
+        LOG_E(TAG, "inspect them with ckpt-inspect verify; pass --allow-fresh-start to train from "
+              "step 0 anyway, or --resume PATH to choose one");
+        result = 2;
+    }
+    free(lines);
     free(e);
     if (result < 0) {
-        LOG_I(TAG, "no usable snapshot in %s: fresh start (run %s)", o->ckpt_dir, s->run_id);
+        if (bad + earlier > 0)
+            LOG_W(TAG, "no restorable snapshot in %s: fresh start as --allow-fresh-start permits "
+                  "(run %s)", o->ckpt_dir, s->run_id);
+        else
+            LOG_I(TAG, "no usable snapshot in %s: fresh start (run %s)", o->ckpt_dir, s->run_id);
         result = 0;
     }
     return result;
@@ -477,15 +564,17 @@ int train_resume(state *s)
     resume_msg m;
     int status;
     if (s->rank == 0) {
-        status = resume_rank0(s);
-        if (status == 0 && s->step == 0) {
-            /* fresh: a failed load may have overwritten part of the state */
+        int resumed = 0;
+        status = resume_rank0(s, &resumed);
+        if (status == 0 && !resumed) {
+            /* fresh: a failed load (on this rank, or one the others refused) may have set part
+             * of the state, the step and the run id; only the run id of a fresh start stays */
             char keep[64];
             snprintf(keep, sizeof keep, "%s", s->run_id);
             fresh_start(s);
             snprintf(s->run_id, sizeof s->run_id, "%s", keep);
         }
-        if (status == 0 && s->step == 0 && set_global_batch(s, wanted_global_batch(s) ?
+        if (status == 0 && !resumed && set_global_batch(s, wanted_global_batch(s) ?
                                                                wanted_global_batch(s) :
                                                                s->o->micro_batch * s->o->grad_accum * s->world,
                                                            why, sizeof why) < 0) {
@@ -497,6 +586,7 @@ int train_resume(state *s)
         m.cmd = CMD_DONE;
         m.status = status;
         m.global_batch = s->global_batch;
+        m.resumed = resumed;
         snprintf(m.run_id, sizeof m.run_id, "%s", s->run_id);
         if (s->world > 1) {
             int rc = train_comm_broadcast(s->comm, &m, sizeof m, 0);
@@ -521,7 +611,7 @@ int train_resume(state *s)
         if (fatal) return 1;
     }
     if (m.status != 0) return m.status;
-    if (s->step == 0) {
+    if (!m.resumed) {
         fresh_start(s);
         if (set_global_batch(s, m.global_batch, why, sizeof why) < 0) {
             LOG_E(TAG, "%s", why);

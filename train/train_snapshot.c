@@ -232,7 +232,22 @@ int train_make_engine(state *s)
     eo.save.zstd_level = o->zstd_level;
     eo.save.filter = o->filter;
     eo.save.direct_io = o->direct_io;
-    eo.save.chunk_bytes = o->chunk_bytes;
+    /* a state too large for the format's chunk limit at this chunk size gets larger chunks
+     * (the same on every rank: it depends on the model and W only) */
+    const uint64_t total = (uint64_t)s->np * sizeof(float);
+    const ckpt_buffer whole[3] = {{"params", "f32", 4, total, 0, total, NULL},
+                                  {"adam_m", "f32", 4, total, 0, total, NULL},
+                                  {"adam_v", "f32", 4, total, 0, total, NULL}};
+    eo.save.chunk_bytes = ckpt_fit_chunk_bytes(o->chunk_bytes, whole, 3, (uint32_t)s->world);
+    if (eo.save.chunk_bytes == 0) {
+        LOG_E(TAG, "no chunk size up to 1 GiB keeps a snapshot of this state within the format's "
+              "%u chunks", (unsigned)CKPT_MAX_CHUNKS);
+        return -EINVAL;
+    }
+    if (eo.save.chunk_bytes != o->chunk_bytes && s->rank == 0)
+        LOG_I(TAG, "snapshot chunks of %llu MiB instead of %llu MiB: the state would need more "
+              "chunks than the format allows (%u)", (unsigned long long)(eo.save.chunk_bytes >> 20),
+              (unsigned long long)(o->chunk_bytes >> 20), (unsigned)CKPT_MAX_CHUNKS);
     eo.compress = o->compress;
     eo.threads = (unsigned)o->snapshot_threads;
     eo.policy = o->policy;

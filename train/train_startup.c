@@ -6,6 +6,7 @@
 #include "log.h"
 #include "model.h"
 #include "store.h"
+#include "storage.h"
 #include "train_internal.h"
 #include "vote.h"
 
@@ -42,6 +43,17 @@ static void env_from_slurm(void)
     }
 }
 
+int train_input_status(int rc)
+{
+    switch (rc) {
+    case -EMFILE: case -ENFILE: case -ENOMEM: case -EIO: case -ETIMEDOUT: case -EAGAIN:
+    case -EINTR: case -EBUSY: case -ECONNRESET: case -ENOSPC:
+        return 1;
+    default:
+        return 2;
+    }
+}
+
 /* This rank's own start-up: open the data, and on rank 0 take the snapshot folder's lock.
  * Returns 0, or the exit status (the reason is printed here, naming the rank). */
 int train_startup_local(state *s)
@@ -50,16 +62,17 @@ int train_startup_local(state *s)
     char why[512] = "";
     int rc = train_dataset_open(&s->train, o->data, o->model.seq_len, o->model.vocab, why,
                                 sizeof why);
+    /* bad data is a configuration error: a restart reads the same files (DESIGN I8) */
     if (rc < 0) {
         LOG_E(TAG, "training data: %s", why);
-        return rc == -ENOENT || rc == -EINVAL ? 2 : 1;
+        return train_input_status(rc);
     }
     if (o->val_data) {
         rc = train_dataset_open(&s->val, o->val_data, o->model.seq_len, o->model.vocab, why,
                                 sizeof why);
         if (rc < 0) {
             LOG_E(TAG, "validation data: %s", why);
-            return rc == -ENOENT || rc == -EINVAL ? 2 : 1;
+            return train_input_status(rc);
         }
     }
     if (o->ckpt_dir && s->rank == 0) {
@@ -72,9 +85,16 @@ int train_startup_local(state *s)
                   "share a --ckpt-dir", o->ckpt_dir, holder);
             return 2;
         }
+        if (rc == -ELOOP || rc == -EISDIR || rc == -ENODEV) {
+            LOG_E(TAG, "cannot use %s as the snapshot folder: its .lock is %s, not a regular "
+                  "file; remove it (nothing else was touched)", o->ckpt_dir,
+                  rc == -ELOOP ? "a symbolic link" : rc == -EISDIR ? "a folder"
+                                                                : "a FIFO, socket or device");
+            return 2;
+        }
         if (rc < 0) {
             LOG_E(TAG, "cannot use %s as the snapshot folder: %s", o->ckpt_dir, strerror(-rc));
-            return 2;
+            return train_input_status(rc); /* EACCES, EROFS, ENOTDIR: 2; EMFILE: 1 */
         }
         if (!existed && o->resume && !strcmp(o->resume, "auto"))
             LOG_W(TAG, "snapshot folder %s did not exist (created it): nothing to resume",
@@ -89,8 +109,10 @@ int train_startup_local(state *s)
 static void settings_text(const state *s, char *buf, size_t len)
 {
     const options *o = s->o;
+    /* one canonical form on every rank, whether or not rank 0 created the folder yet */
     char dir[CKPT_PATH_MAX] = "-";
-    if (o->ckpt_dir && !realpath(o->ckpt_dir, dir)) snprintf(dir, sizeof dir, "%s", o->ckpt_dir);
+    if (o->ckpt_dir && store_canonical_path(o->ckpt_dir, dir, sizeof dir) < 0)
+        snprintf(dir, sizeof dir, "%s", o->ckpt_dir);
     snprintf(buf, len,
              "data=%016" PRIx64 ";val-data=%016" PRIx64 ";vocab=%d;seq-len=%d;n-layer=%d;"
              "n-embd=%d;n-head=%d;micro-batch=%d;grad-accum=%d%s;global-batch=%d;zero-stage=%d;"

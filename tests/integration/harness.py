@@ -56,16 +56,18 @@ def env(extra=None):
     return e
 
 
-def run(args, extra_env=None, timeout=300, check=False):
-    """Run a program; returns CompletedProcess with text stdout/stderr."""
-    p = subprocess.run(args, capture_output=True, text=True, env=env(extra_env), timeout=timeout)
+def run(args, extra_env=None, timeout=300, check=False, **kw):
+    """Run a program; returns CompletedProcess with text stdout/stderr. kw goes to
+    subprocess.run (cwd, preexec_fn, ...)."""
+    p = subprocess.run(args, capture_output=True, text=True, env=env(extra_env), timeout=timeout,
+                       **kw)
     if check and p.returncode != 0:
         raise AssertionError(f"{args[0]} exited {p.returncode}:\n{p.stderr[-3000:]}")
     return p
 
 
-def train(extra, extra_env=None, timeout=300, check=True):
-    return run([TRAIN] + data_args() + SMALL + list(extra), extra_env, timeout, check)
+def train(extra, extra_env=None, timeout=300, check=True, **kw):
+    return run([TRAIN] + data_args() + SMALL + list(extra), extra_env, timeout, check, **kw)
 
 
 def final(p):
@@ -104,6 +106,17 @@ def train_and_kill_at(extra, kill_step, timeout=300):
     return p.returncode, killed_at, text
 
 
+def write_manifest(path, m):
+    """Write manifest object m as FORMAT.md lays it out (compact, sorted keys, the checksum
+    member last) and reseal its checksum."""
+    import json
+    body = {k: v for k, v in m.items() if k != "manifest_xxh3"}
+    text = json.dumps(body, separators=(",", ":"), sort_keys=True)
+    with open(path, "w") as f:
+        f.write(text[:-1] + ',"manifest_xxh3":"0000000000000000"}\n')
+    run([RESEAL, path], check=True)
+
+
 def free_port():
     import socket
     with socket.socket() as sock:
@@ -116,7 +129,8 @@ class Ranks:
     rank 0 hosts the store. Each rank's stderr goes to a file; rank_env maps a rank to extra
     environment for that rank only, rank_args a rank to extra arguments for it only."""
 
-    def __init__(self, world, args, tmp, rank_env=None, extra_env=None, base=None, rank_args=None):
+    def __init__(self, world, args, tmp, rank_env=None, extra_env=None, base=None, rank_args=None,
+                 cwd=None):
         self.world = world
         self.port = free_port()
         self.procs, self.errs = [], []
@@ -129,8 +143,8 @@ class Ranks:
             err = open(os.path.join(tmp, f"rank{r}-{self.port}.err"), "w+")
             out = subprocess.PIPE if r == 0 else subprocess.DEVNULL
             argv = [TRAIN] + data_args() + base + list(args) + list((rank_args or {}).get(r, []))
-            self.procs.append(subprocess.Popen(argv, stdout=out,
-                                               stderr=err, text=True, env=env(e)))
+            self.procs.append(subprocess.Popen(argv, stdout=out, stderr=err, text=True,
+                                               env=env(e), cwd=cwd))
             self.errs.append(err)
         self.stdout = ""
 

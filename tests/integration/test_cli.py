@@ -36,14 +36,15 @@ class Cli(h.TempDirTest):
         bad = os.path.join(self.tmp, "bad_000000.bin")
         with open(bad, "wb") as f:
             f.write(struct.pack("<3i", 12345, 1, 10) + bytes(1012) + bytes(20))
+        # bad inputs found before the first step exit 2: a restart would read the same files
         p = h.run([h.TRAIN, "--data", bad])
-        self.assertEqual(p.returncode, 1)
+        self.assertEqual(p.returncode, 2)
         self.assertIn(f"{bad}: bad magic 12345", p.stderr)
         short = os.path.join(self.tmp, "short_000000.bin")
         with open(short, "wb") as f:
             f.write(struct.pack("<3i", 20240520, 1, 1000) + bytes(1012) + bytes(10))
         p = h.run([h.TRAIN, "--data", short])
-        self.assertEqual(p.returncode, 1)
+        self.assertEqual(p.returncode, 2)
         self.assertIn(f"{short}: header says 1000 tokens", p.stderr)
         empty = os.path.join(self.tmp, "empty.txt")
         open(empty, "w").close()

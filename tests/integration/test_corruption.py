@@ -77,19 +77,42 @@ class Corruption(h.TempDirTest):
         self.assertIn("manifest checksum mismatch", v.stderr)
         self.resume_falls_back(r"skipping \S+step-000000060: corrupt \(manifest checksum mismatch")
 
-    def test_all_snapshots_corrupt_means_fresh_start(self):
-        for d in h.snapshot_dirs(self.ckpt):
+    def test_all_snapshots_corrupt_is_refused_without_allow_fresh_start(self):
+        """Snapshots exist and none can be restored: a silent start from step 0 would lose the
+        run's work (issue 9). Exit 2 listing each and why; a retry (the agent's restart, with
+        the snapshots now set aside) refuses the same; --allow-fresh-start starts over."""
+        names = h.snapshot_dirs(self.ckpt)
+        self.assertGreaterEqual(len(names), 2)
+        for d in names:
             os.unlink(os.path.join(self.ckpt, d, "manifest.json"))
-        r = h.train(["--ckpt-dir", self.ckpt, "--resume", "auto"])
-        self.assertRegex(r.stderr, r"no usable snapshot in \S+: fresh start")
+        for attempt in range(2):
+            r = h.train(["--ckpt-dir", self.ckpt, "--resume", "auto"], check=False)
+            self.assertEqual(r.returncode, 2, r.stderr[-2000:])
+            self.assertRegex(r.stderr, r"refusing to start from step 0: \S+ holds %d snapshots and "
+                                       r"none can be restored" % len(names))
+            for d in names:
+                self.assertIn(d, r.stderr)
+            self.assertIn("--allow-fresh-start", r.stderr)
+            self.assertNotRegex(r.stdout, r"final step=")
+            left = os.listdir(self.ckpt)
+            self.assertEqual([d for d in names if d in left], [], "set aside on the first attempt")
+            self.assertEqual(len([d for d in left if ".corrupt-" in d]), len(names))
+        r = h.train(["--ckpt-dir", self.ckpt, "--resume", "auto", "--allow-fresh-start"])
+        self.assertRegex(r.stderr, r"no restorable snapshot in \S+: fresh start as "
+                                   r"--allow-fresh-start permits")
         self.assertEqual(h.final(r)["digest"], h.reference()["digest"])
+
+    def test_empty_folder_is_a_fresh_start(self):
+        empty = os.path.join(self.tmp, "empty")
+        r = h.train(["--ckpt-dir", empty, "--resume", "auto", "--steps", "5"])
+        self.assertRegex(r.stderr, r"no usable snapshot in \S+: fresh start")
 
     def test_explicit_resume_of_corrupt_snapshot_fails(self):
         with open(self.shard, "r+b") as f:
             f.seek(100)
             f.write(b"\xff\xff\xff\xff")
         r = h.train(["--resume", self.newest], check=False)
-        self.assertEqual(r.returncode, 1)
+        self.assertEqual(r.returncode, 2, "a corrupt snapshot named explicitly is an input error")
         self.assertRegex(r.stderr, r"cannot resume from \S+step-000000060: \S+rank-00000\.bin: chunk 0 of params")
 
 

@@ -153,9 +153,7 @@ class Distributed(TempDirTest):
             x["offset"] += delta
             for c in x["chunks"]:
                 c["offset"] += delta
-        with open(man, "w") as f:
-            json.dump(m, f, separators=(",", ":"), sort_keys=True)
-        run([harness.RESEAL, man], check=True)
+        harness.write_manifest(man, m)
         p = run([harness.INSPECT, "verify", os.path.join(d, "step-000000006")])
         self.assertEqual(p.returncode, 0, "the chunks themselves are intact")
         ranks, codes = launch(self, 2, MB3 + ["--ckpt-dir", d, "--ckpt-every", "3", "--resume",

@@ -580,6 +580,25 @@ class WithTrain(ElasticTest):
         self.assertEqual(self.rounds(err), [0])
         self.assertIn("a usage or configuration error, not restarting", err)
 
+    def test_malformed_data_is_not_retried(self):
+        """Issue 9 item 5: a bad data file (bad magic, empty, truncated, fewer tokens than one
+        sample) made train exit 1, and the agent burned its whole restart budget on it; an
+        input error found before the first step is exit 2, never retried."""
+        shards = {"magic": struct.pack("<3i", 12345, 1, 10) + bytes(1012) + bytes(20),
+                  "empty": b"",
+                  "truncated": struct.pack("<3i", 20240520, 1, 1000) + bytes(1012) + bytes(10),
+                  "tiny": struct.pack("<3i", 20240520, 1, 10) + bytes(1012) + bytes(20)}
+        for what, content in shards.items():
+            bad = os.path.join(self.tmp, f"{what}_000000.bin")
+            with open(bad, "wb") as f:
+                f.write(content)
+            cmd = [harness.TRAIN, "--data", bad] + TRAIN_ARGS
+            rc, out, err = self.run_agent(["--nproc-per-node", "2", "--max-restarts", "3"], cmd)
+            self.assertEqual(rc, 2, (what, err[-2000:]))
+            self.assertEqual(self.rounds(err), [0], what)
+            self.assertIn("a usage or configuration error, not restarting", err)
+            self.assertIn(bad, err)
+
     def test_preempt_final_snapshot_then_resume(self):
         """SIGTERM to the agent: the ranks finish the step, take a final snapshot and exit 143;
         the agent exits 143; the relaunch resumes from that snapshot to the same digest."""
