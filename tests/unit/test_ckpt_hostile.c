@@ -190,6 +190,47 @@ static void transient_eio(const char *base)
 
 /* ------------------------------------------------------------------ file types and names */
 
+static long long make_synthetic(const char *dir, uint64_t step, size_t nbuf, size_t nchunk,
+                                const char *dup);
+
+/* A folder (or "..") as the data file, with the manifest's size set to the folder's own
+ * st_size so that every size check passes: the old reader opened the snapshot and failed each
+ * read with EISDIR, which a resume took for an error of the environment (exit 1 on every
+ * run) instead of a corrupt snapshot. */
+static void folder_sized_data_file(const char *base)
+{
+    char why[512], from[96], to[96];
+    char *snap = t_path_in(base, "step-000000030");
+    T_REQUIRE(make_synthetic(snap, 30, 1, 1, NULL) > 0, "synthetic snapshot");
+    T_CHECK(open_rc(snap, why, sizeof why) == 0, "the synthetic snapshot opens: %s", why);
+    char *dp = t_path_in(snap, "rank-00000.bin");
+    unlink(dp);
+    T_REQUIRE(mkdir(dp, 0755) == 0, "a folder as the data file");
+    struct stat st;
+    T_REQUIRE(stat(dp, &st) == 0 && st.st_size >= 16, "folder size %lld", (long long)st.st_size);
+    snprintf(from, sizeof from, "{\"bytes\":16,\"name\":\"rank-00000.bin\"");
+    snprintf(to, sizeof to, "{\"bytes\":%lld,\"name\":\"rank-00000.bin\"", (long long)st.st_size);
+    T_REQUIRE(rewrite_manifest(snap, from, to) == 0, "size of the folder");
+    int rc = open_rc(snap, why, sizeof why);
+    T_CHECK(rc == -EBADMSG && strstr(why, "not a regular file"), "folder as data file: %d (%s)",
+            rc, why);
+    rmdir(dp);
+    /* ".." names the folder above the snapshot: sized the same way */
+    long long folder_size = (long long)st.st_size;
+    T_REQUIRE(stat(base, &st) == 0, "stat base");
+    T_REQUIRE(rewrite_manifest(snap, "\"name\":\"rank-00000.bin\"", "\"name\":\"..\"") == 0 &&
+                  rewrite_manifest(snap, "\"file\":\"rank-00000.bin\"", "\"file\":\"..\"") == 0,
+              "name ..");
+    snprintf(from, sizeof from, "{\"bytes\":%lld,\"name\":\"..\"", folder_size);
+    snprintf(to, sizeof to, "{\"bytes\":%lld,\"name\":\"..\"", (long long)st.st_size);
+    T_REQUIRE(rewrite_manifest(snap, from, to) == 0, "size of ..");
+    rc = open_rc(snap, why, sizeof why);
+    T_CHECK(rc == -EBADMSG && strstr(why, "file entry 0"), "'..' as data file: %d (%s)", rc, why);
+    free(dp);
+    t_rmrf(snap);
+    free(snap);
+}
+
 static void file_types(const char *base)
 {
     char *root = t_path_in(base, "types");
@@ -706,6 +747,7 @@ int main(void)
     transient_eio(base); /* first: forks before this process reads its fault settings */
     transient_emfile(base);
     file_types(base);
+    folder_sized_data_file(base);
     lock_types(base);
     manifest_checks(base);
     writer_limits(base);
