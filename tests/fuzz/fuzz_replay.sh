@@ -17,4 +17,6 @@ TMPDIR=$(mktemp -d "${TMPDIR:-/tmp}/fuzz-replay-XXXXXX")
 export TMPDIR
 trap 'rm -rf "$TMPDIR"' EXIT
 # -artifact_prefix: a crash's reproducer goes to the private folder, not into the source tree
-"$harness" -timeout=10 -rss_limit_mb=2048 -artifact_prefix="$TMPDIR/" "${inputs[@]}"
+# libFuzzer exits 77 on a crash by default: meson would read that as a skip
+"$harness" -timeout=10 -rss_limit_mb=2048 -error_exitcode=1 -timeout_exitcode=1 \
+    -artifact_prefix="$TMPDIR/" "${inputs[@]}"
