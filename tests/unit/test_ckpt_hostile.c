@@ -28,6 +28,7 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <xxhash.h>
+#include <zstd.h>
 
 /* ------------------------------------------------------------------ helpers */
 
@@ -504,6 +505,138 @@ static void manifest_checks(const char *base)
     free(root);
 }
 
+/* ------------------------------------------------------------------ the chunk decoder */
+
+/* verify checks every chunk also when the last buffers are empty: the last short batch was
+ * flushed only at "the last chunk of the last buffer", so with an empty buffer last the
+ * chunks after the last full batch went unchecked (found by tests/fuzz/fuzz_manifest). */
+static void verify_with_empty_last_buffer(const char *base)
+{
+    char *root = t_path_in(base, "emptylast");
+    static unsigned char mem[3][BUF_BYTES];
+    uint64_t x = 0x243F6A8885A308D3ull;
+    for (int i = 0; i < 3; i++)
+        for (int j = 0; j < BUF_BYTES; j++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            mem[i][j] = (unsigned char)(x >> 56);
+        }
+    ckpt_buffer b[4] = {{"params", "f32", 4, BUF_BYTES, 0, BUF_BYTES, mem[0]},
+                        {"adam_m", "f32", 4, BUF_BYTES, 0, BUF_BYTES, mem[1]},
+                        {"adam_v", "f32", 4, BUF_BYTES, 0, BUF_BYTES, mem[2]},
+                        {"empty", "u8", 1, 0, 0, 0, NULL}};
+    ckpt_save_opts o = CKPT_SAVE_OPTS_INIT;
+    o.dir = root;
+    o.chunk_bytes = 4096;
+    T_REQUIRE(ckpt_save(&o, 1, "r", "c", b, 4, "{}", NULL) == 0, "save");
+    char *sp = snap_path(root, 1), *dp = t_path_in(sp, "rank-00000.bin");
+    struct stat st;
+    T_REQUIRE(stat(dp, &st) == 0, "stat");
+    /* the last byte of the file: the last chunk of adam_v, past the first batch of 8 */
+    int fd = open(dp, O_RDWR);
+    unsigned char c;
+    T_REQUIRE(fd >= 0 && pread(fd, &c, 1, st.st_size - 1) == 1, "read");
+    c ^= 0x20;
+    T_REQUIRE(pwrite(fd, &c, 1, st.st_size - 1) == 1, "flip");
+    close(fd);
+    ckpt_snapshot *s = NULL;
+    char why[512];
+    T_REQUIRE(ckpt_snapshot_open(&s, sp, why, sizeof why) == 0, "open: %s", why);
+    T_REQUIRE(ckpt_snapshot_nbuffers(s) == 4, "4 buffers");
+    for (unsigned t = 1; t <= 3; t++) {
+        ckpt_snapshot_set_threads(s, t);
+        why[0] = '\0';
+        int rc = ckpt_snapshot_verify(s, why, sizeof why, NULL, NULL);
+        T_CHECK(rc == -EBADMSG && strstr(why, "adam_v"), "%u threads: verify %d (%s)", t, rc, why);
+    }
+    ckpt_snapshot_close(s);
+    free(dp);
+    free(sp);
+    t_rmrf(root);
+    free(root);
+}
+
+/* A snapshot of one u8 buffer stored as one zstd chunk of the given stored bytes (which must
+ * decode to raw), with correct checksums and sizes. */
+static int make_zstd_snapshot(const char *dir, const void *stored, size_t sn, const void *raw,
+                              size_t rn)
+{
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) return -1;
+    char hs[17], hr[17], *text = NULL;
+    ckpt_hex64(XXH3_64bits(stored, sn), hs);
+    ckpt_hex64(XXH3_64bits(raw, rn), hr);
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    if (!f) return -1;
+    fprintf(f, "{\"buffers\":[{\"dtype\":\"u8\",\"elem_bytes\":1,\"name\":\"b\",\"shards\":[{\"bytes\":%zu,"
+            "\"chunks\":[{\"bytes\":%zu,\"codec\":\"zstd\",\"file_offset\":0,\"filter\":\"none\","
+            "\"offset\":0,\"stored_bytes\":%zu,\"xxh3_raw\":\"%s\",\"xxh3_stored\":\"%s\"}],"
+            "\"file\":\"rank-00000.bin\",\"offset\":0,\"rank\":0}],\"total_bytes\":%zu}],"
+            "\"chunk_bytes\":4096,\"config_hash\":\"c\",\"created_unix\":0,\"files\":[{\"bytes\":%zu,"
+            "\"name\":\"rank-00000.bin\",\"rank\":0}],\"format\":\"ckptsys.snapshot\","
+            "\"format_version\":1,\"run_id\":\"r\",\"step\":1,\"trainer\":{},\"world_size\":1",
+            rn, rn, sn, hr, hs, rn, sn);
+    if (fclose(f) != 0) return -1;
+    char hex[17];
+    ckpt_hex64(XXH3_64bits(text, len), hex);
+    char *mp = t_path_in(dir, CKPT_MANIFEST_NAME), *dp = t_path_in(dir, "rank-00000.bin");
+    size_t mlen = len + strlen(CKPT_MANIFEST_SUM_KEY) + 19;
+    char *m = malloc(mlen + 1);
+    int ok = m != NULL;
+    if (ok) {
+        snprintf(m, mlen + 1, "%s%s%s\"}\n", text, CKPT_MANIFEST_SUM_KEY, hex);
+        ok = t_spit(mp, m, mlen) == 0 && t_spit(dp, stored, sn) == 0;
+    }
+    free(m);
+    free(text);
+    free(mp);
+    free(dp);
+    return ok ? 0 : -1;
+}
+
+/* A chunk is exactly one zstd frame: zstd also decodes concatenated frames and skips
+ * skippable ones, so bytes outside the one frame went unchecked by the format's rule. */
+static void one_frame_per_chunk(const char *base)
+{
+    unsigned char raw[64];
+    for (int i = 0; i < 64; i++) raw[i] = (unsigned char)(i * 37);
+    unsigned char two[512], one[256];
+    size_t a = ZSTD_compress(two, 256, raw, 32, 1);
+    size_t b = ZSTD_compress(two + a, 256, raw + 32, 32, 1);
+    size_t c = ZSTD_compress(one, sizeof one, raw, 64, 1);
+    T_REQUIRE(!ZSTD_isError(a) && !ZSTD_isError(b) && !ZSTD_isError(c), "compress");
+    char why[512];
+    char *d1 = t_path_in(base, "frames1"), *d2 = t_path_in(base, "frames2"),
+         *d3 = t_path_in(base, "frames3");
+    T_REQUIRE(make_zstd_snapshot(d1, one, c, raw, 64) == 0, "one frame");
+    ckpt_snapshot *s = NULL;
+    T_REQUIRE(ckpt_snapshot_open(&s, d1, why, sizeof why) == 0, "open: %s", why);
+    T_CHECK(ckpt_snapshot_verify(s, why, sizeof why, NULL, NULL) == 0, "one frame verifies: %s", why);
+    ckpt_snapshot_close(s);
+    /* two frames that decode to the 64 bytes together */
+    T_REQUIRE(make_zstd_snapshot(d2, two, a + b, raw, 64) == 0, "two frames");
+    T_REQUIRE(ckpt_snapshot_open(&s, d2, why, sizeof why) == 0, "open: %s", why);
+    int rc = ckpt_snapshot_verify(s, why, sizeof why, NULL, NULL);
+    T_CHECK(rc == -EBADMSG && strstr(why, "one zstd frame"), "two frames: %d (%s)", rc, why);
+    ckpt_snapshot_close(s);
+    /* a frame, then a skippable frame (magic 0x184D2A50, 4 bytes of content) */
+    unsigned char sk[512];
+    memcpy(sk, one, c);
+    static const unsigned char skippable[12] = {0x50, 0x2a, 0x4d, 0x18, 4, 0, 0, 0, 1, 2, 3, 4};
+    memcpy(sk + c, skippable, sizeof skippable);
+    T_REQUIRE(make_zstd_snapshot(d3, sk, c + sizeof skippable, raw, 64) == 0, "skippable");
+    T_REQUIRE(ckpt_snapshot_open(&s, d3, why, sizeof why) == 0, "open: %s", why);
+    rc = ckpt_snapshot_verify(s, why, sizeof why, NULL, NULL);
+    T_CHECK(rc == -EBADMSG && strstr(why, "one zstd frame"), "a skippable frame after: %d (%s)",
+            rc, why);
+    ckpt_snapshot_close(s);
+    t_rmrf(d1);
+    t_rmrf(d2);
+    t_rmrf(d3);
+    free(d1);
+    free(d2);
+    free(d3);
+}
+
 /* ------------------------------------------------------------------ limits and scaling */
 
 /* Write a snapshot folder by hand: nbuf buffers (names b<i>, or all `dup` when not NULL for
@@ -750,6 +883,8 @@ int main(void)
     folder_sized_data_file(base);
     lock_types(base);
     manifest_checks(base);
+    verify_with_empty_last_buffer(base);
+    one_frame_per_chunk(base);
     writer_limits(base);
     limits_and_scaling(base);
     list_during_retention(base);
