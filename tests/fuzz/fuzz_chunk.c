@@ -159,13 +159,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             bytes = fcs;
     }
     if (bytes == 0 || bytes > RAW_MAX) return 0; /* no chunk to make (an empty input) */
+    /* FORMAT.md: a raw chunk is unfiltered, and a buffer holds whole elements */
+    if (!zstd) shuffled = 0;
+    while ((bytes + (tail ? TAIL_BYTES : 0)) % (uint64_t)eb) eb >>= 1;
 
     /* the reference decode */
     int decodes;
     uint8_t *dec = shuffled ? g_filt : g_ref;
     if (zstd) {
+        /* exactly one frame (FORMAT.md: a zstd chunk is one frame) */
         size_t r = ZSTD_decompressDCtx(g_dctx, dec, (size_t)bytes, stored, slen);
-        decodes = !ZSTD_isError(r) && r == bytes;
+        decodes = !ZSTD_isError(r) && r == bytes &&
+                  ZSTD_findFrameCompressedSize(stored, slen) == slen;
     } else {
         memcpy(dec, stored, slen);
         decodes = 1;
@@ -196,6 +201,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     ckpt_snapshot *s = NULL;
     char why[512] = "";
     int rc = ckpt_snapshot_open(&s, g_snap, why, sizeof why);
+    if (zstd && (slen == 0 || slen > ZSTD_compressBound((size_t)bytes))) {
+        /* more stored bytes than any frame of `bytes` bytes can take: a layout error */
+        FZ_ASSERT(rc == -EBADMSG && why[0], "stored %zu > bound of %llu raw bytes: %d (%s)", slen,
+                  (unsigned long long)bytes, rc, why);
+        return 0;
+    }
     FZ_ASSERT(rc == 0, "open of a valid layout failed: %s", why); /* valid by construction */
     FZ_ASSERT(ckpt_snapshot_set_threads(s, threads) == 0, "set_threads");
 

@@ -11,7 +11,8 @@ filter, and store protocol exchanges (valid hello, bad token, truncated frame, l
 The valid manifest comes from the harness itself (FUZZ_MANIFEST_TEMPLATE), since it has to
 match the data files the harness writes; the malformed ones are edits of it. Their checksum
 member holds zeros: the harness reseals every input. Chunk seeds use the zstd program.
-Files named crash-* (findings kept for the replay test) are never touched.
+Files named crash-* (findings not fixed yet, kept for the replay test) are never touched;
+fixed-* are findings that were fixed: ordinary seeds now, kept so that they stay fixed.
 """
 import json
 import os
@@ -93,15 +94,15 @@ def manifests(build):
     edit("step-other-folder.json", lambda m: m.update(step=2))  # the listing: corrupt
     # findings (docs/FORMAT.md: 16 digits, then '"}'): the reader accepts them, and no
     # checksum covers what follows the 16th digit
-    edit("crash-checksum-17-digits.json", lambda m: None, tail='0"}\n')
+    edit("fixed-checksum-17-digits.json", lambda m: None, tail='0"}\n')
     put("fuzz_manifest", "checksum-15-digits.json",
         seal(base).replace("0" * 16 + '"}', "0" * 15 + '"}'))
-    edit("crash-member-after-checksum.json", lambda m: None, tail='","extra":1}\n')
+    edit("fixed-member-after-checksum.json", lambda m: None, tail='","extra":1}\n')
     # the trainer record moved behind the checksum: no checksum covers it
     m = json.loads(valid)
     trainer = m.pop("trainer")
     text = seal(m).rstrip("\n")
-    put("fuzz_manifest", "crash-trainer-after-checksum.json",
+    put("fuzz_manifest", "fixed-trainer-after-checksum.json",
         text[:-1] + ',"trainer":' + json.dumps(trainer, separators=(",", ":")) + "}\n")
     # the sequence inside a nested object that comes last: the reader checks that one (the
     # top-level member's value is then never looked at) and nothing covers the rest
@@ -111,13 +112,13 @@ def manifests(build):
     m["manifest_xxh3"] = "ffffffffffffffff"
     text = json.dumps(m, separators=(",", ":"))[:-1] + ',"trainer":' + \
         json.dumps(trainer, separators=(",", ":")) + "}\n"
-    put("fuzz_manifest", "crash-nested-checksum-last.json", text)
+    put("fuzz_manifest", "fixed-nested-checksum-last.json", text)
     # finding: with an empty buffer last, verify never runs the last partial batch of chunks:
     # a corrupt chunk there (a wrong xxh3_stored on adam_m's last one) passes verify
     def empty_buffer_last(m):
         m["buffers"].append(m["buffers"].pop(m["buffers"].index(buf(m, "flags"))))
         chunk(m, "adam_m", 1, 1)["xxh3_stored"] = "0123456789abcdef"
-    edit("crash-verify-skips-chunks-after-empty-last-buffer.json", empty_buffer_last)
+    edit("fixed-verify-skips-chunks-after-empty-last-buffer.json", empty_buffer_last)
     # finding: "." passes the name check and stat(), so a directory is taken for a data file
     # (where a directory's size is 4096, as on ext4); verify then fails with -EISDIR, which
     # ckpt.h does not document and which does not say "corrupt" (I7)
@@ -126,7 +127,7 @@ def manifests(build):
         shard = buf(m, "adam_m")["shards"][0]
         shard["file"] = "."
         shard["chunks"][0]["file_offset"] = 0
-    edit("crash-data-file-is-a-directory.json", data_file_is_a_directory)
+    edit("fixed-data-file-is-a-directory.json", data_file_is_a_directory)
     put("fuzz_manifest", "trailing-bytes.json", seal(base) + "garbage")
     put("fuzz_manifest", "trailing-space.json", seal(base) + "  \n\n")
     put("fuzz_manifest", "no-checksum-member.json",

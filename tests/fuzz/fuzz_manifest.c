@@ -169,7 +169,7 @@ static char *make_template(void)
                               "bytes", (json_int_t)flen[0], "name", names[1], "rank", 1, "bytes",
                               (json_int_t)flen[1]);
     /* the empty buffer sits in the middle: at the end it would trip a known reader bug on
-     * every input (corpus/fuzz_manifest/crash-verify-skips-chunks-after-empty-last-buffer.json) */
+     * every input (corpus/fuzz_manifest/fixed-verify-skips-chunks-after-empty-last-buffer.json) */
     json_t *buffers = json_pack(
         "[{s:s, s:s, s:i, s:I, s:[o]}, {s:s, s:s, s:i, s:I, s:[]}, {s:s, s:s, s:i, s:I, s:[o, o]}]",
         "name", "params", "dtype", "f32", "elem_bytes", 4, "total_bytes", (json_int_t)9192,
