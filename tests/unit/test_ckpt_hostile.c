@@ -36,20 +36,25 @@ enum { NB = 3, BUF_BYTES = 3 * 4096 + 100 };
 
 static unsigned char g_mem[NB][BUF_BYTES];
 
+/* n bytes that zstd cannot shrink (xorshift64 from seed). */
+static void fill_random(unsigned char *p, size_t n, uint64_t seed)
+{
+    for (size_t j = 0; j < n; j++) {
+        seed ^= seed << 13, seed ^= seed >> 7, seed ^= seed << 17;
+        p[j] = (unsigned char)(seed >> 56);
+    }
+}
+
 /* Three f32 buffers of a few chunks each (chunk 4096), saved as `step` under root: params
  * compresses (zstd chunks), adam_m and adam_v are random (stored raw, codec "none"). */
 static int save_small(const char *root, uint64_t step)
 {
     static const char *names[NB] = {"params", "adam_m", "adam_v"};
     ckpt_buffer b[NB];
-    uint64_t x = 0x9E3779B97F4A7C15ull;
-    for (int i = 0; i < NB; i++) {
-        for (int j = 0; j < BUF_BYTES; j++) {
-            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-            g_mem[i][j] = i == 0 ? (unsigned char)(j % 64 < 48 ? 0 : j) : (unsigned char)(x >> 56);
-        }
-        b[i] = (ckpt_buffer){names[i], "f32", 4, BUF_BYTES, 0, BUF_BYTES, g_mem[i]};
-    }
+    for (int j = 0; j < BUF_BYTES; j++) g_mem[0][j] = (unsigned char)(j % 64 < 48 ? 0 : j);
+    fill_random(g_mem[1], BUF_BYTES, 0x9E3779B97F4A7C15ull);
+    fill_random(g_mem[2], BUF_BYTES, 0x2545F4914F6CDD1Dull);
+    for (int i = 0; i < NB; i++) b[i] = (ckpt_buffer){names[i], "f32", 4, BUF_BYTES, 0, BUF_BYTES, g_mem[i]};
     ckpt_save_opts o = CKPT_SAVE_OPTS_INIT;
     o.dir = root;
     o.chunk_bytes = 4096;
@@ -514,12 +519,7 @@ static void verify_with_empty_last_buffer(const char *base)
 {
     char *root = t_path_in(base, "emptylast");
     static unsigned char mem[3][BUF_BYTES];
-    uint64_t x = 0x243F6A8885A308D3ull;
-    for (int i = 0; i < 3; i++)
-        for (int j = 0; j < BUF_BYTES; j++) {
-            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-            mem[i][j] = (unsigned char)(x >> 56);
-        }
+    for (int i = 0; i < 3; i++) fill_random(mem[i], BUF_BYTES, 0x243F6A8885A308D3ull + (uint64_t)i);
     ckpt_buffer b[4] = {{"params", "f32", 4, BUF_BYTES, 0, BUF_BYTES, mem[0]},
                         {"adam_m", "f32", 4, BUF_BYTES, 0, BUF_BYTES, mem[1]},
                         {"adam_v", "f32", 4, BUF_BYTES, 0, BUF_BYTES, mem[2]},
