@@ -3,6 +3,7 @@
 #include "ckpt.h"
 #include "ckpt_internal.h"
 #include "log.h"
+#include "thread.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -191,7 +192,7 @@ int ckpt_engine_create(ckpt_engine **out, const ckpt_engine_opts *opts)
                               opts->save.filter == CKPT_FILTER_SHUFFLE);
     if (rc == 0) ckpt_pool_set_ready_hook(e->pool, ready_hook, e);
     if (rc == 0 && opts->reserve_bytes > 0) rc = staging_reserve(&e->stage, opts->reserve_bytes);
-    if (rc == 0 && pthread_create(&e->thread, NULL, persist_main, e) != 0) rc = -ENOMEM;
+    if (rc == 0 && common_thread_start(&e->thread, persist_main, e) != 0) rc = -ENOMEM;
     if (rc < 0) {
         ckpt_pool_destroy(e->pool);
         staging_release(&e->stage);

@@ -49,6 +49,7 @@
 
 #include "log.h"
 #include "store.h"
+#include "thread.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -542,7 +543,7 @@ int elastic_rdzv_open(elastic_rdzv **out, const elastic_rdzv_opts *o)
     if ((rc = elastic_store_set(r->c, k, r->desc, strlen(r->desc))) < 0) goto store_fail;
     key(r, k, "hb/%s", r->aid);
     if ((rc = elastic_store_add(r->c, k, 1, NULL)) < 0) goto store_fail;
-    if ((rc = -pthread_create(&r->th, NULL, watcher, r)) < 0) {
+    if ((rc = common_thread_start(&r->th, watcher, r)) < 0) {
         LOG_E(EA_TAG, "cannot start the heartbeat thread: %s", strerror(-rc));
         goto fail;
     }

@@ -20,6 +20,7 @@
 
 #include "elastic_internal.h"
 #include "log.h"
+#include "thread.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -995,7 +996,7 @@ int elastic_store_server_start(elastic_store_server **out, const elastic_store_s
         LOG_E(ES_TAG, "store: pipe: %s", strerror(-err));
         goto fail;
     }
-    err = -pthread_create(&s->thread, NULL, serve, s);
+    err = common_thread_start(&s->thread, serve, s);
     if (err) {
         LOG_E(ES_TAG, "store: cannot start the server thread: %s", strerror(-err));
         goto fail;

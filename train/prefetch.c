@@ -1,6 +1,7 @@
 /* One rank's read-ahead thread over a token dataset. */
 #include "log.h"
 #include "prefetch.h"
+#include "thread.h"
 
 #include <errno.h>
 #include <math.h>
@@ -168,7 +169,7 @@ int train_prefetch_create(train_prefetch **out, train_dataset *ds, uint64_t seed
     }
     pthread_condattr_destroy(&ca);
     if (rc < 0) goto out;
-    if ((rc = -pthread_create(&p->thread, NULL, run, p)) < 0) goto out;
+    if ((rc = common_thread_start(&p->thread, run, p)) < 0) goto out;
     *out = p;
     return 0;
 out:
