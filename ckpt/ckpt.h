@@ -36,8 +36,8 @@
  * a snapshot that would pass one, so that everything written can be read. They are sized for
  * the largest jobs we can imagine - tens of thousands of ranks, tens of thousands of
  * tensors saved as separate buffers, tens of terabytes of state - and no more, because
- * every manifest is parsed whole (about 10 bytes of memory per manifest byte while parsing,
- * for a moment: 0.9 GiB at the limit) and listing opens every snapshot's manifest. */
+ * every manifest is parsed whole (the value limit bounds the parser's memory to about 0.9 GiB
+ * for a moment) and listing opens every snapshot's manifest. */
 #define CKPT_MAX_MANIFEST_BYTES (96u << 20) /* manifest.json, bytes */
 #define CKPT_MAX_WORLD_SIZE 65536u          /* ranks that saved it = data files at most */
 #define CKPT_MAX_BUFFERS 65536u             /* state buffers */
@@ -45,6 +45,11 @@
                                                1 TiB of state at 4 MiB chunks, 64 TiB at
                                                256 MiB chunks) */
 #define CKPT_MAX_TRAINER_BYTES (16u << 20)  /* the trainer record, compact JSON, bytes */
+#define CKPT_MAX_JSON_VALUES 8000000u       /* JSON values in the manifest, counted as the
+                                               ',' '[' '{' ':' outside strings (about 17 a
+                                               chunk; the largest real manifest has about
+                                               7.3 million): bounds the parser's memory to
+                                               about 0.9 GiB whatever the manifest's shape */
 
 /* Filters applied to a chunk before compression. */
 enum ckpt_filter {
@@ -290,10 +295,14 @@ typedef struct ckpt_dir_lock ckpt_dir_lock;
  * crash never leaves the folder locked. Readers (ckpt-inspect) take no lock. dir/.lock is
  * opened without following a symbolic link and only as a regular file, so that no link
  * makes another file receive the pid and no FIFO blocks the call.
+ * A dir that is a snapshot folder or lies inside one (it holds manifest.json, or it or a
+ * folder above it in the path is named like a snapshot, a temp folder or a set-aside one) is
+ * refused: saving there would write into a committed snapshot. A .lock with other hard links is refused too (its pid would overwrite
+ * the other names' file).
  * Errors: -EBUSY another process holds it (*holder_pid, when not NULL, gets its pid or 0),
  * -ELOOP dir/.lock is a symbolic link, -EISDIR / -ENODEV it is a folder / a FIFO, socket or
- * device, -ENOTDIR / -EACCES / -EROFS / other -errno of mkdir or open (the folder is
- * unusable), -ENOMEM. */
+ * device, -EMLINK it has other hard links, -EINVAL dir is a snapshot folder, -ENOTDIR /
+ * -EACCES / -EROFS / other -errno of mkdir or open (the folder is unusable), -ENOMEM. */
 int ckpt_dir_lock_acquire(const char *dir, ckpt_dir_lock **out, long *holder_pid);
 
 /* Release the lock and free the handle; accepts NULL. */

@@ -236,25 +236,32 @@ int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_e
     }
     {
         /* never write into a snapshot folder (or a temp one): even with --force that would
-         * damage a committed snapshot */
-        char parent[CKPT_PATH_MAX], mpath[CKPT_PATH_MAX + 32];
+         * damage a committed snapshot; and never under a snapshot's name, which a listing
+         * would call corrupt and a resume would set aside */
+        char parent[CKPT_PATH_MAX], name[256];
         snprintf(parent, sizeof parent, "%s", out_path);
         char *slash = strrchr(parent, '/');
         if (slash) *slash = '\0';
         else snprintf(parent, sizeof parent, ".");
-        snprintf(mpath, sizeof mpath, "%s/manifest.json", parent);
-        const char *base = strrchr(parent, '/');
-        base = base ? base + 1 : parent;
+        ckpt_folder_name(out_path, name, sizeof name);
         uint64_t step;
-        if (lstat(mpath, &st) == 0 || ckpt_parse_step_dirname(base, &step) == 0 ||
-            ckpt_parse_temp_dirname(base, &step) == 0) {
+        if (ckpt_is_snapshot_folder(parent)) {
             log_why(why, why_len, "%s: refusing to write inside a snapshot folder", out_path);
+            return -EINVAL;
+        }
+        if (ckpt_parse_step_dirname(name, &step) == 0 || ckpt_parse_temp_dirname(name, &step) == 0 ||
+            ckpt_parse_aside_dirname(name, &step) == 0) {
+            log_why(why, why_len, "%s: refusing a snapshot folder's name for the output", out_path);
             return -EINVAL;
         }
     }
 
     json_error_t jerr;
     trainer = json_loads(ckpt_snapshot_trainer_json(s), 0, &jerr);
+    if (!trainer && (json_error_code(&jerr) == json_error_out_of_memory || !jerr.text[0])) {
+        rc = -ENOMEM; /* jansson leaves some allocation failures without a message */
+        goto out;
+    }
     if (!json_is_object(trainer)) {
         log_why(why, why_len, "trainer record is not a JSON object: %s", jerr.text);
         rc = -EINVAL;

@@ -25,6 +25,20 @@ int ckpt_parse_hex64(const char *s, uint64_t *v);
 /* Name check for buffers, run ids and config hashes: [A-Za-z0-9_.-]{1,63}. */
 int ckpt_valid_name(const char *s);
 
+/* The name of the folder `path` names into out: its last component without trailing slashes
+ * or "." components ("D/step-000000020/" and "D/step-000000020/." name step-000000020); the
+ * real path's last component when that is ".." or nothing is left; "" when unknown. */
+void ckpt_folder_name(const char *path, char *out, size_t len);
+
+/* Non-zero when dir is a snapshot folder rather than a folder of snapshots: it holds a
+ * manifest.json, or its last component (trailing slashes and "." ignored) parses as a step,
+ * temp or set-aside folder name. */
+int ckpt_is_snapshot_folder(const char *dir);
+/* Non-zero when dir is a snapshot folder (ckpt_is_snapshot_folder), or one of the folders
+ * above it (taken from the path's text: give an absolute or canonical path to see every one)
+ * is named like one. */
+int ckpt_within_snapshot_folder(const char *dir);
+
 /* Data file name of a rank: "rank-%05u.bin" into buf (at least 32 bytes). */
 void ckpt_rank_filename(uint32_t rank, char *buf, size_t len);
 

@@ -3,6 +3,7 @@
 #include "ckpt_internal.h"
 #include "log.h"
 #include "storage.h"
+#include "thread.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -145,6 +146,28 @@ static int check_manifest_sum(const char *text, size_t len, char *why, size_t wh
     return 0;
 }
 
+/* An upper bound of the JSON values in text: one per ',' '[' '{' ':' outside strings, plus
+ * one. O(n), no allocation: it bounds what the parser would allocate (each value costs the
+ * parser tens of bytes, so tiny values would otherwise make a manifest under the byte limit
+ * cost gigabytes). */
+static size_t json_values_upper_bound(const char *text, size_t len)
+{
+    size_t n = 1;
+    int in_string = 0;
+    for (size_t i = 0; i < len; i++) {
+        char c = text[i];
+        if (in_string) {
+            if (c == '\\') i++;
+            else if (c == '"') in_string = 0;
+        } else if (c == '"') {
+            in_string = 1;
+        } else if (c == ',' || c == '[' || c == '{' || c == ':') {
+            n++;
+        }
+    }
+    return n;
+}
+
 /* A failure to open or inspect a file of the snapshot: evidence about the folder's contents
  * (missing, wrong type) is corruption; anything else (EMFILE, EACCES, EIO, ...) says nothing
  * about the bytes and is passed on as it is (DESIGN I7). */
@@ -165,6 +188,14 @@ static const char *file_error_text(int rc)
     case -ENOTDIR: case -EISDIR: case -ELOOP: case -ENODEV: return "is not a regular file";
     default: return strerror(-rc);
     }
+}
+
+/* The snapshot folder is gone (renamed by retention or a set-aside while it was read): a
+ * missing file then says nothing about the bytes. */
+static int folder_gone(const char *path)
+{
+    struct stat st;
+    return lstat(path, &st) != 0 && errno == ENOENT;
 }
 
 /* a + b into *sum; -1 on overflow */
@@ -202,9 +233,10 @@ static int parse_chunks(ckpt_snapshot *s, buffer *b, const json_t *jshards,
         uint32_t fidx = srank >= 0 && srank < (int64_t)s->world_size ? rank_file[srank] : UINT32_MAX;
         uint64_t send;
         if (fidx == UINT32_MAX || !fname || strcmp(s->files[fidx].name, fname) != 0 || soff < 0 ||
-            sbytes < 0 || add_u64((uint64_t)soff, (uint64_t)sbytes, &send) < 0) {
-            log_why(why, why_len, "buffer %s: shard %zu names an unknown rank or file, or lacks "
-                    "offset/bytes", b->name, i);
+            sbytes < 0 || add_u64((uint64_t)soff, (uint64_t)sbytes, &send) < 0 ||
+            send > b->total_bytes) {
+            log_why(why, why_len, "buffer %s: shard %zu names an unknown rank or file, lacks "
+                    "offset/bytes, or lies outside the buffer", b->name, i);
             return -EBADMSG;
         }
         uint64_t expect = (uint64_t)soff;
@@ -304,6 +336,10 @@ static int check_data_file(const ckpt_snapshot *s, const char *name, uint64_t by
     if (ckpt_path_join(p, sizeof p, s->path, name) < 0) return -ENAMETOOLONG;
     if (lstat(p, &st) != 0) {
         int rc = -errno;
+        if (rc == -ENOENT && folder_gone(s->path)) {
+            log_why(why, why_len, "the snapshot folder was removed while it was read");
+            return -ENOENT;
+        }
         log_why(why, why_len, "data file %s %s", p, file_error_text(rc));
         return file_error(rc);
     }
@@ -368,12 +404,12 @@ static int parse_manifest(ckpt_snapshot *s, const json_t *m, char *why, size_t w
                               "buffers or trainer");
         return -EBADMSG;
     }
-    if (ws > CKPT_MAX_WORLD_SIZE || json_array_size(jfiles) > (size_t)ws ||
+    if (ws > CKPT_MAX_WORLD_SIZE || json_array_size(jfiles) != (size_t)ws ||
         json_array_size(jbufs) > CKPT_MAX_BUFFERS) {
-        log_why(why, why_len, "world_size %lld with %zu files, or %zu buffers: over the format's "
-                "limits (world size %u, one file per rank, %u buffers)", (long long)ws,
-                json_array_size(jfiles), json_array_size(jbufs), (unsigned)CKPT_MAX_WORLD_SIZE,
-                (unsigned)CKPT_MAX_BUFFERS);
+        log_why(why, why_len, "world_size %lld with %zu data files and %zu buffers: a snapshot of "
+                "W ranks has W data files, and the format allows %u ranks and %u buffers",
+                (long long)ws, json_array_size(jfiles), json_array_size(jbufs),
+                (unsigned)CKPT_MAX_WORLD_SIZE, (unsigned)CKPT_MAX_BUFFERS);
         return -EBADMSG;
     }
     if (!ckpt_valid_name(run_id) || !ckpt_valid_name(chash)) {
@@ -385,8 +421,8 @@ static int parse_manifest(ckpt_snapshot *s, const json_t *m, char *why, size_t w
         return -EBADMSG;
     }
     /* the folder's name, when it names a step, must name this one */
-    const char *base = strrchr(s->path, '/');
-    base = base ? base + 1 : s->path;
+    char base[256];
+    ckpt_folder_name(s->path, base, sizeof base);
     uint64_t named;
     if ((ckpt_parse_step_dirname(base, &named) == 0 || ckpt_parse_aside_dirname(base, &named) == 0) &&
         named != (uint64_t)step) {
@@ -585,6 +621,10 @@ static int load_chunk(const ckpt_snapshot *s, rctx *c, const buffer *b, const ch
     if (!c->readers[k->file]) {
         uint64_t size = 0;
         rc = store_reader_open(&c->readers[k->file], p, 8, STORE_NOFOLLOW, &size);
+        if (rc == -ENOENT && folder_gone(s->path)) {
+            log_why(bad, bad_len, "%s: the snapshot folder was removed while it was read", p);
+            return -ENOENT;
+        }
         if (rc < 0) {
             log_why(bad, bad_len, "%s: cannot open: %s", p, file_error_text(rc));
             return file_error(rc);
@@ -716,7 +756,7 @@ static int run_batch(ckpt_snapshot *s, const work *w, size_t n, char *bad, size_
     for (unsigned t = 0; t < extra; t++) {
         ta[t].bt = &bt;
         ta[t].c = &s->ctx[t + 1];
-        if (pthread_create(&tid[t], NULL, work_main, &ta[t]) != 0) break;
+        if (common_thread_start(&tid[t], work_main, &ta[t]) != 0) break;
         started++;
     }
     do_work(&bt, &s->ctx[0]);
@@ -832,8 +872,23 @@ int ckpt_snapshot_open(ckpt_snapshot **out, const char *path, char *why, size_t 
         goto out;
     }
     if ((rc = check_manifest_sum(text, len, why, why_len)) < 0) goto out;
+    size_t values = json_values_upper_bound(text, len);
+    if (values > CKPT_MAX_JSON_VALUES) {
+        log_why(why, why_len, "manifest holds about %zu JSON values, more than the format's limit "
+                "(%u)", values, (unsigned)CKPT_MAX_JSON_VALUES);
+        rc = -EBADMSG;
+        goto out;
+    }
     json_error_t jerr;
     m = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!m && (json_error_code(&jerr) == json_error_out_of_memory || !jerr.text[0])) {
+        /* says nothing about the bytes (DESIGN I7); jansson gives every syntax error a
+         * message, but leaves some allocation failures without one (an array that could
+         * not grow) */
+        log_why(why, why_len, "out of memory parsing %s", CKPT_MANIFEST_NAME);
+        rc = -ENOMEM;
+        goto out;
+    }
     if (!json_is_object(m)) {
         log_why(why, why_len, "manifest is not valid JSON: %s", jerr.text);
         rc = -EBADMSG;

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 void ckpt_shuffle(uint8_t *dst, const uint8_t *src, size_t n, uint32_t elem_bytes)
@@ -121,6 +122,62 @@ int ckpt_parse_temp_dirname(const char *name, uint64_t *step)
     if (strncmp(name, ".tmp-step-", 10) != 0) return -1;
     if (parse_digits(name + 10, step, &end) != 0 || *end != '-') return -1;
     return 0;
+}
+
+void ckpt_folder_name(const char *path, char *out, size_t len)
+{
+    size_t n = strlen(path);
+    for (;;) {
+        while (n > 1 && path[n - 1] == '/') n--;
+        if (n >= 2 && path[n - 1] == '.' && path[n - 2] == '/') n -= 2;
+        else if (n == 1 && path[0] == '.') n = 0;
+        else break;
+    }
+    size_t start = n;
+    while (start > 0 && path[start - 1] != '/') start--;
+    size_t k = n - start;
+    if (k == 0 || (k == 2 && path[start] == '.' && path[start + 1] == '.')) {
+        char *real = realpath(path[0] ? path : ".", NULL);
+        const char *b = real ? strrchr(real, '/') : NULL;
+        snprintf(out, len, "%s", b ? b + 1 : "");
+        free(real);
+        return;
+    }
+    snprintf(out, len, "%.*s", (int)k, path + start);
+}
+
+int ckpt_within_snapshot_folder(const char *dir)
+{
+    char p[CKPT_PATH_MAX];
+    if (snprintf(p, sizeof p, "%s", dir) >= (int)sizeof p) return 0;
+    if (ckpt_is_snapshot_folder(p)) return 1;
+    for (;;) {
+        /* above it, the names only: a folder with some other manifest.json (a web project)
+         * may well hold a folder of snapshots */
+        char name[256];
+        uint64_t step;
+        ckpt_folder_name(p, name, sizeof name);
+        if (ckpt_parse_step_dirname(name, &step) == 0 || ckpt_parse_temp_dirname(name, &step) == 0 ||
+            ckpt_parse_aside_dirname(name, &step) == 0)
+            return 1;
+        size_t n = strlen(p);
+        while (n > 1 && p[n - 1] == '/') n--; /* the parent: drop the last component */
+        while (n > 0 && p[n - 1] != '/') n--;
+        while (n > 1 && p[n - 1] == '/') n--;
+        if (n == 0 || (n == 1 && p[0] == '/' && strlen(p) == 1)) return 0;
+        p[n] = '\0';
+    }
+}
+
+int ckpt_is_snapshot_folder(const char *dir)
+{
+    char name[256], m[CKPT_PATH_MAX + 32];
+    uint64_t step;
+    struct stat st;
+    ckpt_folder_name(dir, name, sizeof name);
+    snprintf(m, sizeof m, "%s/%s", dir, CKPT_MANIFEST_NAME);
+    return lstat(m, &st) == 0 || ckpt_parse_step_dirname(name, &step) == 0 ||
+           ckpt_parse_temp_dirname(name, &step) == 0 || ckpt_parse_aside_dirname(name, &step) == 0;
 }
 
 void ckpt_rank_filename(uint32_t rank, char *buf, size_t len)

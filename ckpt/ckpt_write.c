@@ -3,6 +3,7 @@
 #include "ckpt_internal.h"
 #include "log.h"
 #include "storage.h"
+#include "thread.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -342,7 +343,7 @@ int ckpt_pool_create(ckpt_pool **out, unsigned threads, uint64_t chunk_bytes, in
         if (!wa) goto fail;
         wa->p = p;
         wa->cctx = ZSTD_createCCtx();
-        if (!wa->cctx || pthread_create(&p->threads[i], NULL, worker_main, wa) != 0) {
+        if (!wa->cctx || common_thread_start(&p->threads[i], worker_main, wa) != 0) {
             ZSTD_freeCCtx(wa->cctx);
             free(wa);
             goto fail;
@@ -958,6 +959,7 @@ int ckpt_dir_lock_acquire(const char *dir, ckpt_dir_lock **out, long *holder_pid
 {
     *out = NULL;
     if (holder_pid) *holder_pid = 0;
+    if (ckpt_within_snapshot_folder(dir)) return -EINVAL;
     int rc = mkdir_p(dir);
     if (rc < 0) return rc;
     char path[CKPT_PATH_MAX];
@@ -967,7 +969,8 @@ int ckpt_dir_lock_acquire(const char *dir, ckpt_dir_lock **out, long *holder_pid
     int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
     if (fd < 0) return errno == ENXIO ? -ENODEV : -errno; /* ENXIO: a socket */
     struct stat st;
-    rc = fstat(fd, &st) != 0 ? -errno : !S_ISREG(st.st_mode) ? -ENODEV : 0;
+    rc = fstat(fd, &st) != 0 ? -errno : !S_ISREG(st.st_mode) ? -ENODEV
+                                        : st.st_nlink != 1   ? -EMLINK : 0;
     if (rc < 0) {
         close(fd);
         return rc;

@@ -37,7 +37,7 @@ static const char usage_text[] =
     "  -f, --force        export: replace an existing OUT\n"
     "  --window-mib N     export: MiB of the buffer read at a time (memory), 1..4096;\n"
     "                     default 64\n"
-    "  --world-size N     plan: ranks of the restoring job, 1..1048576\n"
+    "  --world-size N     plan: ranks of the restoring job, 1..65536\n"
     "  -q, --quiet        no progress lines\n"
     "  -h, --help         this text\n"
     "\n"
@@ -89,6 +89,28 @@ static const char *P(const char *s)
  * that is not valid UTF-8, and a NULL output crashed the program. */
 static json_t *J(const char *s) { return json_string(P(s)); }
 
+/* v with every string and key made printable (P): JSON escapes a control character as
+ * \u001b, which a consumer decodes back into the raw byte. A new reference. */
+static json_t *printable_json(json_t *v)
+{
+    if (json_is_string(v)) return J(json_string_value(v));
+    if (json_is_array(v)) {
+        json_t *a = json_array();
+        size_t i;
+        json_t *x;
+        json_array_foreach(v, i, x) json_array_append_new(a, printable_json(x));
+        return a;
+    }
+    if (json_is_object(v)) {
+        json_t *o = json_object();
+        const char *k;
+        json_t *x;
+        json_object_foreach(v, k, x) json_object_set_new(o, P(k), printable_json(x));
+        return o;
+    }
+    return json_incref(v);
+}
+
 /* Print a JSON value, or a one-line error when it could not be built or dumped. ASCII only
  * (JSON_ENSURE_ASCII): a string from a manifest may hold C1 controls, which a terminal can
  * obey, and JSON escapes them only on request. */
@@ -113,8 +135,8 @@ static void fmt_time(int64_t t, char *buf, size_t len)
     }
     time_t tt = (time_t)t;
     struct tm tm;
-    gmtime_r(&tt, &tm);
-    strftime(buf, len, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    if (!gmtime_r(&tt, &tm) || tm.tm_year > 9999 - 1900 || !strftime(buf, len, "%Y-%m-%dT%H:%M:%SZ", &tm))
+        snprintf(buf, len, "-"); /* out of range for a calendar date */
 }
 
 static void fmt_bytes(uint64_t b, char *buf, size_t len)
@@ -130,6 +152,17 @@ static void fmt_bytes(uint64_t b, char *buf, size_t len)
     else snprintf(buf, len, "%.2f %s", v, u[i]);
 }
 
+/* A listing that could not be made: one line, the JSON failure object, the exit status. */
+static int list_failed(const char *dir, int json, int rc, const char *why)
+{
+    if (json)
+        print_json(json_pack("{s:o, s:b, s:s, s:o}", "dir", J(dir), "ok", 0, "status",
+                             verdict_of(rc), "error", J(why)),
+                   JSON_INDENT(2));
+    fprintf(stderr, "ckpt-inspect: cannot list %s: %s\n", P(dir), why);
+    return status_of(rc);
+}
+
 static int cmd_list(const char *dir, int json)
 {
     ckpt_entry *e;
@@ -137,18 +170,11 @@ static int cmd_list(const char *dir, int json)
     struct stat st;
     if (stat(dir, &st) != 0) {
         int err = errno;
-        fprintf(stderr, "ckpt-inspect: cannot list %s: %s\n", P(dir), strerror(err));
-        return err == ENOENT || err == ENOTDIR ? EXIT_FAILURE_ : EXIT_UNREADABLE;
+        return list_failed(dir, json, err == ENOTDIR ? -ENOENT : -err, strerror(err));
     }
-    if (!S_ISDIR(st.st_mode)) {
-        fprintf(stderr, "ckpt-inspect: cannot list %s: not a folder\n", P(dir));
-        return EXIT_FAILURE_;
-    }
+    if (!S_ISDIR(st.st_mode)) return list_failed(dir, json, -ENOENT, "not a folder");
     int rc = ckpt_list(dir, &e, &n);
-    if (rc < 0) {
-        fprintf(stderr, "ckpt-inspect: cannot list %s: %s\n", P(dir), strerror(-rc));
-        return EXIT_UNREADABLE;
-    }
+    if (rc < 0) return list_failed(dir, json, rc, strerror(-rc));
     if (json) {
         json_t *arr = json_array();
         for (size_t i = 0; i < n; i++) {
@@ -235,8 +261,9 @@ static int cmd_show(const char *path, int json)
                               "config_hash", ckpt_snapshot_config_hash(s), "created_unix",
                               (json_int_t)ckpt_snapshot_created(s), "raw_bytes", (json_int_t)raw,
                               "stored_bytes", (json_int_t)stored, "buffers", bufs, "trainer",
-                              trainer ? trainer : json_object());
+                              trainer ? printable_json(trainer) : json_object());
         int prc = print_json(o, JSON_INDENT(2) | JSON_REAL_PRECISION(17));
+        json_decref(trainer);
         ckpt_snapshot_close(s);
         return prc ? EXIT_UNREADABLE : 0;
     }
@@ -361,6 +388,19 @@ static int cmd_verify(const char *path, int json, int quiet)
     return rc < 0 ? status_of(rc) : 0;
 }
 
+/* Exit status of a failed export: an existing OUT without --force is a usage error; a
+ * corrupt chunk or a refused table 1; an error of the environment while reading the snapshot
+ * or writing OUT (too many open files, permission, I/O error, out of memory) 3, except the
+ * output's file system being full or read-only, which is 1. */
+static int export_status(int rc, int exists)
+{
+    if (exists) return EXIT_USAGE;
+    if (rc == -ENOSPC || rc == -EROFS || rc == -EDQUOT || rc == -EFBIG || rc == -EEXIST ||
+        rc == -ENAMETOOLONG)
+        return EXIT_FAILURE_;
+    return status_of(rc);
+}
+
 static int cmd_export(const char *path, const char *out, int json, const ckpt_export_opts *eo)
 {
     const int force = eo->force;
@@ -372,9 +412,15 @@ static int cmd_export(const char *path, const char *out, int json, const ckpt_ex
     int rc = ckpt_export_safetensors(s, out, eo, &st, why, sizeof why);
     ckpt_snapshot_close(s);
     const char *msg = why[0] ? why : strerror(-rc);
+    struct stat ost;
+    int exists = rc == -EEXIST && !force && lstat(out, &ost) == 0; /* a dangling link too */
     if (json) {
         json_t *o = json_pack("{s:o, s:o, s:b}", "snapshot", J(path), "output", J(out), "ok", rc == 0);
         if (o && rc < 0) {
+            int es = export_status(rc, exists);
+            json_object_set_new(o, "status", json_string(es == EXIT_USAGE        ? "refused"
+                                                         : es == EXIT_UNREADABLE ? "unreadable"
+                                                                                 : verdict_of(rc)));
             json_object_set_new(o, "error", J(msg));
         } else if (o) {
             json_object_set_new(o, "tensors", json_integer((json_int_t)st.tensors));
@@ -385,11 +431,9 @@ static int cmd_export(const char *path, const char *out, int json, const ckpt_ex
         print_json(o, JSON_INDENT(2));
     }
     if (rc < 0) {
-        int exists = rc == -EEXIST && !force && access(out, F_OK) == 0;
         fprintf(stderr, "ckpt-inspect: export %s failed: %s%s\n", P(path), msg,
                 exists ? " (--force replaces it)" : "");
-        /* an existing OUT without --force is a usage error, like any refused argument */
-        return exists ? EXIT_USAGE : EXIT_FAILURE_;
+        return export_status(rc, exists);
     }
     if (!json)
         printf("exported %zu tensors (%llu bytes of data, %llu bytes in all) from %s to %s in "
@@ -410,6 +454,10 @@ static int cmd_plan(const char *path, uint32_t world, int json)
     ckpt_rank_reads *rr = calloc(world, sizeof *rr);
     int rc = rr ? ckpt_snapshot_plan(s, PLAN_ALIGN_BYTES, world, rr) : -ENOMEM;
     if (rc < 0) {
+        if (json)
+            print_json(json_pack("{s:o, s:b, s:s, s:o}", "snapshot", J(path), "ok", 0, "status",
+                                 verdict_of(rc), "error", J(strerror(-rc))),
+                       JSON_INDENT(2));
         fprintf(stderr, "ckpt-inspect: plan %s: %s\n", P(path), strerror(-rc));
         free(rr);
         ckpt_snapshot_close(s);
@@ -465,14 +513,15 @@ static int cmd_plan(const char *path, uint32_t world, int json)
     return 0;
 }
 
-/* --world-size N: 1..2^20 into *world; 0 or -1 (bad value, reported). */
+/* --world-size N: 1..CKPT_MAX_WORLD_SIZE (the format's limit) into *world; 0 or -1 (bad value, reported). */
 static int parse_world(const char *v, uint32_t *world)
 {
     char *end;
     errno = 0;
     unsigned long long n = v ? strtoull(v, &end, 10) : 0;
-    if (!v || !*v || *end || errno || n < 1 || n > (1u << 20)) {
-        fprintf(stderr, "ckpt-inspect: --world-size wants 1..1048576, got '%s'\n", v ? v : "");
+    if (!v || !*v || *end || errno || n < 1 || n > CKPT_MAX_WORLD_SIZE) {
+        fprintf(stderr, "ckpt-inspect: --world-size wants 1..%u, got '%s'\n",
+                (unsigned)CKPT_MAX_WORLD_SIZE, P(v));
         return -1;
     }
     *world = (uint32_t)n;
@@ -486,7 +535,7 @@ static int parse_window(const char *v, uint64_t *bytes)
     errno = 0;
     unsigned long long n = v ? strtoull(v, &end, 10) : 0;
     if (!v || !*v || *end || errno || n < 1 || n > 4096) {
-        fprintf(stderr, "ckpt-inspect: --window-mib wants 1..4096, got '%s'\n", v ? v : "");
+        fprintf(stderr, "ckpt-inspect: --window-mib wants 1..4096, got '%s'\n", P(v));
         return -1;
     }
     *bytes = (uint64_t)n << 20;
@@ -506,7 +555,10 @@ int main(int argc, char **argv)
     ckpt_export_opts eo = CKPT_EXPORT_OPTS_INIT;
     int json = 0, quiet = 0, c;
     uint32_t world = 0; /* plan: 0 until --world-size is given */
-    while ((c = getopt_long(argc, argv, "+jqfh", opts, NULL)) != -1) {
+    /* options anywhere (GNU getopt permutes: "list DIR --json" as "--json list DIR"), and
+     * "--" ends them, so a path may start with '-' */
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, "jqfh", opts, NULL)) != -1) {
         switch (c) {
         case 'j': json = 1; break;
         case 'q': quiet = 1; break;
@@ -518,38 +570,25 @@ int main(int argc, char **argv)
             if (parse_world(optarg, &world)) return 2;
             break;
         case 'h': fputs(usage_text, stdout); return 0;
-        default: fputs(usage_text, stderr); return 2;
-        }
-    }
-    /* options may also follow the command: ckpt-inspect list DIR --json */
-    int nargs = 0;
-    const char *args[3] = {0};
-    for (int i = optind; i < argc; i++) {
-        if (!strcmp(argv[i], "--json")) json = 1;
-        else if (!strcmp(argv[i], "-q") || !strcmp(argv[i], "--quiet")) quiet = 1;
-        else if (!strcmp(argv[i], "-f") || !strcmp(argv[i], "--force")) eo.force = 1;
-        else if (!strcmp(argv[i], "--window-mib")) {
-            if (parse_window(i + 1 < argc ? argv[++i] : NULL, &eo.window_bytes)) return 2;
-        } else if (!strncmp(argv[i], "--window-mib=", 13)) {
-            if (parse_window(argv[i] + 13, &eo.window_bytes)) return 2;
-        } else if (!strcmp(argv[i], "--world-size")) {
-            if (parse_world(i + 1 < argc ? argv[++i] : NULL, &world)) return 2;
-        } else if (!strncmp(argv[i], "--world-size=", 13)) {
-            if (parse_world(argv[i] + 13, &world)) return 2;
-        }
-        else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
-            fputs(usage_text, stdout);
-            return 0;
-        } else if (argv[i][0] == '-' && argv[i][1]) {
-            fprintf(stderr, "ckpt-inspect: unknown option '%s'\n", argv[i]);
-            return 2;
-        } else if (nargs < 3) args[nargs++] = argv[i];
-        else {
-            fprintf(stderr, "ckpt-inspect: too many arguments\n");
+        default:
+            if (optopt && optopt < 256)
+                fprintf(stderr, "ckpt-inspect: unknown option or missing value: -%c\n", optopt);
+            else
+                fprintf(stderr, "ckpt-inspect: unknown option or missing value: %s\n",
+                        P(argv[optind - 1]));
+            fputs(usage_text, stderr);
             return 2;
         }
     }
+    int nargs = argc - optind;
+    const char *const *args = (const char *const *)argv + optind;
     int want = nargs > 0 && !strcmp(args[0], "export") ? 3 : 2;
+    if (nargs > 0 && strcmp(args[0], "list") && strcmp(args[0], "show") && strcmp(args[0], "verify") &&
+        strcmp(args[0], "export") && strcmp(args[0], "plan")) {
+        fprintf(stderr, "ckpt-inspect: unknown command '%s' (list, show, verify, export, plan)\n",
+                P(args[0]));
+        return 2;
+    }
     if (nargs != want) {
         fprintf(stderr, "ckpt-inspect: %s\n%s",
                 nargs == 0 ? "missing command" : nargs < want ? "missing argument"
@@ -568,6 +607,6 @@ int main(int argc, char **argv)
     if (!strcmp(args[0], "export")) return cmd_export(args[1], args[2], json, &eo);
     if (!strcmp(args[0], "plan")) return cmd_plan(args[1], world, json);
     fprintf(stderr, "ckpt-inspect: unknown command '%s' (list, show, verify, export, plan)\n",
-            args[0]);
+            P(args[0]));
     return 2;
 }

@@ -637,6 +637,172 @@ static void one_frame_per_chunk(const char *base)
     free(d3);
 }
 
+/* ------------------------------------------------------------------ found by a review */
+
+/* Out of memory while parsing a manifest says nothing about its bytes: -ENOMEM, and the
+ * listing calls the snapshot unreadable (a resume had set a valid one aside). In a child with
+ * a bounded address space; a sanitizer's shadow memory cannot live under such a bound, so
+ * this runs in the plain build. */
+static void oom_is_not_corrupt(const char *base)
+{
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+    (void)base;
+#else
+    char *root = t_path_in(base, "oom"), *snap = t_path_in(root, "step-000000001");
+    T_REQUIRE(mkdir(root, 0755) == 0, "mkdir");
+    T_REQUIRE(make_synthetic(snap, 1, 1, 1, NULL) > 0, "synthetic");
+    /* 6 million values (under the limit): the parser needs a few hundred MB for them */
+    size_t n = 6000000;
+    char *pad = malloc(2 * n + 32);
+    T_REQUIRE(pad != NULL, "malloc");
+    memcpy(pad, "\"pad\":[", 7);
+    for (size_t i = 0; i < n; i++) memcpy(pad + 7 + 2 * i, "0,", 2);
+    memcpy(pad + 7 + 2 * n - 1, "],\"trainer\":{", 14);
+    T_REQUIRE(rewrite_manifest(snap, "\"trainer\":{", pad) == 0, "pad");
+    free(pad);
+    char why[512];
+    /* first the bounded child: memory this process freed would count for it */
+    pid_t pid = fork();
+    T_REQUIRE(pid >= 0, "fork");
+    if (pid == 0) {
+        struct rlimit rl = {(rlim_t)60 << 20, (rlim_t)60 << 20};
+        FILE *f = fopen("/proc/self/statm", "r");
+        unsigned long pages = 0;
+        if (f && fscanf(f, "%lu", &pages) == 1) rl.rlim_cur = rl.rlim_max =
+            (rlim_t)pages * (rlim_t)sysconf(_SC_PAGESIZE) + ((rlim_t)60 << 20);
+        if (f) fclose(f);
+        if (setrlimit(RLIMIT_AS, &rl) != 0) _exit(20);
+        int rc = open_rc(snap, why, sizeof why);
+        if (rc != -ENOMEM) {
+            fprintf(stderr, "open under a memory bound: %d (%s), want -ENOMEM\n", rc, why);
+            _exit(21);
+        }
+        int err = 0, st = list_status(root, "step-000000001", &err);
+        if (st != CKPT_STATUS_UNREADABLE || err != -ENOMEM) {
+            fprintf(stderr, "listed under a memory bound: status %d error %d\n", st, err);
+            _exit(22);
+        }
+        _exit(0);
+    }
+    int st = 0;
+    T_REQUIRE(waitpid(pid, &st, 0) == pid, "waitpid");
+    T_CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "out of memory is not corrupt: child %d", st);
+    T_CHECK(open_rc(snap, why, sizeof why) == 0, "the snapshot opens with memory: %s", why);
+    t_rmrf(root);
+    free(snap);
+    free(root);
+#endif
+}
+
+/* A snapshot folder renamed away while it is read (retention, a set-aside) is missing, not
+ * corrupt: verify during a run with --keep-last 1 called removed snapshots corrupt. */
+static void removed_while_read(const char *base)
+{
+    char *root = t_path_in(base, "removed");
+    T_REQUIRE(save_small(root, 3) == 0, "save");
+    char *sp = snap_path(root, 3), *gone = t_path_in(root, ".tmp-step-000000003-retired");
+    ckpt_snapshot *s = NULL;
+    char why[512];
+    T_REQUIRE(ckpt_snapshot_open(&s, sp, why, sizeof why) == 0, "open: %s", why);
+    T_REQUIRE(rename(sp, gone) == 0, "retire");
+    int rc = ckpt_snapshot_verify(s, why, sizeof why, NULL, NULL);
+    T_CHECK(rc == -ENOENT && strstr(why, "removed while it was read"), "verify: %d (%s)", rc, why);
+    ckpt_snapshot_close(s);
+    free(gone);
+    free(sp);
+    t_rmrf(root);
+    free(root);
+}
+
+/* The folder's name is checked against the manifest's step also when the path ends in '/'
+ * or "/.": a copy of step 15 under the name step-000000020 verified "OK ... step 15". */
+static void trailing_slash_names_the_folder(const char *base)
+{
+    char *root = t_path_in(base, "slash");
+    T_REQUIRE(save_small(root, 15) == 0, "save");
+    char *src = snap_path(root, 15), *dst = snap_path(root, 20), p[4200], why[512];
+    T_REQUIRE(rename(src, dst) == 0, "rename");
+    static const char *tails[] = {"", "/", "//", "/.", "/./", "/../step-000000020"};
+    for (size_t i = 0; i < sizeof tails / sizeof tails[0]; i++) {
+        snprintf(p, sizeof p, "%s%s", dst, tails[i]);
+        int rc = open_rc(p, why, sizeof why);
+        T_CHECK(rc == -EBADMSG && strstr(why, "manifest says step 15"), "'%s': %d (%s)", tails[i],
+                rc, why);
+    }
+    free(src);
+    free(dst);
+    t_rmrf(root);
+    free(root);
+}
+
+/* Layouts FORMAT.md rules out: W ranks have W data files; a shard lies inside its buffer. */
+static void files_and_shards(const char *base)
+{
+    char *root = t_path_in(base, "fs");
+    T_REQUIRE(save_small(root, 4) == 0, "save");
+    char *sp = snap_path(root, 4), *mp = t_path_in(sp, CKPT_MANIFEST_NAME), why[512];
+    unsigned char *orig = NULL;
+    long long on = t_slurp(mp, &orig);
+    T_REQUIRE(on > 0, "read");
+    static const struct {
+        const char *what, *from, *to;
+    } bad[] = {
+        {"world size 2 with one data file", "\"world_size\":1", "\"world_size\":2"},
+        {"an empty shard past the buffer's end", "{\"dtype\":\"f32\",\"elem_bytes\":4,\"name\":\"params\",\"shards\":[",
+         "{\"dtype\":\"f32\",\"elem_bytes\":4,\"name\":\"params\",\"shards\":[{\"bytes\":0,\"chunks\":[],"
+         "\"file\":\"rank-00000.bin\",\"offset\":1000000000000000,\"rank\":0},"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        T_REQUIRE(t_spit(mp, orig, (size_t)on) == 0, "restore");
+        T_REQUIRE(rewrite_manifest(sp, bad[i].from, bad[i].to) == 0, "rewrite %s", bad[i].what);
+        int rc = open_rc(sp, why, sizeof why);
+        T_CHECK(rc == -EBADMSG, "%s: %d (%s)", bad[i].what, rc, why);
+    }
+    T_REQUIRE(t_spit(mp, orig, (size_t)on) == 0, "restore");
+    T_CHECK(open_rc(sp, why, sizeof why) == 0, "restored: %s", why);
+    free(orig);
+    free(mp);
+    free(sp);
+    t_rmrf(root);
+    free(root);
+}
+
+/* A hard-linked .lock would have the other name's file overwritten with the pid; a folder of
+ * snapshots inside a snapshot would write into a committed snapshot. */
+static void lock_links_and_snapshot_folders(const char *base)
+{
+    char *root = t_path_in(base, "lock2");
+    T_REQUIRE(save_small(root, 5) == 0, "save");
+    char *lk = t_path_in(root, ".lock"), *victim = t_path_in(base, "victim2.txt");
+    T_REQUIRE(t_spit(victim, "precious\n", 9) == 0 && link(victim, lk) == 0, "hard link");
+    ckpt_dir_lock *l = NULL;
+    T_CHECK(ckpt_dir_lock_acquire(root, &l, NULL) == -EMLINK && !l, "hard-linked .lock");
+    unsigned char *text = NULL;
+    T_CHECK(t_slurp(victim, &text) == 9 && !memcmp(text, "precious\n", 9), "other name untouched");
+    free(text);
+    unlink(lk);
+    char *sp = snap_path(root, 5), p[4200];
+    static const char *inside[] = {"", "/", "/sub"};
+    for (size_t i = 0; i < sizeof inside / sizeof inside[0]; i++) {
+        snprintf(p, sizeof p, "%s%s", sp, inside[i]);
+        T_CHECK(ckpt_dir_lock_acquire(p, &l, NULL) == -EINVAL && !l, "lock in '%s'", p);
+    }
+    snprintf(p, sizeof p, "%s/.tmp-step-000000009-x-1", root);
+    T_CHECK(ckpt_dir_lock_acquire(p, &l, NULL) == -EINVAL && !l, "lock in a temp folder");
+    struct stat st;
+    T_CHECK(stat(p, &st) != 0, "the temp folder was not created");
+    char *lk5 = t_path_in(sp, ".lock");
+    T_CHECK(!t_exists(lk5), "nothing written into the snapshot");
+    T_CHECK(ckpt_dir_lock_acquire(root, &l, NULL) == 0, "the snapshot root itself");
+    ckpt_dir_lock_release(l);
+    free(lk5);
+    free(sp);
+    free(lk);
+    free(victim);
+    t_rmrf(root);
+    free(root);
+}
+
 /* ------------------------------------------------------------------ limits and scaling */
 
 /* Write a snapshot folder by hand: nbuf buffers (names b<i>, or all `dup` when not NULL for
@@ -885,6 +1051,11 @@ int main(void)
     manifest_checks(base);
     verify_with_empty_last_buffer(base);
     one_frame_per_chunk(base);
+    oom_is_not_corrupt(base);
+    removed_while_read(base);
+    trailing_slash_names_the_folder(base);
+    files_and_shards(base);
+    lock_links_and_snapshot_folders(base);
     writer_limits(base);
     limits_and_scaling(base);
     list_during_retention(base);
