@@ -1,16 +1,20 @@
 /* ds_config.c - DeepSpeed-style JSON configuration (see ds_config.h). */
 #include "ds_config.h"
 
+#include "clock.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
 #include <limits.h>
 #include <math.h>
+#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 /* A config file is a few KiB; the cap only stops us from reading a device or a
@@ -642,13 +646,31 @@ static void path_at(const char *text, size_t len, size_t pos, char *out,
     snprintf(out + used, n - used, "...");
 }
 
+/* Longest wait for a pipe's writer (`--config <(...)`), seconds. */
+#define PIPE_READ_TIMEOUT_S 30
+
+/* A regular file, or a pipe (process substitution) read with a deadline: opened
+ * non-blocking, so a FIFO nobody writes never hangs the program (it reads as
+ * empty), and a writer that never finishes fails with -ETIMEDOUT. */
 static int read_all(const char *path, char **out, size_t *len) {
   *out = NULL;
   *len = 0;
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0)
     return -errno;
   int rc = 0;
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    rc = -errno;
+    close(fd);
+    return rc;
+  }
+  const int pipe = S_ISFIFO(st.st_mode);
+  if (S_ISDIR(st.st_mode) || (!pipe && !S_ISREG(st.st_mode))) {
+    close(fd);
+    return S_ISDIR(st.st_mode) ? -EISDIR : -ENODEV;
+  }
+  const double deadline = clock_now_s() + PIPE_READ_TIMEOUT_S;
   size_t cap = 4096, n = 0;
   char *buf = malloc(cap);
   if (!buf) {
@@ -670,6 +692,16 @@ static int read_all(const char *path, char **out, size_t *len) {
       cap *= 2;
     }
     ssize_t r = read(fd, buf + n, cap - n);
+    if (r < 0 && pipe && errno == EAGAIN) {
+      double left = deadline - clock_now_s();
+      if (left <= 0) {
+        rc = -ETIMEDOUT;
+        goto out;
+      }
+      struct pollfd pfd = {fd, POLLIN, 0};
+      poll(&pfd, 1, (int)(left * 1000) + 1);
+      continue;
+    }
     if (r < 0) {
       if (errno == EINTR)
         continue;

@@ -148,7 +148,10 @@ typedef struct train_ds_config {
  * type, value out of range, unknown enum value (optimizer/scheduler type,
  * policy), non-integral integer, conflicting lr, missing optimizer/scheduler
  * "type"; -EFBIG   the file is larger than 64 MiB; -ENOMEM  out of memory;
- *   other -errno from open/read (-EACCES, -EISDIR, -EIO, ...).
+ *   -EISDIR a folder, -ENODEV a device or socket (a pipe, as `--config <(...)`
+ *   makes, is read; one nobody writes reads as empty, never blocks);
+ *   -ETIMEDOUT a pipe's writer did not finish within 30 s; other -errno from
+ *   open/read (-EACCES, -EIO, ...).
  * Never exits, never logs.
  */
 int train_ds_config_load(const char *path, train_ds_config *out, char *why,

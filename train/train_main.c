@@ -23,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define TAG "train"
@@ -37,10 +38,17 @@ void openblas_set_num_threads(int num_threads);
 volatile sig_atomic_t train_stop_signal;
 
 /* The first stop request decides (a SIGINT after a SIGTERM does not turn exit 143 into
- * 130); the handlers block each other, so the test and the store cannot interleave. */
+ * 130); the handlers block each other, so the test and the store cannot interleave.
+ * sigpending and sigismember are async-signal-safe (POSIX). */
 static void on_stop_signal(int sig)
 {
-    if (!train_stop_signal) train_stop_signal = sig;
+    if (train_stop_signal) return;
+    /* SIGTERM and SIGINT pending together (sent in a row before this process ran) are
+     * delivered lowest number first, SIGINT, whatever the order they were sent in: the
+     * preemption notice, SIGTERM, counts then */
+    sigset_t pending;
+    if (sig == SIGINT && sigpending(&pending) == 0 && sigismember(&pending, SIGTERM)) sig = SIGTERM;
+    train_stop_signal = sig;
 }
 
 static void install_stop_handlers(void)
@@ -169,9 +177,16 @@ int main(int argc, char **argv)
               (unsigned long long)train_dataset_num_tokens(s.train), train_dataset_num_files(s.train),
               (unsigned long long)train_dataset_num_samples(s.train));
     if (o.sample_log) {
-        s.sample_fd = open(o.sample_log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-        if (s.sample_fd < 0) {
-            LOG_E(TAG, "--sample-log %s: %s", o.sample_log, strerror(errno));
+        /* a log file: a FIFO would block the open (no reader) or the training (a slow one) */
+        s.sample_fd = open(o.sample_log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NONBLOCK,
+                           0644);
+        struct stat st;
+        int e = s.sample_fd < 0 ? errno : fstat(s.sample_fd, &st) != 0 ? errno
+                                        : !S_ISREG(st.st_mode) ? ENODEV : 0;
+        if (e == 0 && fcntl(s.sample_fd, F_SETFL, O_APPEND) != 0) e = errno;
+        if (e) {
+            LOG_E(TAG, "--sample-log %s: %s", o.sample_log,
+                  e == ENODEV || e == ENXIO ? "not a regular file" : strerror(e));
             status = 2;
             goto out;
         }

@@ -3,6 +3,7 @@
 #include "ds_config.h"
 #include "log.h"
 #include "model.h"
+#include "storage.h"
 #include "train_internal.h"
 
 #include <errno.h>
@@ -281,6 +282,18 @@ int train_parse_args(int argc, char **argv, options *o)
         fprintf(stderr, "train: --run-id must be 1-63 characters of [A-Za-z0-9_.-]\n");
         return -1;
     }
+    /* every rank works with one absolute form of the folders: rank 0 sends the snapshot it
+     * chose as a path, which another rank started in another folder must find too */
+    static char ckpt_abs[CKPT_PATH_MAX], resume_abs[CKPT_PATH_MAX];
+    int rc;
+    if (o->ckpt_dir && (rc = store_canonical_path(o->ckpt_dir, ckpt_abs, sizeof ckpt_abs)) < 0) {
+        fprintf(stderr, "train: --ckpt-dir %s: %s\n", o->ckpt_dir, strerror(-rc));
+        return -1;
+    }
+    if (o->ckpt_dir) o->ckpt_dir = ckpt_abs;
+    if (o->resume && strcmp(o->resume, "auto") != 0 && strcmp(o->resume, "none") != 0 &&
+        store_canonical_path(o->resume, resume_abs, sizeof resume_abs) == 0)
+        o->resume = resume_abs; /* an error is reported by the resume, naming the path */
     o->adam.total_steps = o->steps;
     return 0;
 }

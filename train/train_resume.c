@@ -118,6 +118,11 @@ static int load_part(state *s, const char *path, char *why, size_t why_len)
     if (rc < 0) return rc == -EPROTONOSUPPORT ? -EINVAL : rc;
     json_error_t jerr;
     json_t *tr = json_loads(ckpt_snapshot_trainer_json(snap), 0, &jerr);
+    if (!tr && (json_error_code(&jerr) == json_error_out_of_memory || !jerr.text[0])) {
+        ckpt_snapshot_close(snap);
+        snprintf(why, why_len, "out of memory parsing the trainer record");
+        return -ENOMEM; /* says nothing about the bytes */
+    }
     json_t *data = json_object_get(tr, "data");
     size_t bytes = s->np * sizeof(float);
     char diff[400];
@@ -147,8 +152,18 @@ static int load_part(state *s, const char *path, char *why, size_t why_len)
     int64_t want_samples = 0; /* step x gb, checked: both come from the record */
     size_t plo = s->o->zero_stage == 0 ? 0 : s->lo, phi = s->o->zero_stage == 0 ? s->np : s->hi;
     float *params = train_model_params(s->model);
-    if (!json_is_object(tr) || !json_is_object(data) || !json_is_object(opt) || !dh || !digest) {
-        snprintf(why, why_len, "trainer record lacks its data position, optimizer or params_digest");
+    json_t *md = json_object_get(tr, "moments_digest");
+    const char *dm = json_string_value(json_object_get(md, "adam_m"));
+    const char *dv = json_string_value(json_object_get(md, "adam_v"));
+    if (!json_is_object(tr) || !json_is_object(data) || !json_is_object(opt) || !dh || !digest ||
+        !json_is_object(json_object_get(tr, "model"))) {
+        snprintf(why, why_len, "trainer record lacks its model, data position, optimizer or "
+                 "params_digest");
+        rc = -EBADMSG;
+    } else if (md && (!dm || !dv || strlen(dm) != 16 || strlen(dv) != 16 ||
+                      strspn(dm, "0123456789abcdef") != 16 || strspn(dv, "0123456789abcdef") != 16)) {
+        /* absent in records older than the digest; present, it must be usable */
+        snprintf(why, why_len, "trainer record has a malformed moments_digest");
         rc = -EBADMSG;
     } else if (step != (int64_t)ckpt_snapshot_step(snap) || t != step) {
         snprintf(why, why_len, "trainer record is inconsistent: step %lld and Adam step %lld in a "
@@ -200,11 +215,8 @@ static int load_part(state *s, const char *path, char *why, size_t why_len)
         snprintf(s->run_id, sizeof s->run_id, "%s", ckpt_snapshot_run_id(snap));
         json_t *loss = json_object_get(tr, "loss");
         s->last_loss = json_is_number(loss) ? json_number_value(loss) : NAN;
-        json_t *md = json_object_get(tr, "moments_digest");
-        const char *dm = json_string_value(json_object_get(md, "adam_m"));
-        const char *dv = json_string_value(json_object_get(md, "adam_v"));
-        snprintf(s->recorded_moments[0], 17, "%s", dm && strlen(dm) == 16 ? dm : "");
-        snprintf(s->recorded_moments[1], 17, "%s", dv && strlen(dv) == 16 ? dv : "");
+        snprintf(s->recorded_moments[0], 17, "%s", md ? dm : "");
+        snprintf(s->recorded_moments[1], 17, "%s", md ? dv : "");
         int64_t saved_mb = json_integer_value(json_object_get(jbatch, "micro_batch"));
         if (saved_mb > 0 && saved_mb != s->o->micro_batch && s->rank == 0)
             LOG_W(TAG, "micro-batch differs from the snapshot's (%lld, now %d): the global batch "
@@ -228,9 +240,10 @@ static int load_part(state *s, const char *path, char *why, size_t why_len)
 
 /* The worst of the ranks' results: -EINVAL (refuse) before any other error before -EBADMSG
  * (corrupt) before 0. Collective; a failed collective returns its error with *comm_err set. */
-static int agree(state *s, int rc, int *comm_err)
+static int agree(state *s, int rc, int *comm_err, int *who)
 {
     *comm_err = 0;
+    *who = s->rank;
     if (s->world == 1) return rc;
     int32_t *all = calloc((size_t)s->world, sizeof(int32_t));
     if (!all) {
@@ -241,10 +254,11 @@ static int agree(state *s, int rc, int *comm_err)
     int cr = train_gather_records(s, all, sizeof(int32_t));
     int worst = 0;
     for (int r = 0; r < s->world && cr == 0; r++) {
-        int x = all[r];
+        int x = all[r], was = worst;
         if (x == -EINVAL) worst = -EINVAL;
         else if (x < 0 && x != -EBADMSG && worst != -EINVAL) worst = x;
         else if (x == -EBADMSG && worst == 0) worst = x;
+        if (worst != was) *who = r; /* the first rank with the deciding result */
     }
     free(all);
     if (cr < 0) {
@@ -263,14 +277,19 @@ static int load_snapshot(state *s, const char *path, char *why, size_t why_len, 
     char digest[600] = "";
     int rc = load_part(s, path, why, why_len);
     if (rc == 0) snprintf(digest, sizeof digest, "%s", why);
-    else if (rc == -EBADMSG || rc == -EINVAL || rc == -ENOENT)
-        LOG_W(TAG, "rank %d: %s: %s", s->rank, path, why);
-    if (rc == -ENOENT) rc = -EBADMSG; /* no manifest: not a snapshot */
-    rc = agree(s, rc, comm_err);
+    else if (s->world > 1)
+        LOG_W(TAG, "%s: %s", path, why[0] ? why : strerror(-rc)); /* this rank's reason */
+    /* -ENOENT (the folder rank 0 listed is not there for this rank: another file system,
+     * or it was just removed) says nothing about the bytes: it stays what it is */
+    int who = 0, mine = rc;
+    rc = agree(s, rc, comm_err, &who);
     if (*comm_err) return rc;
     if (rc < 0) {
-        if (why[0] == '\0' || !strcmp(why, digest))
-            snprintf(why, why_len, "another rank found it %s", rc == -EINVAL ? "incompatible" : "unreadable");
+        if (who != s->rank || mine == 0) {
+            if (rc == -EBADMSG) snprintf(why, why_len, "rank %d found it corrupt", who);
+            else if (rc == -EINVAL) snprintf(why, why_len, "rank %d found it incompatible", who);
+            else snprintf(why, why_len, "rank %d could not read it: %s", who, strerror(-rc));
+        }
         return rc;
     }
     if (train_gather_params(s) < 0) {

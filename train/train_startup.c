@@ -85,6 +85,18 @@ int train_startup_local(state *s)
                   "share a --ckpt-dir", o->ckpt_dir, holder);
             return 2;
         }
+        if (rc == -EINVAL) {
+            LOG_E(TAG, "cannot use %s as the snapshot folder: it is a snapshot folder itself (it "
+                  "holds a manifest.json or is named like one); give the folder that holds the "
+                  "snapshots", o->ckpt_dir);
+            return 2;
+        }
+        if (rc == -EMLINK) {
+            LOG_E(TAG, "cannot use %s as the snapshot folder: its .lock has other hard links, "
+                  "whose file would receive this run's pid; remove it (nothing was written)",
+                  o->ckpt_dir);
+            return 2;
+        }
         if (rc == -ELOOP || rc == -EISDIR || rc == -ENODEV) {
             LOG_E(TAG, "cannot use %s as the snapshot folder: its .lock is %s, not a regular "
                   "file; remove it (nothing else was touched)", o->ckpt_dir,

@@ -130,7 +130,7 @@ class Ranks:
     environment for that rank only, rank_args a rank to extra arguments for it only."""
 
     def __init__(self, world, args, tmp, rank_env=None, extra_env=None, base=None, rank_args=None,
-                 cwd=None):
+                 cwd=None, rank_cwd=None):
         self.world = world
         self.port = free_port()
         self.procs, self.errs = [], []
@@ -144,7 +144,7 @@ class Ranks:
             out = subprocess.PIPE if r == 0 else subprocess.DEVNULL
             argv = [TRAIN] + data_args() + base + list(args) + list((rank_args or {}).get(r, []))
             self.procs.append(subprocess.Popen(argv, stdout=out, stderr=err, text=True,
-                                               env=env(e), cwd=cwd))
+                                               env=env(e), cwd=(rank_cwd or {}).get(r, cwd)))
             self.errs.append(err)
         self.stdout = ""
 

@@ -122,7 +122,7 @@ class Cli(h.TempDirTest):
         self.assertRegex(text, r"\n  3 +\S+ MiB")
         self.assertRegex(text, r"\n  total +%.2f MiB" % (total / mib))
         for args, msg in ((["plan", snap], "plan needs --world-size N"),
-                          (["plan", snap, "--world-size", "0"], "--world-size wants 1..1048576")):
+                          (["plan", snap, "--world-size", "0"], "--world-size wants 1..65536")):
             p = h.run([h.INSPECT] + args)
             self.assertEqual(p.returncode, 2, args)
             self.assertIn(msg, p.stderr)

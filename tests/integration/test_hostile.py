@@ -225,6 +225,10 @@ class Hostile(h.TempDirTest):
                 if json_flag:
                     doc = json.loads(p.stdout)
                     self.assertIsInstance(doc, dict)
+                    # no JSON escape of a control character either: a consumer decodes
+                    # \u001b back into ESC (names and trainer strings are \xNN text)
+                    self.assertNotIn(b"\\u001b", p.stdout.lower(), args)
+                    self.assertNotIn(b"\\u009b", p.stdout.lower(), args)
                 if args[0] == b"export":
                     os.unlink(out)
         lst = json.loads(subprocess.run([os.fsencode(h.INSPECT), b"list", odd, b"--json"],
@@ -360,6 +364,192 @@ class Hostile(h.TempDirTest):
                             "--allow-fresh-start"], self.tmp, base=base)
         self.assertEqual(ranks.wait(180), [0, 0], ranks.stderr(0)[-2000:] + ranks.stderr(1)[-2000:])
         self.assertEqual(ranks.final()["digest"], h.reference()["digest"])
+
+
+class Review(h.TempDirTest):
+    """Cases a break-it review found after the first round of hardening."""
+
+    def setUp(self):
+        super().setUp()
+        self.ckpt = os.path.join(self.tmp, "ckpt")
+
+    def snapshots(self, every="20", steps="60", extra=()):
+        h.train(["--ckpt-dir", self.ckpt, "--ckpt-every", every, "--steps", steps] + list(extra))
+        return h.snapshot_dirs(self.ckpt)
+
+    def test_ranks_in_other_folders_share_a_relative_ckpt_dir(self):
+        """Rank 0 sent the snapshot's path as typed; rank 1, started in another folder, could
+        not find it, and rank 0 set every valid snapshot aside as corrupt."""
+        for d in ("a/b", "c"):
+            os.makedirs(os.path.join(self.tmp, d))
+        base = list(h.SMALL)
+        i = base.index("--grad-accum")
+        base[i:i + 2] = ["--global-batch", "8"]
+        common = ["--ckpt-every", "20", "--resume", "auto"]
+        args = {0: ["--ckpt-dir", "../../D"], 1: ["--ckpt-dir", "../D"]}
+        cwd = {0: os.path.join(self.tmp, "a/b"), 1: os.path.join(self.tmp, "c")}
+        r = h.Ranks(2, common, self.tmp, base=base, rank_args=args, rank_cwd=cwd)
+        self.assertEqual(r.wait(180), [0, 0], r.stderr(0)[-1500:] + r.stderr(1)[-1500:])
+        shutil.rmtree(os.path.join(self.tmp, "D", "step-000000060"))
+        r = h.Ranks(2, common, self.tmp, base=base, rank_args=args, rank_cwd=cwd)
+        self.assertEqual(r.wait(180), [0, 0], r.stderr(0)[-1500:] + r.stderr(1)[-1500:])
+        self.assertRegex(r.stderr(0), r"resumed from \S+/D/step-000000040 at step 40")
+        self.assertEqual([d for d in os.listdir(os.path.join(self.tmp, "D")) if "corrupt" in d], [])
+        self.assertNotIn("rank 1: rank 1:", r.stderr(1))
+        self.assertEqual(r.final()["digest"], h.reference()["digest"])
+
+    def test_a_rank_that_cannot_see_the_snapshot_renames_nothing(self):
+        """A rank that cannot see rank 0's snapshot (here: rank 1 runs in a mount namespace of
+        its own, with an empty tmpfs over the snapshot folder, as on a node without the shared
+        file system) says nothing about the snapshot's bytes: its ENOENT was taken for
+        corruption, and rank 0 set every valid snapshot aside. Now: exit 1, nothing renamed."""
+        base = list(h.SMALL)
+        i = base.index("--grad-accum")
+        base[i:i + 2] = ["--global-batch", "8"]
+        r = h.Ranks(2, ["--ckpt-dir", self.ckpt, "--ckpt-every", "20", "--steps", "40"], self.tmp,
+                    base=base)
+        self.assertEqual(r.wait(180), [0, 0])
+        names = h.snapshot_dirs(self.ckpt)
+        port = h.free_port()
+        argv = [h.TRAIN] + h.data_args() + base + ["--ckpt-dir", self.ckpt, "--ckpt-every", "20",
+                                                   "--resume", "auto"]
+        env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        inner = "mount -t tmpfs none \"$0\" && exec \"$@\""
+        p1 = subprocess.Popen(["unshare", "-m", "sh", "-c", inner, self.ckpt] + argv,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env=h.env(dict(env, RANK="1")))
+        p0 = subprocess.run(argv, capture_output=True, text=True, env=h.env(dict(env, RANK="0")),
+                            timeout=180)
+        err1 = p1.communicate(timeout=60)[1]
+        self.assertEqual((p0.returncode, p1.returncode), (1, 1), p0.stderr[-2000:] + err1[-1000:])
+        self.assertRegex(p0.stderr, r"cannot read \S+step-000000040: rank 1 could not read it: "
+                                    r"No such file or directory")
+        self.assertIn("no such snapshot folder", err1)
+        self.assertEqual(h.snapshot_dirs(self.ckpt), names)
+        self.assertEqual([d for d in os.listdir(self.ckpt) if "corrupt" in d], [])
+
+    def test_config_and_sample_log_fifos_do_not_hang(self):
+        fifo = os.path.join(self.tmp, "cfg.fifo")
+        os.mkfifo(fifo)
+        r = h.train(["--config", fifo, "--steps", "2"], check=False, timeout=60)
+        self.assertEqual(r.returncode, 2, r.stderr)  # nobody writes it: an empty config
+        r = h.train(["--sample-log", fifo, "--steps", "2"], check=False, timeout=60)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--sample-log", r.stderr)
+        self.assertIn("not a regular file", r.stderr)
+        # a pipe with a writer, as `--config <(...)` makes, is read
+        cmd = ("exec " + " ".join(f"'{a}'" for a in [h.TRAIN] + h.data_args() + h.SMALL) +
+               " --config <(echo '{\"gradient_clipping\": \"auto\"}')")
+        p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=h.env(),
+                           timeout=120)
+        self.assertEqual(p.returncode, 0, p.stderr[-1500:])
+        self.assertEqual(h.final(p)["digest"], h.reference()["digest"])
+
+    def test_ckpt_dir_inside_a_snapshot_is_refused(self):
+        self.snapshots()
+        snap = os.path.join(self.ckpt, "step-000000060")
+        before = sorted(os.listdir(snap))
+        for d in (snap, snap + "/", os.path.join(snap, "sub")):
+            r = h.train(["--ckpt-dir", d, "--ckpt-every", "20", "--resume", "auto"], check=False)
+            self.assertEqual(r.returncode, 2, r.stderr[-1000:])
+            self.assertIn("is a snapshot folder", r.stderr)
+        self.assertEqual(sorted(os.listdir(snap)), before)
+        self.assertEqual(h.run([h.INSPECT, "verify", snap]).returncode, 0)
+
+    def test_hard_linked_lock_is_refused(self):
+        os.makedirs(self.ckpt)
+        victim = os.path.join(self.tmp, "victim")
+        with open(victim, "w") as f:
+            f.write("precious\n")
+        os.link(victim, os.path.join(self.ckpt, ".lock"))
+        r = h.train(["--ckpt-dir", self.ckpt, "--ckpt-every", "5", "--steps", "5"], check=False)
+        self.assertEqual(r.returncode, 2, r.stderr[-1000:])
+        self.assertIn("other hard links", r.stderr)
+        with open(victim) as f:
+            self.assertEqual(f.read(), "precious\n")
+
+    def test_sigterm_and_sigint_sent_together_exit_143(self):
+        for _ in range(2):
+            p = subprocess.Popen([h.TRAIN] + h.data_args() + h.SMALL + ["--steps", "100000"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                 env=h.env())
+            try:
+                while "step 3/" not in p.stderr.readline():
+                    self.assertIsNone(p.poll())
+                os.kill(p.pid, signal.SIGTERM)
+                os.kill(p.pid, signal.SIGINT)
+                err = p.communicate(timeout=120)[1]
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            self.assertEqual(p.returncode, 143, err[-1000:])
+
+    def test_inspect_statuses_and_json_on_failures(self):
+        self.snapshots(every="60")
+        snap = os.path.join(self.ckpt, "step-000000060")
+        out = os.path.join(self.tmp, "o.safetensors")
+        # export: transient read errors are 3, with a status in JSON
+        p = h.run([h.INSPECT, "export", snap, out, "--json"],
+                  extra_env={"CKPT_FAULT_STORE": "eio-read:1"})
+        self.assertEqual(p.returncode, 3, p.stderr)
+        self.assertEqual(json.loads(p.stdout)["status"], "unreadable")
+        # export onto a dangling link: exists, a usage error
+        os.symlink("/nonexistent/x", out)
+        p = h.run([h.INSPECT, "export", snap, out])
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("--force replaces it", p.stderr)
+        os.unlink(out)
+        # export under a snapshot's name into the folder of snapshots
+        p = h.run([h.INSPECT, "export", snap, os.path.join(self.ckpt, "step-000000070")])
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertIn("refusing a snapshot folder's name", p.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.ckpt, "step-000000070")))
+        # list of a missing folder: JSON with a status
+        p = h.run([h.INSPECT, "--json", "list", os.path.join(self.tmp, "nope")])
+        self.assertEqual(p.returncode, 1)
+        self.assertEqual(json.loads(p.stdout)["status"], "missing")
+        # options anywhere, abbreviations, "--" before a path that starts with '-'
+        for args in (["list", self.ckpt, "-j"], ["list", self.ckpt, "--jso"],
+                     ["-j", "list", self.ckpt]):
+            p = h.run([h.INSPECT] + args)
+            self.assertEqual(p.returncode, 0, (args, p.stderr))
+            json.loads(p.stdout)
+        dash = os.path.join(self.tmp, "-odd")
+        shutil.copytree(self.ckpt, dash)
+        p = h.run([h.INSPECT, "list", "--json", "--", "-odd"], cwd=self.tmp)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual(len(json.loads(p.stdout)["snapshots"]), 1)
+        p = h.run([h.INSPECT, "list", "--bogus", self.ckpt])
+        self.assertEqual(p.returncode, 2)
+        # a creation time past any calendar: shown as "-", never garbage
+        edit_manifest(snap, b'"created_unix":', b'"created_unix":9223372036854775807,"x_":', 1)
+        edit_manifest(snap, b',"x_":', b',"y_":')
+        t = open(os.path.join(snap, "manifest.json"), "rb").read()
+        t = re.sub(rb',"y_":\d+', b"", t)
+        open(os.path.join(snap, "manifest.json"), "wb").write(t)
+        reseal(snap)
+        p = h.run([h.INSPECT, "list", self.ckpt])
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertRegex(p.stdout, r"(?m)^60 +- ")
+
+    def test_trainer_record_defects_are_corrupt(self):
+        """A record without its model, or with a moments_digest that is not 16 hex digits, is
+        corrupt (the resume falls back), not incompatible (exit 2) or silently unchecked."""
+        self.snapshots()
+        snap = os.path.join(self.ckpt, "step-000000060")
+        edit_manifest(snap, b'"model":{', b'"model_":{')
+        snap40 = os.path.join(self.ckpt, "step-000000040")
+        edit_manifest(snap40, b'"moments_digest":{"adam_m":"', b'"moments_digest":{"adam_m":"zz')
+        t = open(os.path.join(snap40, "manifest.json"), "rb").read()
+        self.assertIn(b'"adam_m":"zz', t)
+        r = h.train(["--ckpt-dir", self.ckpt, "--ckpt-every", "20", "--resume", "auto"])
+        self.assertRegex(r.stderr, r"skipping corrupt snapshot \S+step-000000060: trainer record "
+                                   r"lacks its model")
+        self.assertRegex(r.stderr, r"skipping corrupt snapshot \S+step-000000040: trainer record "
+                                   r"has a malformed moments_digest")
+        self.assertRegex(r.stderr, r"resumed from \S+step-000000020 at step 20")
+        self.assertEqual(h.final(r)["digest"], h.reference()["digest"])
 
 
 if __name__ == "__main__":
