@@ -22,6 +22,7 @@
 #include "model.h"
 #include "optim.h"
 #include "prefetch.h"
+#include "report.h"
 #include "store.h"
 #include "vote.h"
 
@@ -98,6 +99,8 @@ typedef struct state {
     int sample_fd;
     uint64_t moments_digest[2]; /* block digests of adam_m, adam_v for the next record */
     char recorded_moments[2][17]; /* the loaded record's, "" when it has none (older) */
+    train_report *report;     /* progress events for the launcher (report.h) */
+    uint64_t persists_reported; /* finished persists already reported */
 } state;
 
 /* ------------------------------------------------------------------ train_opts.c */
@@ -169,6 +172,10 @@ int train_make_engine(state *s);
  * the deadline, the persist's error), or -ECONNRESET (a peer died: the vote channel is
  * aborted, the persist will not commit; logged). */
 int train_wait_engine(state *s, double timeout_s);
+
+/* Report every persist that finished since the last call (train_report_snapshot_done);
+ * cheap, call after each step. No-op without an engine. */
+void train_poll_persists(state *s);
 
 /* Stage a snapshot of the current step (params, adam_m, adam_v shards and the trainer
  * record); the engine persists it in the background. last: the final snapshot of the run,

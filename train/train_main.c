@@ -63,36 +63,6 @@ static void install_stop_handlers(void)
     sigaction(SIGINT, &sa, NULL);
 }
 
-/* ------------------------------------------------------------------ launcher heartbeat */
-
-/* ELASTIC_HEARTBEAT_FD: the write end of a pipe from the elastic agent; -1 when absent. The
- * fd is made non-blocking: a full pipe or a gone agent never stalls training. */
-static int heartbeat_open(void)
-{
-    const char *v = getenv("ELASTIC_HEARTBEAT_FD");
-    if (!v || !*v) return -1;
-    char *end;
-    errno = 0;
-    long fd = strtol(v, &end, 10);
-    if (errno || *end || fd < 0 || fd > 65535 || fcntl((int)fd, F_GETFD) < 0) {
-        LOG_W(TAG, "ignoring ELASTIC_HEARTBEAT_FD=%s: not an open file descriptor", v);
-        return -1;
-    }
-    int fl = fcntl((int)fd, F_GETFL);
-    if (fl >= 0) fcntl((int)fd, F_SETFL, fl | O_NONBLOCK);
-    fcntl((int)fd, F_SETFD, FD_CLOEXEC);
-    return (int)fd;
-}
-
-/* One progress line after each step; errors (EAGAIN, EPIPE) are ignored. */
-static void heartbeat(int fd, int64_t step)
-{
-    if (fd < 0) return;
-    char line[40];
-    int n = snprintf(line, sizeof line, "step %" PRId64 "\n", step);
-    if (write(fd, line, (size_t)n) < 0) { /* the agent notices silence, not our errors */ }
-}
-
 int main(int argc, char **argv)
 {
     options o = {0};
@@ -124,6 +94,7 @@ int main(int argc, char **argv)
     /* join the group first, so that a rank that cannot start tells the others at once
      * (train_startup_agree) instead of leaving them waiting for it */
     if ((status = train_dist_init(&s)) != 0) goto out;
+    if (train_report_open(&s.report, s.rank) < 0) goto out;
     status = train_startup_agree(&s, train_startup_local(&s));
     if (status != 0) goto out;
     status = 1;
@@ -146,11 +117,14 @@ int main(int argc, char **argv)
         goto out;
     }
     if (o.zero_stage == 3 && s.world > 1) train_model_set_param_hook(s.model, train_gather_range_hook, &s);
+    double t_resume = clock_now_s();
     int r = train_resume(&s);
     if (r != 0) {
         status = r;
         goto out;
     }
+    if (s.rank == 0)
+        train_report_restore(s.report, s.step, clock_now_s() - t_resume, s.step > 0 ? "disk" : "none");
     train_make_config_hash(&s, s.config_hash);
     s.xchg = calloc((size_t)s.world * (size_t)(s.grad_accum + 1), sizeof(double));
     s.losses = calloc((size_t)s.world * (size_t)s.grad_accum, sizeof(double));
@@ -193,7 +167,6 @@ int main(int argc, char **argv)
     }
     if (o.ckpt_every > 0 && train_make_engine(&s) < 0) goto out;
     install_stop_handlers();
-    int heartbeat_fd = heartbeat_open();
     if (s.step >= o.steps && s.rank == 0)
         LOG_I(TAG, "already at step %" PRId64 " of %d: nothing to train", s.step, o.steps);
     int stopped_by = 0;
@@ -205,7 +178,10 @@ int main(int argc, char **argv)
             goto out; /* train_step logged the reason */
         }
         double dt = clock_now_s() - t0;
-        heartbeat(heartbeat_fd, s.step);
+        double tps = (double)(b * T * (size_t)s.global_batch / b) / dt;
+        if (s.rank == 0) train_report_step(s.report, s.step, dt, loss, (double)lr, norm, tps, s.samples);
+        else train_report_step(s.report, s.step, dt, NAN, NAN, NAN, NAN, 0);
+        if (s.engine) train_poll_persists(&s);
         s.last_loss = loss;
         if (!isfinite(loss)) {
             LOG_E(TAG, "step %" PRId64 ": loss is %f; stopping", s.step, loss);
@@ -213,11 +189,13 @@ int main(int argc, char **argv)
         }
         if (s.rank == 0 && (s.step % o.log_every == 0 || s.step == o.steps))
             LOG_I(TAG, "step %" PRId64 "/%d loss %.4f lr %.3e grad_norm %.4f %.0f ms %.0f tok/s", s.step,
-                  o.steps, loss, (double)lr, norm, dt * 1e3,
-                  (double)(b * T * (size_t)s.global_batch / b) / dt);
+                  o.steps, loss, (double)lr, norm, dt * 1e3, tps);
         if (o.eval_every > 0 && s.step % o.eval_every == 0 && s.val) {
             s.last_val = train_eval_val(&s);
-            if (s.rank == 0) LOG_I(TAG, "step %" PRId64 " val_loss %.4f", s.step, s.last_val);
+            if (s.rank == 0) {
+                LOG_I(TAG, "step %" PRId64 " val_loss %.4f", s.step, s.last_val);
+                train_report_val(s.report, s.step, s.last_val);
+            }
         }
         if (stop_any) stopped_by = train_stop_signal ? train_stop_signal : SIGTERM;
         if (stop_any && s.rank == 0)
@@ -239,6 +217,7 @@ int main(int argc, char **argv)
         /* the last snapshot must be durable before we report success */
         rc = train_wait_engine(&s, 3600.0);
         if (rc == -ECONNRESET) goto out;
+        train_poll_persists(&s);
         ckpt_persist_stats ps;
         if (ckpt_engine_last(s.engine, &ps) == 0 && ps.step == (uint64_t)s.step && ps.result < 0) {
             LOG_E(TAG, "the snapshot of the last step %" PRId64 " failed: %s", s.step,
@@ -271,6 +250,7 @@ out:
     if (status != 0 && status != 128 + SIGTERM && status != 128 + SIGINT)
         train_vote_abort(s.vote); /* no decision will come: unblock our persist */
     ckpt_engine_destroy(s.engine);
+    train_report_close(s.report);
     train_vote_free(s.vote);
     ckpt_dir_lock_release(s.lock);
     train_comm_free(s.comm);

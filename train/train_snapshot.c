@@ -164,6 +164,18 @@ int train_wait_engine(state *s, double timeout_s)
     }
 }
 
+void train_poll_persists(state *s)
+{
+    if (!s->engine) return;
+    uint64_t done = ckpt_engine_completed(s->engine);
+    if (done == s->persists_reported) return;
+    s->persists_reported = done; /* only the last one's figures are kept: report it */
+    ckpt_persist_stats ps;
+    if (ckpt_engine_last(s->engine, &ps) == 0)
+        train_report_snapshot_done(s->report, (int64_t)ps.step, ps.result, ps.persist_seconds,
+                                   ps.raw_bytes, ps.stored_bytes);
+}
+
 /* Stage a snapshot of the current state; the engine persists it in the background. Every
  * rank stages its shard [lo, hi) of params, adam_m and adam_v (the same layout at every ZeRO
  * stage), so that a restore at any world size is range arithmetic. Collective: the ranks first
@@ -185,6 +197,7 @@ int train_take_snapshot(state *s, int last)
         }
         if (any && s->o->policy == CKPT_POLICY_SKIP && !last) {
             s->skipped++;
+            train_report_snapshot_skipped(s->report, s->step);
             if (s->rank == 0)
                 LOG_W(TAG, "snapshot of step %" PRId64 " skipped: the previous one still persists on "
                       "some rank (policy skip)", s->step);
@@ -218,9 +231,13 @@ int train_take_snapshot(state *s, int last)
               strerror(-rc));
         return 0;
     }
-    if (rc == 0)
+    if (rc == 0) {
         LOG_I(TAG, "snapshot step %" PRId64 " staged: stall %.1f ms for %.2f MiB; rss %.1f MiB",
               s->step, stall * 1e3, 3.0 * (double)sb / 1048576.0, (double)rss_kib() / 1024.0);
+        train_report_snapshot_staged(s->report, s->step, stall, 3 * (uint64_t)sb);
+    } else {
+        train_report_snapshot_skipped(s->report, s->step); /* refused by the engine's policy */
+    }
     return 0;
 }
 
