@@ -364,7 +364,7 @@ int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_e
     /* Sweep the buffer in windows aligned to W; each window reads the
      * hull of the tensor bytes inside it once and scatters them to their output offsets, so a
      * chunk is decoded once whatever the table order and however tensors straddle chunks. */
-    uint64_t lo = UINT64_MAX, hi = 0;
+    uint64_t lo = UINT64_MAX, hi = 0, written = 0;
     for (size_t i = 0; i < nt; i++) {
         if (!t[i].bytes) continue;
         if (t[i].offset < lo) lo = t[i].offset;
@@ -406,6 +406,11 @@ int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_e
                     log_why(why, why_len, "write %s: %s", tmp, strerror(-rc));
                     goto out;
                 }
+                written += ib - ia;
+            }
+            if (opts->progress && opts->progress(opts->progress_ctx, written, data_bytes)) {
+                rc = -ECANCELED;
+                goto out;
             }
         }
     }

@@ -34,9 +34,13 @@ typedef struct ckpt_export_opts {
                               multiples of it in the buffer, so chunks of a size dividing it
                               (4 MiB by default) are decoded once, others at most twice.
                               Default 64 MiB; range [4 KiB, 4 GiB] */
+    ckpt_progress_fn progress; /* NULL (default), or called on the caller's thread after each
+                                  window with the tensor bytes written so far and in all;
+                                  non-zero stops the export (-ECANCELED) */
+    void *progress_ctx;        /* passed to progress */
 } ckpt_export_opts;
 
-#define CKPT_EXPORT_OPTS_INIT {0, 64u << 20}
+#define CKPT_EXPORT_OPTS_INIT {0, 64u << 20, NULL, NULL}
 
 /* Figures of one export. */
 typedef struct ckpt_export_stats {
@@ -69,7 +73,8 @@ typedef struct ckpt_export_stats {
  * JSON, missing or malformed tensors, duplicate names, a tensor outside the buffer or two
  * tensors that overlap in it; an
  * unsupported dtype), -ENOENT (no tensor buffer of that name), -EEXIST (out_path exists and
- * force is 0, or the temp file exists), -EBADMSG (a chunk is corrupt), -ENOMEM, -ENOSPC,
+ * force is 0, or the temp file exists), -EBADMSG (a chunk is corrupt), -ECANCELED (the
+ * progress callback asked to stop), -ENOMEM, -ENOSPC,
  * -EIO, other -errno of open, write, fsync, rename.
  *
  * Thread-safety: uses s, which is used by one thread at a time (ckpt.h). */

@@ -2,7 +2,9 @@
 #include "ckpt.h"
 #include "ckpt_export.h"
 #include "ckpt_plan.h"
+#include "clock.h"
 #include "log.h"
+#include "progress.h"
 
 #include <errno.h>
 #include <getopt.h>
@@ -38,7 +40,8 @@ static const char usage_text[] =
     "  --window-mib N     export: MiB of the buffer read at a time (memory), 1..4096;\n"
     "                     default 64\n"
     "  --world-size N     plan: ranks of the restoring job, 1..65536\n"
-    "  -q, --quiet        no progress lines\n"
+    "  -q, --quiet        no progress (verify and export show it after 2 s: on a terminal one\n"
+    "                     line redrawn in place, otherwise a log line every 10 s)\n"
     "  -h, --help         this text\n"
     "\n"
     "Names and paths that are not printable UTF-8 are shown with \\xNN for each such byte,\n"
@@ -325,28 +328,11 @@ static int cmd_show(const char *path, int json)
     return 0;
 }
 
-typedef struct progress_state {
-    struct timespec start, last;
-    int quiet;
-} progress_state;
-
-static double since(const struct timespec *a, const struct timespec *b)
-{
-    return (double)(b->tv_sec - a->tv_sec) + 1e-9 * (double)(b->tv_nsec - a->tv_nsec);
-}
-
 static int on_progress(void *ctx, uint64_t done, uint64_t total)
 {
-    progress_state *p = ctx;
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    if (!p->quiet && since(&p->last, &now) >= 2.0) {
-        double el = since(&p->start, &now);
-        fprintf(stderr, "verify: %.1f%% (%.1f of %.1f MiB, %.1f MiB/s)\n",
-                total ? 100.0 * (double)done / (double)total : 100.0, (double)done / 1048576.0,
-                (double)total / 1048576.0, el > 0 ? (double)done / 1048576.0 / el : 0.0);
-        p->last = now;
-    }
+    progress *p = ctx;
+    p->total = total;
+    progress_update(p, done);
     return 0;
 }
 
@@ -355,14 +341,15 @@ static int cmd_verify(const char *path, int json, int quiet)
     ckpt_snapshot *s;
     int orc = open_or_report(&s, path, json);
     if (orc) return orc;
-    progress_state p = {.quiet = quiet || json};
-    clock_gettime(CLOCK_MONOTONIC, &p.start);
-    p.last = p.start;
+    uint64_t total = 0;
+    ckpt_snapshot_sizes(s, &total, NULL);
+    progress p;
+    progress_begin(&p, "verify", total, quiet || json, 0);
+    double t0 = clock_now_s();
     char bad[512] = "";
     int rc = ckpt_snapshot_verify(s, bad, sizeof bad, on_progress, &p);
-    struct timespec end;
-    clock_gettime(CLOCK_MONOTONIC, &end);
-    double el = since(&p.start, &end);
+    progress_end(&p);
+    double el = clock_now_s() - t0;
     uint64_t raw, stored;
     ckpt_snapshot_sizes(s, &raw, &stored);
     if (json) {
@@ -401,7 +388,8 @@ static int export_status(int rc, int exists)
     return status_of(rc);
 }
 
-static int cmd_export(const char *path, const char *out, int json, const ckpt_export_opts *eo)
+static int cmd_export(const char *path, const char *out, int json, int quiet,
+                      const ckpt_export_opts *eo)
 {
     const int force = eo->force;
     ckpt_snapshot *s;
@@ -409,7 +397,13 @@ static int cmd_export(const char *path, const char *out, int json, const ckpt_ex
     if (orc) return orc;
     char why[768] = "";
     ckpt_export_stats st = {0};
-    int rc = ckpt_export_safetensors(s, out, eo, &st, why, sizeof why);
+    progress p;
+    progress_begin(&p, "export", 0, quiet || json, 0);
+    ckpt_export_opts o = *eo;
+    o.progress = on_progress;
+    o.progress_ctx = &p;
+    int rc = ckpt_export_safetensors(s, out, &o, &st, why, sizeof why);
+    progress_end(&p);
     ckpt_snapshot_close(s);
     const char *msg = why[0] ? why : strerror(-rc);
     struct stat ost;
@@ -604,7 +598,7 @@ int main(int argc, char **argv)
     if (!strcmp(args[0], "list")) return cmd_list(args[1], json);
     if (!strcmp(args[0], "show")) return cmd_show(args[1], json);
     if (!strcmp(args[0], "verify")) return cmd_verify(args[1], json, quiet);
-    if (!strcmp(args[0], "export")) return cmd_export(args[1], args[2], json, &eo);
+    if (!strcmp(args[0], "export")) return cmd_export(args[1], args[2], json, quiet, &eo);
     if (!strcmp(args[0], "plan")) return cmd_plan(args[1], world, json);
     fprintf(stderr, "ckpt-inspect: unknown command '%s' (list, show, verify, export, plan)\n",
             P(args[0]));

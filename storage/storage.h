@@ -23,7 +23,8 @@
  * once, at the first write; a malformed value is logged and ignored. "slow:MS" instead
  * delays every data write by MS milliseconds on the submitting thread (a slow disk), and
  * "eio-read:N" makes the N-th store_reader_read call of the process fail with -EIO (a
- * device read error: transient, never a verdict on the bytes).
+ * device read error: transient, never a verdict on the bytes), and "slow-read:MS" delays
+ * every store_reader_read call by MS milliseconds (a slow disk, for progress displays).
  *
  * Thread-safety: a writer or reader handle is used by one thread at a time; different
  * handles are independent (each owns its ring).

@@ -48,6 +48,7 @@ static atomic_ullong fault_count;     /* data writes submitted so far in this pr
 static atomic_ullong fault_slow_ms;   /* slow:MS - every data write waits MS milliseconds */
 static atomic_ullong fault_read_nth;  /* eio-read:N - 1-based index of the read call that fails */
 static atomic_ullong fault_read_count;/* store_reader_read calls so far in this process */
+static atomic_ullong fault_read_slow_ms; /* slow-read:MS - every read call waits MS ms */
 
 static void fault_parse(void)
 {
@@ -70,6 +71,9 @@ static void fault_parse(void)
         } else if (!strncmp(s, "eio-read:", 9)) {
             err = 2; /* a read, not a write */
             num = s + 9;
+        } else if (!strncmp(s, "slow-read:", 10)) {
+            err = 3;
+            num = s + 10;
         }
         char *end = NULL;
         if (num) {
@@ -78,7 +82,7 @@ static void fault_parse(void)
         }
         if (!num || errno || end == num || *end || n == 0) {
             LOG_W(TAG, "ignoring malformed CKPT_FAULT_STORE=\"%s\" (want enospc:N, eio:N, "
-                  "eio-read:N or slow:MS)", s);
+                  "eio-read:N, slow:MS or slow-read:MS)", s);
             err = 0;
             n = 0;
         }
@@ -89,6 +93,10 @@ static void fault_parse(void)
         n = 0;
     } else if (err == 2) {
         atomic_store(&fault_read_nth, n);
+        err = 0;
+        n = 0;
+    } else if (err == 3) {
+        atomic_store(&fault_read_slow_ms, n);
         err = 0;
         n = 0;
     }
@@ -718,6 +726,11 @@ static int r_complete(store_reader *r, struct io_uring_cqe *cqe, bool resubmit)
 static bool read_fault_next(void)
 {
     fault_parse();
+    unsigned long long slow = atomic_load(&fault_read_slow_ms);
+    if (slow) {
+        struct timespec ts = {(time_t)(slow / 1000), (long)(slow % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+    }
     unsigned long long nth = atomic_load(&fault_read_nth);
     return nth && atomic_fetch_add(&fault_read_count, 1) + 1 == nth;
 }

@@ -6,6 +6,7 @@
 #include "data.h"
 #include "log.h"
 #include "model.h"
+#include "progress.h"
 #include "train_internal.h"
 
 #include <errno.h>
@@ -108,6 +109,35 @@ static int set_global_batch(state *s, int B, char *why, size_t why_len)
     return 0;
 }
 
+/* Read this rank's ranges of the three buffers, in windows so that rank 0 shows the restore's
+ * progress (progress.h) when it takes more than a few seconds. */
+static int read_ranges(state *s, ckpt_snapshot *snap, size_t plo, size_t phi, float *params,
+                       char *why, size_t why_len)
+{
+    const uint64_t window = 64u << 20;
+    struct {
+        const char *name;
+        uint64_t off, len;
+        uint8_t *dst;
+    } parts[3] = {{"params", plo * 4, (uint64_t)(phi - plo) * 4, (uint8_t *)params},
+                  {"adam_m", s->olo * 4, (uint64_t)(s->ohi - s->olo) * 4, (uint8_t *)s->m},
+                  {"adam_v", s->olo * 4, (uint64_t)(s->ohi - s->olo) * 4, (uint8_t *)s->v}};
+    progress p;
+    progress_begin(&p, "restore", parts[0].len + parts[1].len + parts[2].len, s->rank != 0, 1);
+    uint64_t done = 0;
+    int rc = 0;
+    for (int i = 0; i < 3 && rc == 0; i++)
+        for (uint64_t k = 0; k < parts[i].len && rc == 0; k += window) {
+            uint64_t n = parts[i].len - k < window ? parts[i].len - k : window;
+            rc = ckpt_snapshot_read(snap, parts[i].name, parts[i].off + k, n, parts[i].dst + k, why,
+                                    why_len);
+            done += n;
+            progress_update(&p, done);
+        }
+    progress_end(&p);
+    return rc;
+}
+
 /* Load this rank's part of one snapshot: params [lo, hi) (all at ZeRO stage 0), Adam moments
  * [olo, ohi). Local: no collective. Returns 0, -EBADMSG (corrupt: try an older one), -EINVAL
  * (incompatible: refuse), other -errno. why gets one line. */
@@ -203,12 +233,7 @@ static int load_part(state *s, const char *path, char *why, size_t why_len)
     } else if (!dtypes_ok) {
         snprintf(why, why_len, "state buffers are not f32");
         rc = -EBADMSG;
-    } else if ((rc = ckpt_snapshot_read(snap, "params", plo * 4, (phi - plo) * 4, params + plo, why,
-                                        why_len)) == 0 &&
-               (rc = ckpt_snapshot_read(snap, "adam_m", s->olo * 4, (s->ohi - s->olo) * 4, s->m, why,
-                                        why_len)) == 0 &&
-               (rc = ckpt_snapshot_read(snap, "adam_v", s->olo * 4, (s->ohi - s->olo) * 4, s->v, why,
-                                        why_len)) == 0) {
+    } else if ((rc = read_ranges(s, snap, plo, phi, params + plo, why, why_len)) == 0) {
         if (s->rank == 0) warn_changed_hparams(tr, s->o);
         s->step = step;
         s->samples = (uint64_t)samples;

@@ -2,7 +2,10 @@
 JSON output of ckpt-inspect, and refusal to resume a different model configuration."""
 import json
 import os
+import pty
+import re
 import struct
+import subprocess
 
 import harness as h
 
@@ -129,6 +132,48 @@ class Cli(h.TempDirTest):
         p = h.run([h.INSPECT, "plan", os.path.join(ckpt, "step-000000099"), "--world-size", "2"])
         self.assertEqual(p.returncode, 1)
         self.assertIn("no such snapshot folder", p.stderr)
+
+    def test_progress_of_long_work(self):
+        """Work that takes more than 2 s shows its progress (issue 12): on a terminal one line
+        redrawn in place (percent, bytes, rate, time left) and erased at the end; otherwise a
+        plain line every 10 s; nothing with --quiet; train's restore as log lines. The reads are
+        slowed down (CKPT_FAULT_STORE=slow-read) to make the work long."""
+        ckpt = os.path.join(self.tmp, "ckpt")
+        big = ["--n-layer", "4", "--n-embd", "128", "--chunk-mib", "1"]  # 10 MB in 1 MiB chunks
+        h.train(["--ckpt-dir", ckpt, "--ckpt-every", "2", "--steps", "2"] + big)
+        snap = os.path.join(ckpt, "step-000000002")
+        slow = {"CKPT_FAULT_STORE": "slow-read:600"}
+        master, slave = pty.openpty()
+        p = subprocess.Popen([h.INSPECT, "verify", snap], stdout=subprocess.PIPE, stderr=slave,
+                             env=h.env(slow))
+        os.close(slave)
+        out = p.communicate(timeout=120)[0]
+        tty = b""
+        try:
+            while True:
+                c = os.read(master, 4096)
+                if not c:
+                    break
+                tty += c
+        except OSError:
+            pass
+        os.close(master)
+        self.assertEqual(p.returncode, 0, tty)
+        self.assertIn(b"OK ", out)
+        self.assertRegex(tty, rb"\r\x1b\[Kverify: \d+\.\d% \([0-9.]+ \w?i?B of 9\.6 MiB, "
+                              rb"[0-9.]+ \w?i?B/s, \d+ s left\)")
+        self.assertTrue(tty.endswith(b"\r\x1b[K"), tty[-40:])  # erased at the end
+        p = h.run([h.INSPECT, "verify", snap], extra_env=slow)
+        self.assertEqual(p.returncode, 0)
+        self.assertRegex(p.stderr, r"(?m)^verify: \d+\.\d% \(.* of 9\.6 MiB, .*/s, \d+ s left\)$")
+        self.assertNotIn("\x1b", p.stderr)
+        p = h.run([h.INSPECT, "verify", "-q", snap], extra_env=slow)
+        self.assertEqual((p.returncode, p.stderr), (0, ""))
+        p = h.train(["--ckpt-dir", ckpt, "--ckpt-every", "2", "--steps", "3", "--resume", "auto"]
+                    + big, extra_env=slow)
+        self.assertRegex(p.stderr, r"INFO  \[progress\] restore: \d+\.\d% \(.* of 9\.6 MiB")
+        quick = h.run([h.INSPECT, "verify", snap])
+        self.assertEqual((quick.returncode, quick.stderr), (0, ""), "quick work shows nothing")
 
 
 if __name__ == "__main__":
