@@ -1,8 +1,10 @@
-/* test_train_tb.c - TensorBoard event files (tb_events.h): CRC-32C against RFC 3720's
- * vectors, the TFRecord mask, exact bytes of each Event kind and a round trip through a
- * protobuf decoder of this test's own, framing, the writer's file names and records, and
- * write errors (a full tmpfs when this process may mount one; else a name that cannot be
- * created) that neither crash nor go on writing. */
+/* test_train_tb.c - TensorBoard event files (tb_events.h) and the report sink that writes
+ * them (report.h): CRC-32C against RFC 3720's vectors, the TFRecord mask, exact bytes of each
+ * Event kind and a round trip through a protobuf decoder of this test's own, framing, the
+ * writer's file names and records, the scalars each train_report_* call writes, and write
+ * errors (a full tmpfs when this process may mount one; else a name that cannot be created)
+ * that neither crash nor go on writing. */
+#include "report.h"
 #include "t_helpers.h"
 #include "tb_events.h"
 
@@ -442,6 +444,112 @@ static void writer(void)
     free(dir);
 }
 
+/* ------------------------------------------------------------------ the report sink */
+
+static void report_sink(void)
+{
+    unsetenv("ELASTIC_HEARTBEAT_FD");
+    setenv("ELASTIC_RESTART_COUNT", "3", 1);
+    char *dir = t_path_in(root, "report");
+    train_report *r = NULL;
+    T_REQUIRE(train_report_open(&r, 0) == 0, "open");
+    double t0 = train_tb_wall_now();
+    T_REQUIRE(train_report_tensorboard(r, dir) == 0, "tensorboard");
+    T_CHECK(train_report_tensorboard(r, dir) == -EINVAL, "a second call");
+    train_report_restore(r, 40, 0.25, "disk");
+    train_report_step(r, 41, 0.5, 4.25, 1e-3, 1.5, 12345.5, 328);
+    train_report_val(r, 41, 3.5);
+    train_report_snapshot_staged(r, 41, 0.0625, 1449984);
+    train_report_snapshot_done(r, 41, 0, 0.75, 3 << 20, 2 << 20);
+    train_report_snapshot_done(r, 42, -28, 0.5, 1, 1); /* failed: no figures */
+    train_report_snapshot_skipped(r, 43);
+    /* the events are flushed by each call: readable before the close */
+    int count;
+    char *path = only_event_file(dir, &count);
+    T_REQUIRE(path, "%d event files", count);
+    ev e[32];
+    int trunc, k = load(path, e, 32, &trunc);
+    double t1 = train_tb_wall_now();
+    train_report_close(r);
+    int k2 = load(path, e, 32, &trunc);
+    T_CHECK(k == k2, "all flushed before the close: %d then %d", k, k2);
+    struct want {
+        const char *tag;
+        int64_t step;
+        float value;
+    } want[] = {
+        {NULL, 41, 0}, /* START at the restored step + 1 */
+        {"ckpt/restore_seconds", 40, 0.25f},
+        {"elastic/restarts", 40, 3.0f},
+        {"train/loss", 41, 4.25f},
+        {"train/lr", 41, 1e-3f},
+        {"train/grad_norm", 41, 1.5f},
+        {"train/tokens_per_second", 41, 12345.5f},
+        {"train/step_seconds", 41, 0.5f},
+        {"train/val_loss", 41, 3.5f},
+        {"ckpt/stall_seconds", 41, 0.0625f},
+        {"ckpt/persist_seconds", 41, 0.75f},
+        {"ckpt/persist_mib_per_second", 41, (float)(3.0 / 0.75)},
+        {"ckpt/compression_ratio", 41, 1.5f},
+    };
+    const int nw = (int)(sizeof want / sizeof *want);
+    T_CHECK(k == nw + 1 && !trunc, "%d records, want %d", k, nw + 1);
+    for (int i = 0; i < nw && i + 1 < k; i++) {
+        const ev *x = &e[i + 1];
+        T_CHECK(x->wall_time >= t0 - 1e-3 && x->wall_time <= t1 + 1e-3, "%d: wall time", i);
+        if (!want[i].tag) {
+            T_CHECK(x->has_session && x->status == 1 && x->step == want[i].step, "%d: START at %" PRId64,
+                    i, x->step);
+            continue;
+        }
+        T_CHECK(x->has_summary && !strcmp(x->tag, want[i].tag) && x->step == want[i].step &&
+                    x->value == want[i].value,
+                "%d: got %s step %" PRId64 " value %.9g, want %s %" PRId64 " %.9g", i, x->tag,
+                x->step, (double)x->value, want[i].tag, want[i].step, (double)want[i].value);
+    }
+    free(path);
+
+    /* a fresh start: START at step 1, no restore_seconds; no restart count without the
+     * variables; a rank other than 0 writes nothing */
+    unsetenv("ELASTIC_RESTART_COUNT");
+    setenv("TORCHELASTIC_RESTART_COUNT", "not a number", 1);
+    char *dir2 = t_path_in(root, "report2");
+    T_REQUIRE(train_report_open(&r, 0) == 0 && train_report_tensorboard(r, dir2) == 0, "open 2");
+    train_report_restore(r, 0, 0.01, "none");
+    train_report_step(r, 1, 0.5, 5.0, 1e-4, 2.0, 100, 8);
+    train_report_step(r, 2, 0.5, NAN, NAN, NAN, NAN, 0); /* no loss: nothing */
+    train_report_close(r);
+    path = only_event_file(dir2, &count);
+    T_REQUIRE(path, "%d event files", count);
+    k = load(path, e, 32, &trunc);
+    T_CHECK(k == 7 && e[1].has_session && e[1].step == 1 && !strcmp(e[2].tag, "train/loss") &&
+                e[2].step == 1,
+            "fresh start: %d records", k);
+    free(path);
+    unsetenv("TORCHELASTIC_RESTART_COUNT");
+    char *dir3 = t_path_in(root, "report3");
+    T_REQUIRE(train_report_open(&r, 1) == 0, "open rank 1");
+    T_CHECK(train_report_tensorboard(r, dir3) == 0, "rank 1: no-op");
+    train_report_restore(r, 0, 0.01, "none");
+    train_report_step(r, 1, 0.5, 5.0, 1e-4, 2.0, 100, 8);
+    train_report_close(r);
+    struct stat st;
+    T_CHECK(stat(dir3, &st) != 0, "rank 1 made no folder");
+    /* a folder that cannot be made: logged, training goes on (every call a no-op) */
+    char *file = t_path_in(root, "plain");
+    char *under = t_path_in(file, "tb");
+    T_REQUIRE(train_report_open(&r, 0) == 0, "open");
+    T_CHECK(train_report_tensorboard(r, under) == -ENOTDIR, "under a file");
+    train_report_restore(r, 0, 0.01, "none");
+    train_report_step(r, 1, 0.5, 5.0, 1e-4, 2.0, 100, 8);
+    train_report_close(r);
+    free(under);
+    free(file);
+    free(dir3);
+    free(dir2);
+    free(dir);
+}
+
 /* ------------------------------------------------------------------ write errors */
 
 /* Fill the file system of dir: a file written until ENOSPC. Returns its path. */
@@ -527,6 +635,18 @@ static void full_disk(void)
     free(all);
     free(b);
 
+    /* the report sink on the full disk: every call goes on */
+    filler = (free(filler), fill(mnt));
+    train_report *r = NULL;
+    T_REQUIRE(train_report_open(&r, 0) == 0, "report");
+    char *sub = t_path_in(mnt, "sub");
+    rc = train_report_tensorboard(r, sub);
+    T_CHECK(rc == -ENOSPC, "report on a full disk: %d", rc);
+    train_report_restore(r, 0, 0.01, "none");
+    for (int i = 1; i <= 10; i++) train_report_step(r, i, 0.1, 1, 1, 1, 1, 1);
+    train_report_close(r);
+    free(sub);
+    unlink(filler);
     free(filler);
     free(path);
     T_CHECK(umount2(mnt, MNT_DETACH) == 0, "umount: %s", strerror(errno));
@@ -541,6 +661,7 @@ int main(void)
     round_trip();
     framing();
     writer();
+    report_sink();
     full_disk();
     t_rmrf(root);
     free(root);
