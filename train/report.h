@@ -57,14 +57,14 @@
  * steps >= the START's step (event_accumulator.py: `x.step < event.step` is kept): a START at
  * S would also drop the loss of step S, and the val_loss and snapshot figures of step S,
  * which no later run writes again. The first START of a folder drops nothing (TensorBoard
- * counts it as the first session), so a fresh start in a used folder drops nothing either:
- * use a new folder for a new run. TensorBoard's Rust data server (the default since 2.5)
- * ignores SessionLog and drops, per tag, the values at steps >= a newly read step; the two
- * rules agree here, except that the Rust server keeps a value at a step after S of a tag
- * that the new run does not write again at that step or a later one (say, the stall of a
- * snapshot that the new run skips).
- * Runs after a resume are bit-identical (DESIGN section 4), so a redone step's value is the
- * one the earlier run wrote, whichever rule applies.
+ * counts it as the first session); a fresh start (START at 1) in a folder of an earlier run
+ * drops all of that run's values, so an unrelated new run wants a new folder. TensorBoard's
+ * Rust data server (the default since 2.5) ignores SessionLog and drops, per tag, the values
+ * at steps >= a newly read step; the two rules agree here, except that the Rust server keeps
+ * a value at a step after S of a tag that the new run does not write again at that step or a
+ * later one (say, the stall of a snapshot that the new run skips). Runs after a resume are
+ * bit-identical (DESIGN section 4), so a redone step's value is the one the earlier run
+ * wrote, whichever rule applies.
  *
  * Thread-safety: one thread (the rank's main thread) uses a handle.
  */
