@@ -35,8 +35,8 @@
  *   train_report_snapshot_staged ckpt/stall_seconds                   at the snapshot's step
  *   train_report_snapshot_done   ckpt/persist_seconds, ckpt/persist_mib_per_second (raw MiB
  *                                / persist seconds), ckpt/compression_ratio (raw / stored),
- *                                at the snapshot's step (reported a step or more later);
- *                                only for a committed snapshot (result 0)
+ *                                of rank 0's shard, at the snapshot's step (reported a step
+ *                                or more later); only for a committed snapshot (result 0)
  *   train_report_restore         a SessionLog START at step + 1 (below); ckpt/restore_seconds
  *                                at the restored step (not on a fresh start); elastic/restarts
  *                                at that step, from ELASTIC_RESTART_COUNT, else
