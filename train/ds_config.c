@@ -489,6 +489,51 @@ static int parse_checkpoint(ctx *c, const char *prefix, const json_t *obj,
   return 0;
 }
 
+/* A string value into dst (cap bytes with the NUL): at most cap - 1 bytes, no NUL inside,
+ * empty only when allow_empty. */
+static int get_string(ctx *c, const char *key, const json_t *v, int allow_empty,
+                      char *dst, size_t cap, int *has) {
+  size_t n = json_is_string(v) ? json_string_length(v) : 0;
+  if (!json_is_string(v) || (n == 0 && !allow_empty) || n >= cap ||
+      strlen(json_string_value(v)) != n) {
+    char got[64];
+    describe(v, got, sizeof got);
+    return fail(c, key, "expected a %sstring of at most %zu bytes, got %s",
+                allow_empty ? "" : "non-empty ", cap - 1, got);
+  }
+  memcpy(dst, json_string_value(v), n + 1);
+  *has = 1;
+  return 0;
+}
+
+/* "tensorboard": DeepSpeed's TensorBoard monitor. */
+static int parse_tensorboard(ctx *c, const char *prefix, const json_t *obj,
+                             train_ds_config *o) {
+  const char *k;
+  json_t *v;
+  char key[KEY_MAX];
+  json_object_foreach((json_t *)obj, k, v) {
+    int rc = 0;
+    join(key, sizeof key, prefix, k);
+    if (!strcmp(k, "enabled"))
+      rc = get_bool(c, key, v, &o->has_tensorboard_enabled,
+                    &o->tensorboard_enabled);
+    else if (!strcmp(k, "output_path"))
+      rc = get_string(c, key, v, 1, o->tensorboard_output_path,
+                      sizeof o->tensorboard_output_path,
+                      &o->has_tensorboard_output_path);
+    else if (!strcmp(k, "job_name"))
+      rc = get_string(c, key, v, 0, o->tensorboard_job_name,
+                      sizeof o->tensorboard_job_name,
+                      &o->has_tensorboard_job_name);
+    else
+      rc = note(c, key, NULL);
+    if (rc)
+      return rc;
+  }
+  return 0;
+}
+
 /* "fp16" / "bf16": the CPU backend computes in fp32 whatever the file says. */
 static int parse_precision(ctx *c, const char *key, const json_t *obj) {
   const json_t *en = json_object_get(obj, "enabled");
@@ -537,6 +582,10 @@ static int parse_top(ctx *c, const json_t *root, train_ds_config *o) {
       rc = want_object(c, k, v);
       if (!rc)
         rc = parse_checkpoint(c, k, v, o);
+    } else if (!strcmp(k, "tensorboard")) {
+      rc = want_object(c, k, v);
+      if (!rc)
+        rc = parse_tensorboard(c, k, v, o);
     } else if (!strcmp(k, "fp16") || !strcmp(k, "bf16")) {
       rc = want_object(c, k, v);
       if (!rc)

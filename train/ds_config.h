@@ -5,7 +5,7 @@
  * (https://www.deepspeed.ai/docs/config-json/): "train_batch_size",
  * "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
  * "zero_optimization", "optimizer", "scheduler", "gradient_clipping",
- * "steps_per_print", "fp16", "bf16" and "checkpoint". Two additions are ours:
+ * "steps_per_print", "fp16", "bf16", "tensorboard" and "checkpoint". Two additions are ours:
  * "seed" at the top level, and our snapshot settings inside "checkpoint". As in
  * Hugging Face's integration, "auto" is accepted for the batch sizes and
  * "gradient_clipping" and means "not set here".
@@ -110,6 +110,19 @@ typedef struct train_ds_config {
   int has_snapshot_policy; /* "policy": "wait" -> 0 (CKPT_POLICY_WAIT), "skip"
                               -> 1 (CKPT_POLICY_SKIP) */
   int snapshot_policy;
+  /* "tensorboard": DeepSpeed's monitor section; events go to the folder
+     output_path/job_name (os.path.join's rule, as DeepSpeed's TensorBoardMonitor:
+     output_path "" gives job_name in the current folder; an absolute job_name
+     stands alone). DeepSpeed's defaults when a key is absent: enabled false,
+     output_path "", job_name "DeepSpeedJobName" (the caller applies them). */
+  int has_tensorboard_enabled; /* "enabled": true/false -> 1/0 */
+  int tensorboard_enabled;
+  int has_tensorboard_output_path; /* "output_path": a string of at most 4095
+                                      bytes, "" allowed */
+  char tensorboard_output_path[4096];
+  int has_tensorboard_job_name; /* "job_name": a non-empty string of at most
+                                   255 bytes */
+  char tensorboard_job_name[256];
 } train_ds_config;
 
 /* Nothing set. */

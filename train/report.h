@@ -24,6 +24,48 @@
  *   restore step=<n> seconds=<s> source=<disk|none>            (rank 0) where training starts:
  *       the step restored and the time the restore took; source none for a fresh start
  *
+ * TensorBoard (train --tensorboard-dir, or the config's "tensorboard" section): after
+ * train_report_tensorboard, rank 0 also writes each event as TensorBoard scalars into an event
+ * file of its own (tb_events.h), at the step the event names (optimizer steps: TensorBoard's
+ * x axis) and the wall-clock time of the call:
+ *
+ *   train_report_step            train/loss, train/lr, train/grad_norm,
+ *                                train/tokens_per_second, train/step_seconds
+ *   train_report_val             train/val_loss
+ *   train_report_snapshot_staged ckpt/stall_seconds                   at the snapshot's step
+ *   train_report_snapshot_done   ckpt/persist_seconds, ckpt/persist_mib_per_second (raw MiB
+ *                                / persist seconds), ckpt/compression_ratio (raw / stored),
+ *                                of rank 0's shard, at the snapshot's step (reported a step
+ *                                or more later); only for a committed snapshot (result 0)
+ *   train_report_restore         a SessionLog START at step + 1 (below); ckpt/restore_seconds
+ *                                at the restored step (not on a fresh start); elastic/restarts
+ *                                at that step, from ELASTIC_RESTART_COUNT, else
+ *                                TORCHELASTIC_RESTART_COUNT, when one is set to an integer >= 0
+ *
+ * Not yet: upload time and remote lag (they come with the S3 tier). Each call's events are
+ * handed to the kernel (fflush, no fsync) before it returns, so a SIGKILL loses none that
+ * were reported. A write error is logged once and ends the event file; training goes on.
+ *
+ * Steps redone after a restart. A run resumed from the snapshot of step S trains steps S+1,
+ * S+2, ... again; the run before it may have written events for some of them (up to where it
+ * died), and for snapshots after S that never committed. Every run starts its event file with
+ * SessionLog START at step S+1 (step 1 on a fresh start, S = 0), written before any of its
+ * scalars. TensorBoard then drops every event of an earlier file (name order, which
+ * tb_events.h keeps equal to run order) whose step is >= S+1, and keeps those below: each step
+ * keeps one value, the one of the run that completed it last, and the curve goes on from the
+ * restored step without a jump. The START is at S+1 and not at S because TensorBoard drops
+ * steps >= the START's step (event_accumulator.py: `x.step < event.step` is kept): a START at
+ * S would also drop the loss of step S, and the val_loss and snapshot figures of step S,
+ * which no later run writes again. The first START of a folder drops nothing (TensorBoard
+ * counts it as the first session); a fresh start (START at 1) in a folder of an earlier run
+ * drops all of that run's values, so an unrelated new run wants a new folder. TensorBoard's
+ * Rust data server (the default since 2.5) ignores SessionLog and drops, per tag, the values
+ * at steps >= a newly read step; the two rules agree here, except that the Rust server keeps
+ * a value at a step after S of a tag that the new run does not write again at that step or a
+ * later one (say, the stall of a snapshot that the new run skips). Runs after a resume are
+ * bit-identical (DESIGN section 4), so a redone step's value is the one the earlier run
+ * wrote, whichever rule applies.
+ *
  * Thread-safety: one thread (the rank's main thread) uses a handle.
  */
 #ifndef TRAIN_REPORT_H
@@ -43,8 +85,16 @@ typedef struct train_report train_report;
  * Errors: -ENOMEM. */
 int train_report_open(train_report **out, int rank);
 
-/* Close and free; accepts NULL. */
+/* Close and free; accepts NULL. Closes the TensorBoard event file. */
 void train_report_close(train_report *r);
+
+/* Rank 0: also write TensorBoard events into the folder dir (created with its parents when
+ * missing): opens a new event file (tb_events.h, train_tb_open) at once. Call when the run is
+ * about to train, before train_report_restore, at most once. Other ranks: nothing (returns 0).
+ * A failure is logged here (a warning naming dir and the reason) and training goes on without
+ * the events. Returns 0, -EINVAL (NULL r or dir, an empty dir, a second call), or
+ * train_tb_open's error. */
+int train_report_tensorboard(train_report *r, const char *dir);
 
 /* Step `step` completed in `seconds`. On rank 0 also the mean loss, the learning rate used,
  * the global gradient norm before clipping, the throughput (tokens/s) and the samples consumed

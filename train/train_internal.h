@@ -34,6 +34,7 @@
  * argv or into the static train_ds_config given to train_read_config: never freed. */
 typedef struct options {
     const char *data, *val_data, *ckpt_dir, *resume, *run_id, *config, *sample_log;
+    const char *tensorboard_dir; /* rank 0 writes TensorBoard events here; NULL = none */
     int allow_fresh_start; /* --allow-fresh-start: --resume auto may start from step 0 when
                               every snapshot in --ckpt-dir is corrupt */
     train_model_config model;

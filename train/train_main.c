@@ -123,8 +123,12 @@ int main(int argc, char **argv)
         status = r;
         goto out;
     }
-    if (s.rank == 0)
-        train_report_restore(s.report, s.step, clock_now_s() - t_resume, s.step > 0 ? "disk" : "none");
+    if (s.rank == 0) {
+        double restore_s = clock_now_s() - t_resume;
+        if (o.tensorboard_dir) train_report_tensorboard(s.report, o.tensorboard_dir); /* logged */
+        train_report_restore(s.report, s.step, restore_s, s.step > 0 ? "disk" : "none");
+    }
+    const int64_t start_step = s.step;
     train_make_config_hash(&s, s.config_hash);
     s.xchg = calloc((size_t)s.world * (size_t)(s.grad_accum + 1), sizeof(double));
     s.losses = calloc((size_t)s.world * (size_t)s.grad_accum, sizeof(double));
@@ -210,8 +214,12 @@ int main(int argc, char **argv)
         }
         if (stopped_by) break;
     }
-    if (s.val && !(o.eval_every > 0 && s.step % o.eval_every == 0 && !isnan(s.last_val)))
+    if (s.val && !(o.eval_every > 0 && s.step % o.eval_every == 0 && !isnan(s.last_val))) {
         s.last_val = train_eval_val(&s);
+        /* a run that trained nothing reports nothing: the val_loss of its step is the
+         * earlier run's (a second value at one step would show twice in TensorBoard) */
+        if (s.rank == 0 && s.step > start_step) train_report_val(s.report, s.step, s.last_val);
+    }
     int final_status = stopped_by ? 128 + stopped_by : 0;
     if (s.engine) {
         /* the last snapshot must be durable before we report success */

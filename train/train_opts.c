@@ -41,7 +41,8 @@ static const char usage_text[] =
     "                        parameters, gathered layer by layer for forward and backward\n"
     "  --config FILE         DeepSpeed-style JSON (train_batch_size, train_micro_batch_size_per_gpu,\n"
     "                        gradient_accumulation_steps, zero_optimization.stage, optimizer,\n"
-    "                        scheduler, gradient_clipping, checkpoint{dir,every,keep_last,...});\n"
+    "                        scheduler, gradient_clipping, checkpoint{dir,every,keep_last,...},\n"
+    "                        tensorboard{enabled,output_path,job_name});\n"
     "                        command-line flags override it; unknown keys are listed in a warning\n"
     "  --steps N             optimizer steps to reach (default 100)\n"
     "  --lr X                peak learning rate (default 1e-3)\n"
@@ -53,6 +54,15 @@ static const char usage_text[] =
     "  --eval-every N        validation loss every N steps, 0 = only at the end (default 0)\n"
     "  --val-samples N       validation sequences per evaluation (default 64)\n"
     "  --log-every N         one log line every N steps (default 1)\n"
+    "  --tensorboard-dir DIR rank 0 writes TensorBoard event files (scalars train/loss,\n"
+    "                        train/val_loss, train/lr, train/grad_norm, train/tokens_per_second,\n"
+    "                        train/step_seconds, ckpt/stall_seconds, ckpt/persist_seconds,\n"
+    "                        ckpt/persist_mib_per_second, ckpt/compression_ratio,\n"
+    "                        ckpt/restore_seconds, elastic/restarts) into DIR, created when\n"
+    "                        missing; a resumed run continues the curves (`tensorboard --logdir\n"
+    "                        DIR`). Overrides the config's \"tensorboard\" section (DeepSpeed's:\n"
+    "                        enabled, output_path, job_name: events in output_path/job_name).\n"
+    "                        A write error is logged once and training goes on without events\n"
     ;
 static const char usage_text2[] =
     "Snapshots:\n"
@@ -134,7 +144,7 @@ int train_parse_args(int argc, char **argv, options *o)
         O_LR, O_MINLR, O_WARM, O_WD, O_CLIP, O_SEED, O_EVAL, O_VALS, O_LOG, O_CKDIR, O_CKEVERY,
         O_RESUME, O_RUNID, O_ZLEVEL, O_SHUFFLE, O_NOSHUFFLE, O_CHUNK, O_NODIRECT, O_NOCOMP, O_SNTHREADS,
         O_POLICY, O_KEEPLAST, O_KEEPEVERY, O_OVERLAP, O_GB, O_ZERO, O_CONFIG, O_CTIMEOUT, O_SLOG,
-        O_JTIMEOUT, O_FRESH
+        O_JTIMEOUT, O_FRESH, O_TBDIR
     };
     static const struct option lo[] = {
         {"data", required_argument, 0, O_DATA}, {"val-data", required_argument, 0, O_VAL},
@@ -162,6 +172,7 @@ int train_parse_args(int argc, char **argv, options *o)
         {"sample-log", required_argument, 0, O_SLOG},
         {"join-timeout", required_argument, 0, O_JTIMEOUT},
         {"allow-fresh-start", no_argument, 0, O_FRESH},
+        {"tensorboard-dir", required_argument, 0, O_TBDIR},
         {0, 0, 0, 0}};
     int c, v = 0, chunk_mib = 4;
     while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -220,6 +231,13 @@ int train_parse_args(int argc, char **argv, options *o)
         case O_RESUME: o->resume = optarg; break;
         case O_RUNID: o->run_id = optarg; break;
         case O_FRESH: o->allow_fresh_start = 1; break;
+        case O_TBDIR:
+            if (!*optarg) {
+                fprintf(stderr, "train: --tensorboard-dir: an empty folder name\n");
+                bad = 1;
+            }
+            o->tensorboard_dir = optarg;
+            break;
         case O_ZLEVEL: bad = parse_int("--zstd-level", optarg, -7, 19, &o->zstd_level); break;
         case O_SHUFFLE: o->filter = CKPT_FILTER_SHUFFLE; break; /* the default; kept for scripts */
         case O_NOSHUFFLE: o->filter = CKPT_FILTER_NONE; break;
@@ -346,5 +364,15 @@ int train_read_config(int argc, char **argv, options *o, train_ds_config *dc)
     if (dc->has_compress) o->compress = dc->compress;
     if (dc->has_shuffle) o->filter = dc->shuffle ? CKPT_FILTER_SHUFFLE : CKPT_FILTER_NONE;
     if (dc->has_snapshot_policy) o->policy = dc->snapshot_policy;
+    if (dc->has_tensorboard_enabled && dc->tensorboard_enabled) {
+        /* output_path/job_name as DeepSpeed's TensorBoardMonitor joins them (os.path.join) */
+        static char tb_dir[sizeof dc->tensorboard_output_path + sizeof dc->tensorboard_job_name + 1];
+        const char *base = dc->has_tensorboard_output_path ? dc->tensorboard_output_path : "";
+        const char *job = dc->has_tensorboard_job_name ? dc->tensorboard_job_name : "DeepSpeedJobName";
+        size_t bl = strlen(base);
+        if (job[0] == '/' || bl == 0) snprintf(tb_dir, sizeof tb_dir, "%s", job);
+        else snprintf(tb_dir, sizeof tb_dir, "%s%s%s", base, base[bl - 1] == '/' ? "" : "/", job);
+        o->tensorboard_dir = tb_dir;
+    }
     return 0;
 }

@@ -340,6 +340,14 @@ static const bad bads[] = {
      "{\"warmup_max_lr\": 1e-3}}, "
      "\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}}}",
      -EINVAL, "scheduler.params.warmup_max_lr: 0.001 differs"},
+    /* the tensorboard section */
+    {"{\"tensorboard\": true}", -EINVAL, "tensorboard: expected an object, got true"},
+    {"{\"tensorboard\": {\"enabled\": 1}}", -EINVAL,
+     "tensorboard.enabled: expected true or false, got 1"},
+    {"{\"tensorboard\": {\"job_name\": \"\"}}", -EINVAL,
+     "tensorboard.job_name: expected a non-empty string of at most 255 bytes, got \"\""},
+    {"{\"tensorboard\": {\"output_path\": 3}}", -EINVAL,
+     "tensorboard.output_path: expected a string of at most 4095 bytes, got 3"},
 };
 
 /* The key named by the duplicate-key messages (checked apart: the column is
@@ -443,6 +451,36 @@ static void test_byte_order_mark(void) {
   free(p);
 }
 
+/* DeepSpeed's "tensorboard" monitor section: the three keys, "" for output_path,
+ * other keys reported. */
+static void test_tensorboard(void) {
+  char why[512], unk[512];
+  train_ds_config c;
+  char *p = put("tb.json", "{\"tensorboard\": {\"enabled\": true, \"output_path\": "
+                           "\"output/ds_logs/\", \"job_name\": \"train_bert\", "
+                           "\"flush_secs\": 5}}");
+  int rc = train_ds_config_load(p, &c, why, sizeof why, unk, sizeof unk);
+  T_CHECK(rc == 0, "rc %d %s", rc, why);
+  T_CHECK(c.has_tensorboard_enabled && c.tensorboard_enabled &&
+              c.has_tensorboard_output_path &&
+              !strcmp(c.tensorboard_output_path, "output/ds_logs/") &&
+              c.has_tensorboard_job_name &&
+              !strcmp(c.tensorboard_job_name, "train_bert"),
+          "tensorboard section: %d %d '%s' '%s'", c.has_tensorboard_enabled,
+          c.tensorboard_enabled, c.tensorboard_output_path,
+          c.tensorboard_job_name);
+  T_CHECK(!strcmp(unk, "tensorboard.flush_secs"), "unknown '%s'", unk);
+  free(p);
+  p = put("tb2.json", "{\"tensorboard\": {\"enabled\": false, "
+                      "\"output_path\": \"\"}}");
+  rc = train_ds_config_load(p, &c, why, sizeof why, unk, sizeof unk);
+  T_CHECK(rc == 0 && c.has_tensorboard_enabled && !c.tensorboard_enabled &&
+              c.has_tensorboard_output_path && !c.tensorboard_output_path[0] &&
+              !c.has_tensorboard_job_name && unk[0] == 0,
+          "disabled, empty output_path: rc %d %s '%s'", rc, why, unk);
+  free(p);
+}
+
 int main(void) {
   dir = t_tmpdir("train-config");
   test_full();
@@ -451,6 +489,7 @@ int main(void) {
   test_duplicate_paths();
   test_errors();
   test_byte_order_mark();
+  test_tensorboard();
   t_rmrf(dir);
   free(dir);
   return t_done("test_train_config");
