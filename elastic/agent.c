@@ -5,7 +5,9 @@
  * Everything runs on the main thread around one poll(2): worker pipes, a signalfd (SIGCHLD,
  * SIGTERM, SIGINT; blocked in every thread) and, with several nodes, the rendezvous watcher's
  * notification pipe. Worker deaths are seen through SIGCHLD at once; the tick
- * (monitor_interval_s) only paces the hang watchdog and a safety waitpid.
+ * (monitor_interval_s) only paces the hang watchdog and a safety waitpid. The metrics
+ * (metrics.h) are updated from this thread; the only other thread of ours that reads them is
+ * the --metrics-port server's, under their mutex.
  */
 #include "clock.h"
 #include "agent.h"
