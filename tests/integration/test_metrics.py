@@ -360,6 +360,80 @@ class Metrics(TempDirTest):
               file=sys.stderr)
 
 
+# A worker that writes hostile progress lines, then waits (bounded) for the test to scrape.
+HOSTILE_WORKER = r"""
+import os, sys, time
+fd = int(os.environ["ELASTIC_HEARTBEAT_FD"])
+lines = [b"step 3 seconds=0.25 loss=2.5", b"\x00\x01\xff garbage", b"step 5\r",
+         b"x" * 10000, b"step 99999999999999999999999", b"step 4 seconds=nan",
+         b"snapshot_done step=1 result=7", b"restore step=1 seconds=1 source=../../etc",
+         b"val step=1 loss", b"", b"   ", b"future_event step=3 colour=blue",
+         b"step 7 seconds=0.5 loss=inf tokens_per_second=1e999 samples=18446744073709551615",
+         b"snapshot_done step=7 result=0 persist_seconds=0.1 stored_bytes=18446744073709551615"]
+for l in lines:
+    os.write(fd, l + b"\n")
+os.write(fd, b"step 8 seconds=0.5 partial line never ended")
+print("written", flush=True)
+deadline = time.time() + 60
+while not os.path.exists(sys.argv[1]) and time.time() < deadline:
+    time.sleep(0.02)
+"""
+
+
+class Lines(TempDirTest):
+    def test_hostile_lines_neither_crash_nor_block(self):
+        """Malformed, huge, binary and unknown lines from a worker are counted and ignored;
+        the valid ones in between are taken (NaN/Inf kept, huge counters exact), the text
+        stays valid, and the agent runs on to a normal exit."""
+        mport = harness.free_port()
+        release = os.path.join(self.tmp, "release")
+        worker = os.path.join(self.tmp, "hostile.py")
+        with open(worker, "w") as f:
+            f.write(HOSTILE_WORKER)
+        err_path = os.path.join(self.tmp, "agent.err")
+        out_path = os.path.join(self.tmp, "agent.out")
+        with open(out_path, "w") as out, open(err_path, "w") as err:
+            agent = subprocess.Popen([harness.ELASTIC, "--nproc-per-node", "1", "--metrics-port",
+                                      str(mport), "--", sys.executable, worker, release],
+                                     stdout=out, stderr=err, env=harness.env())
+        try:
+            deadline = time.time() + 30 * T
+            while "written" not in harness.read(out_path) and time.time() < deadline:
+                self.assertIsNone(agent.poll(), harness.read(err_path))
+                time.sleep(0.02)
+            while time.time() < deadline:  # until the agent has read all 14 lines
+                status, ctype, text = http_get(f"http://127.0.0.1:{mport}/metrics")
+                families, series = parse_exposition(text)
+                if sum(v for k, v in series.items()
+                       if k.startswith("elastic_report_lines_total")) >= 14:
+                    break
+                time.sleep(0.02)
+            lint = subprocess.run(["promtool", "check", "metrics"], input=text,
+                                  capture_output=True, text=True, timeout=30)
+            self.assertEqual(lint.returncode, 0, lint.stdout + lint.stderr)
+            self.assertEqual(series['train_step{node="0"}'], 7)
+            self.assertEqual(series['train_loss{node="0"}'], math.inf)
+            self.assertEqual(series['train_tokens_per_second{node="0"}'], math.inf)
+            self.assertEqual(series['train_samples{node="0"}'], float(2 ** 64))  # a double
+            self.assertIn("ckpt_persist_bytes_total 18446744073709551615\n", text)
+            self.assertEqual(series["ckpt_snapshots_committed_total"], 1)
+            self.assertEqual(series['ckpt_last_committed_step{node="0"}'], 7)
+            self.assertEqual(series['elastic_report_lines_total{outcome="ok"}'], 3)
+            self.assertEqual(series['elastic_report_lines_total{outcome="unknown"}'], 1)
+            # garbage, \r, the long line, the huge step, nan seconds, result 7, the bad
+            # source, val without a value, the empty and the blank line
+            self.assertEqual(series['elastic_report_lines_total{outcome="malformed"}'], 10)
+            self.assertNotIn("etc", text)
+            with open(release, "w"):
+                pass
+            self.assertEqual(agent.wait(timeout=30 * T), 0, harness.read(err_path))
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+        self.assertIn("goodput: ratio", harness.read(err_path))
+
+
 class Cli(TempDirTest):
     def test_metrics_flags(self):
         """--metrics-port is in --help; a bad port or address is a usage error (one line); a
