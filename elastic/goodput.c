@@ -118,6 +118,7 @@ int elastic_goodput_add(elastic_goodput *g, const elastic_goodput_ev *ev)
         return 0;
     case ELASTIC_GP_ROUND:
         g->round_stepped = 0;
+        g->round_open = 1;
         if (g->win_open) g->win_restarting = 1;
         return 0;
     case ELASTIC_GP_STEP:
@@ -128,6 +129,8 @@ int elastic_goodput_add(elastic_goodput *g, const elastic_goodput_ev *ev)
         return 0;
     case ELASTIC_GP_INTERRUPT:
         g->interrupts++;
+        g->round_open = 0;
+        g->last_interrupt_t = ev->t;
         if (!g->win_open) {
             g->win_open = 1;
             g->win_restarting = 0;
@@ -151,8 +154,11 @@ void elastic_goodput_get(const elastic_goodput *g, double now, elastic_goodput_r
     r->recomputed_s = g->recomputed_s;
     r->restart_s = g->restart_s;
     r->restart_windows = g->windows;
-    if (g->win_open && g->win_restarting && end > g->win_t) {
-        r->restart_s += end - g->win_t; /* a new round is still starting */
+    if (g->win_open && g->win_restarting) {
+        /* new rounds started but none stepped: up to now while one runs, else to the last
+         * one's interruption (what follows it is shutdown) */
+        double until = g->round_open ? end : g->last_interrupt_t;
+        if (until > g->win_t) r->restart_s += until - g->win_t;
         r->restart_windows++;
     }
     r->stall_s = g->stall_s;

@@ -175,7 +175,9 @@ int elastic_expo_finish(elastic_expo *e, char **text, size_t *len);
  *               line's time minus its seconds): failure detection, the stop, the restart,
  *               start-up and restore. Rounds that fail before their first step stay inside one
  *               window. A window that no new round followed (the job ended: budget spent,
- *               preempted) is not a restart: its time is in other.
+ *               preempted) is not a restart: its time is in other; when new rounds started
+ *               but none completed a step before the job ended, the window ends at the last
+ *               one's interruption (or at the end, if that round ended otherwise).
  *   stall       the sum of the snapshot stalls (stall_seconds) of the node's first rank.
  *   other       wall - productive - recomputed - restart - stall (>= 0): the first start-up
  *               and restore, evaluation, steps cut short by a failure, the final snapshot and
@@ -225,6 +227,8 @@ typedef struct elastic_goodput {
     int resumes, interrupts, windows;
     int win_open, win_restarting;
     double win_t;
+    int round_open;             /* a round started and did not end by an interruption yet */
+    double last_interrupt_t;    /* the latest INTERRUPT */
     int round_stepped;          /* the current round completed a step */
 } elastic_goodput;
 

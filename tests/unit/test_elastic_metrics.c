@@ -505,6 +505,14 @@ static void goodput_sequences(void)
         EV(ROUND, 3, 0, 0)};
     elastic_goodput_compute(d, sizeof d / sizeof d[0], 7, &r);
     T_CHECK(r.restart_s == 5 && r.restart_windows == 1 && r.wall_s == 7, "d: %g", r.restart_s);
+    /* ... and when that round fails too and the job gives up, the window ends at its failure:
+     * the shutdown after it is other */
+    static const elastic_goodput_ev d2[] = {
+        EV(START, 0, 0, 0), EV(ROUND, 0, 0, 0), EV(STEP, 1, 1, 1), EV(INTERRUPT, 2, 0, 0),
+        EV(ROUND, 3, 0, 0), EV(INTERRUPT, 4.5, 0, 0), EV(END, 6, 0, 0)};
+    elastic_goodput_compute(d2, sizeof d2 / sizeof d2[0], 0, &r);
+    T_CHECK(r.restart_s == 2.5 && r.restart_windows == 1 && r.interrupts == 2 &&
+            r.other_s == 2.5, "d2: %g %g", r.restart_s, r.other_s);
 
     /* lost lines: steps 3 and 4 never arrived; steps without seconds count 0 s */
     static const elastic_goodput_ev e[] = {
