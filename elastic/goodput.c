@@ -73,7 +73,9 @@ static int add_step(elastic_goodput *g, const elastic_goodput_ev *ev)
     int first = !g->round_stepped;
     if (first) {
         g->round_stepped = 1;
-        if (g->win_open) { /* the restart window ends where this step began */
+        /* the restart window ends where this step began; a line of the interrupted round
+         * read after the interruption (while its group stops) does not end it */
+        if (g->win_open && g->win_restarting) {
             double t0 = ev->t - secs;
             if (t0 > g->win_t) g->restart_s += t0 - g->win_t;
             g->win_open = 0;

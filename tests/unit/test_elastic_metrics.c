@@ -491,6 +491,16 @@ static void goodput_sequences(void)
     T_CHECK(r.restart_s == 4 && r.restart_windows == 1 && r.interrupts == 2 && r.resumes == 0 &&
             r.productive_s == 4 && r.recomputed_s == 0, "b: restart %g", r.restart_s);
 
+    /* the interrupted round's first step line is read only while its group stops: the window
+     * stays open until the next round steps */
+    static const elastic_goodput_ev b2[] = {
+        EV(START, 0, 0, 0), EV(ROUND, 0, 0, 0), EV(INTERRUPT, 2, 0, 0), EV(STEP, 2.1, 1, 1.5),
+        EV(ROUND, 3, 0, 0), EV(STEP, 5, 1, 1), EV(END, 6, 0, 0)};
+    elastic_goodput_compute(b2, sizeof b2 / sizeof b2[0], 0, &r);
+    T_CHECK(r.restart_s == 2 && r.restart_windows == 1 && r.productive_s == 1 &&
+            r.recomputed_s == 1.5 && r.steps_recomputed == 1 && r.resumes == 1, "b2: %g %g %g",
+            r.restart_s, r.productive_s, r.recomputed_s);
+
     /* the job ends after a failure (budget spent): no restart, the time is other */
     static const elastic_goodput_ev c[] = {
         EV(START, 0, 0, 0), EV(ROUND, 0, 0, 0), EV(STEP, 1, 1, 1), EV(INTERRUPT, 2, 0, 0),
