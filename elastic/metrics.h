@@ -314,7 +314,7 @@ int elastic_metrics_http_start(elastic_metrics_http **out, const char *addr, int
                                elastic_metrics *m);
 
 /* Stop serving (joins the server's thread: connections in progress are closed) and free;
- * accepts NULL. */
+ * accepts NULL. Start and stop a server from one thread; it reads m only under m's mutex. */
 void elastic_metrics_http_stop(elastic_metrics_http *h);
 
 #endif /* ELASTIC_METRICS_H */
