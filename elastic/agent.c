@@ -5,13 +5,16 @@
  * Everything runs on the main thread around one poll(2): worker pipes, a signalfd (SIGCHLD,
  * SIGTERM, SIGINT; blocked in every thread) and, with several nodes, the rendezvous watcher's
  * notification pipe. Worker deaths are seen through SIGCHLD at once; the tick
- * (monitor_interval_s) only paces the hang watchdog and a safety waitpid.
+ * (monitor_interval_s) only paces the hang watchdog and a safety waitpid. The metrics
+ * (metrics.h) are updated from this thread; the only other thread of ours that reads them is
+ * the --metrics-port server's, under their mutex.
  */
 #include "clock.h"
 #include "agent.h"
 
 #include "agent_internal.h"
 #include "log.h"
+#include "metrics.h"
 #include "store.h"
 
 #include <arpa/inet.h>
@@ -61,6 +64,8 @@ typedef struct agent {
     elastic_rdzv *rdzv;
     int restarts;
     elastic_guard guard;
+    elastic_metrics *metrics;   /* NULL only when it could not be created */
+    elastic_metrics_http *http; /* NULL = no --metrics-port */
 } agent;
 
 /* ------------------------------------------------------------------ checks and set-up */
@@ -101,6 +106,9 @@ static int check_opts(const elastic_agent_opts *o, char *const argv[])
         bad = "--heartbeat-timeout outside [0.1, 3600]";
     else if (!in(o->last_call_s, 0, 3600)) bad = "--last-call outside [0, 3600]";
     else if (!in(o->join_timeout_s, 1, 86400)) bad = "--join-timeout outside [1, 86400]";
+    else if (o->metrics_port < 0 || o->metrics_port > 65535)
+        bad = "--metrics-port outside [0, 65535]";
+    else if (o->metrics_addr && !*o->metrics_addr) bad = "--metrics-addr is empty";
     else if (o->max_nodes > 1 && (!o->rdzv_host || !*o->rdzv_host || o->rdzv_port < 1))
         bad = "several nodes need --rdzv-endpoint HOST:PORT with a port";
     else if (o->max_nodes > 1 && !o->rdzv_id)
@@ -425,9 +433,14 @@ static int run_job(agent *a)
                   (rd.node_rank + 1) * o->nproc_per_node - 1, world);
         elastic_wg_spec spec = {a->path, a->argv, o->nproc_per_node, rd.node_rank, rd.nnodes,
                                 rd.gen, o->max_restarts, a->master_addr, a->master_port, a->tok,
-                                o->rdzv_id ? o->rdzv_id : "none", &a->guard};
+                                o->rdzv_id ? o->rdzv_id : "none", &a->guard, a->metrics};
         elastic_wg wg;
         int exec_errno = 0, outcome;
+        if (a->metrics &&
+            elastic_metrics_round(a->metrics, rd.gen, rd.node_rank, world,
+                                  rd.node_rank * o->nproc_per_node, o->nproc_per_node,
+                                  clock_now_s()) < 0)
+            LOG_W(EA_TAG, "metrics: out of memory for the per-rank series of round %d", rd.gen);
         int rc = elastic_wg_start(&wg, &spec, a->sigfd, &a->out, &a->err, &exec_errno);
         if (rc == -ENOEXEC) {
             snprintf(why, sizeof why, "cannot execute %s: %s", a->path, strerror(exec_errno));
@@ -438,6 +451,13 @@ static int run_job(agent *a)
         } else {
             why[0] = '\0';
             outcome = serve(a, &wg, why, sizeof why);
+        }
+        if (outcome != OUT_SUCCESS && a->metrics) {
+            /* the goodput's restart window opens at the failure as the agent saw it: the
+             * failed worker's exit, or now (a hang, a stop, a signal) */
+            const elastic_worker *f = wg.n ? elastic_wg_failed(&wg) : NULL;
+            double t = clock_now_s();
+            elastic_metrics_interrupt(a->metrics, f && f->exited < t ? f->exited : t);
         }
         char kind = 0; /* multi: the kind of the round's stop in force */
         int exit_now = -1;
@@ -461,6 +481,7 @@ static int run_job(agent *a)
             if (outcome == OUT_LOST) return lost_exit(a);
             if (outcome == OUT_END) return end_exit(a);
             /* OUT_REMOTE_STOP: another node failed after we finished: run the next round */
+            if (a->metrics) elastic_metrics_interrupt(a->metrics, clock_now_s());
             if (elastic_rdzv_stop_round(a->rdzv, rd.gen, 0, NULL, &kind, why, sizeof why) < 0)
                 return lost_exit(a);
             LOG_W(EA_TAG, "round %d stopped by another node: %s", rd.gen, why);
@@ -552,6 +573,7 @@ static int run_job(agent *a)
                 return ELASTIC_EXIT_FAILED;
             }
             a->restarts++;
+            if (a->metrics) elastic_metrics_restart(a->metrics);
             LOG_W(EA_TAG, "restart %d of at most %d", a->restarts, o->max_restarts);
         }
         if (a->multi) elastic_rdzv_unwatch(a->rdzv);
@@ -610,6 +632,24 @@ int elastic_agent_run(const elastic_agent_opts *o, char *const argv[])
         LOG_W(EA_TAG, "cannot become a child subreaper (%s): grandchildren of workers that "
               "outlive them are reaped by init", strerror(errno));
 
+    /* metrics before the store: a port that cannot be served fails before this agent joins
+     * anything; they also feed the goodput report, with or without a server */
+    if (elastic_metrics_create(&a.metrics, clock_now_s()) < 0)
+        LOG_W(EA_TAG, "out of memory for the metrics: running without them and the goodput "
+              "report");
+    if (o->metrics_port > 0) {
+        int rc = a.metrics ? elastic_metrics_http_start(&a.http, o->metrics_addr ? o->metrics_addr
+                                                        : "127.0.0.1", o->metrics_port,
+                                                        a.metrics)
+                           : -ENOMEM;
+        if (rc < 0) {
+            if (rc == -EINVAL) status = ELASTIC_EXIT_USAGE; /* the address does not resolve */
+            elastic_metrics_free(a.metrics); /* nothing ran: no goodput report */
+            a.metrics = NULL;
+            goto out;
+        }
+    }
+
     if (a.multi) {
         int rc = multi_store(&a);
         if (rc == -EINTR) {
@@ -633,6 +673,11 @@ int elastic_agent_run(const elastic_agent_opts *o, char *const argv[])
           o->nproc_per_node, o->min_nodes, o->max_nodes, o->max_restarts, hang);
     status = run_job(&a);
 out:
+    if (a.metrics) {
+        double now = clock_now_s();
+        elastic_metrics_end(a.metrics, now);
+        elastic_metrics_log_goodput(a.metrics, now);
+    }
     elastic_sink_finish(&a.out);
     elastic_sink_finish(&a.err);
     elastic_rdzv_close(a.rdzv);
@@ -640,6 +685,8 @@ out:
     explicit_bzero(a.token, sizeof a.token);
     if (a.sigfd >= 0) close(a.sigfd);
     elastic_guard_finish(&a.guard);
+    elastic_metrics_http_stop(a.http); /* after the store: a last scrape sees the end */
+    elastic_metrics_free(a.metrics);
     free(a.path);
     /* the signals stay blocked: a late SIGTERM must not turn the status into a signal death */
     return status;

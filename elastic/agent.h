@@ -48,6 +48,15 @@
  * is refused before it registers: one line naming the difference, ELASTIC_EXIT_USAGE. The
  * rendezvous protocol is described in agent_rdzv.c.
  *
+ * Metrics and goodput (metrics.h): the agent parses every progress line of its workers
+ * (train/report.h's line protocol) into metrics that live as long as the agent, serves them on
+ * /metrics when metrics_port is set (one libmicrohttpd thread, signals blocked), and at exit,
+ * whatever the cause (success, budget spent, a usage error of a worker, preemption, a lost
+ * store), logs a goodput report block ("goodput: ..." lines): wall time, productive step time,
+ * recomputed steps, time lost to restarts, snapshot stall, other, and their ratio. Each agent
+ * reports its own node, from its first local rank's lines; the one hosting rank 0 also has the
+ * loss, throughput and restores. Not printed when the agent stopped at its option checks.
+ *
  * Signals: SIGTERM or SIGINT to the agent is a preemption notice: SIGTERM to every worker
  * group, up to preempt_grace_s for them to exit (train takes a final snapshot), SIGKILL for
  * the rest, exit status ELASTIC_EXIT_PREEMPTED. A second SIGTERM/SIGINT during that wait
@@ -108,9 +117,15 @@ typedef struct elastic_agent_opts {
     double join_timeout_s;      /* several nodes: give up (exit 1) when no round could be
                                    formed within this long, and the time to wait for the store
                                    host at start; seconds, [1, 86400]; default 600 */
+    int metrics_port;           /* serve /metrics (Prometheus text format 0.0.4, see metrics.h)
+                                   on this TCP port, [0, 65535]; 0 (default) = no server. A port
+                                   that cannot be bound fails the start (exit 1, one line) */
+    const char *metrics_addr;   /* the address to serve it on; NULL = "127.0.0.1" (this machine
+                                   only); "0.0.0.0" or "::" for every interface; must resolve */
 } elastic_agent_opts;
 
-#define ELASTIC_AGENT_OPTS_INIT {1, 1, 1, 3, NULL, 0, NULL, 0.1, 0.0, 60.0, 10.0, 5.0, 2.0, 600.0}
+#define ELASTIC_AGENT_OPTS_INIT                                                                \
+    {1, 1, 1, 3, NULL, 0, NULL, 0.1, 0.0, 60.0, 10.0, 5.0, 2.0, 600.0, 0, NULL}
 
 /* Run the job: rendezvous, start argv (argv[0] searched in PATH when it has no '/'; argv is
  * NULL-terminated, argv[0] non-empty) nproc_per_node times per round, watch, restart, until the
@@ -119,7 +134,9 @@ typedef struct elastic_agent_opts {
  * Forks the guardian (see "Orphans") and reaps it before returning.
  * Returns: an enum elastic_exit value (0, 1, 2 or 143). Bad options or argv, or an rdzv_host
  * that does not resolve, give ELASTIC_EXIT_USAGE with one logged line; nothing is started
- * then. */
+ * then. Before any store or worker: a --metrics-addr that does not resolve gives
+ * ELASTIC_EXIT_USAGE, a metrics port that cannot be bound (busy, no permission)
+ * ELASTIC_EXIT_FAILED, each with one logged line. */
 int elastic_agent_run(const elastic_agent_opts *o, char *const argv[]);
 
 #endif /* ELASTIC_AGENT_H */

@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "metrics.h"
+
 #define EA_TAG "elastic"
 
 /* ------------------------------------------------------------------ output sinks */
@@ -85,7 +87,8 @@ typedef struct elastic_worker {
     elastic_stream out, err;
     int hb_fd;                  /* read end of the heartbeat pipe; -1 once closed */
     size_t hb_len;
-    char hb_buf[64];
+    int hb_long;                /* the line in hb_buf was longer than the buffer: malformed */
+    char hb_buf[ELASTIC_REPORT_LINE_MAX]; /* a progress line (metrics.h) */
     char prefix[32];            /* "[rank <r>] " */
     size_t prefix_len;
 } elastic_worker;
@@ -99,6 +102,7 @@ typedef struct elastic_wg_spec {
     const char *token;          /* NULL or "" = none; never logged */
     const char *run_id;
     elastic_guard *guard;       /* NULL = none: groups are listed with it while they exist */
+    elastic_metrics *metrics;   /* NULL = none: gets every progress line and the ranks' up/down */
 } elastic_wg_spec;
 
 typedef struct elastic_wg {
@@ -113,6 +117,7 @@ typedef struct elastic_wg {
     int progress_logged;        /* the first progress line of the round was logged */
     elastic_sink *out, *err;
     elastic_guard *guard;       /* from the spec; NULL = none */
+    elastic_metrics *metrics;   /* from the spec; NULL = none */
     struct pollfd *pfd;         /* 3 n + 1 + ELASTIC_WG_EXTRA_MAX entries */
 } elastic_wg;
 

@@ -445,6 +445,7 @@ static int start_one(elastic_wg *wg, elastic_worker *w, const elastic_wg_spec *s
     setpgid(pid, pid);
     w->pid = pid;
     w->started = w->last_progress = clock_now_s();
+    if (wg->metrics) elastic_metrics_rank_up(wg->metrics, w->local_rank, 1);
     close(out[1]);
     close(err[1]);
     close(hb[1]);
@@ -486,6 +487,7 @@ int elastic_wg_start(elastic_wg *wg, const elastic_wg_spec *s, int sigfd, elasti
     wg->out = out;
     wg->err = err;
     wg->guard = s->guard;
+    wg->metrics = s->metrics;
     wg->started = clock_now_s();
     wg->w = calloc((size_t)s->nproc, sizeof *wg->w);
     wg->pfd = calloc(3 * (size_t)s->nproc + 1 + ELASTIC_WG_EXTRA_MAX, sizeof *wg->pfd);
@@ -590,11 +592,18 @@ static void hb_read(elastic_wg *wg, elastic_worker *w)
             char c = buf[i];
             if (c != '\n') {
                 if (w->hb_len < sizeof w->hb_buf - 1) w->hb_buf[w->hb_len++] = c;
+                else w->hb_long = 1;
                 continue;
             }
             w->hb_buf[w->hb_len] = '\0';
             long long step;
             if (sscanf(w->hb_buf, "step %lld", &step) == 1) w->last_step = step;
+            /* a cut line goes in at its full buffer size, which the parser counts as
+             * malformed (over ELASTIC_REPORT_LINE_MAX - 1 bytes) */
+            if (wg->metrics)
+                elastic_metrics_line(wg->metrics, w->local_rank, w->hb_buf,
+                                     w->hb_long ? sizeof w->hb_buf : w->hb_len, t);
+            w->hb_long = 0;
             w->hb_len = 0;
             w->beats++;
             w->last_progress = t;
@@ -637,6 +646,7 @@ static void reap(elastic_wg *wg)
         w->reaped = 1;
         w->wstatus = st;
         w->exited = clock_now_s();
+        if (wg->metrics) elastic_metrics_rank_up(wg->metrics, w->local_rank, 0);
         char how[96];
         elastic_wg_exit_text(w, how, sizeof how);
         int ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;

@@ -41,7 +41,16 @@ static const char usage_text[] =
     "                          at once when MAX did (default 2)\n"
     "  --join-timeout S        several nodes: give up when no round forms within S seconds\n"
     "                          (default 600)\n"
-    "  -h, --help              this text\n"
+    "  --metrics-port P        serve Prometheus metrics on http://ADDR:P/metrics (text format\n"
+    "                          0.0.4): steps, loss, throughput, step time, restarts, ranks up,\n"
+    "                          snapshot commits, failures, stalls, persists, restores, goodput.\n"
+    "                          Default 0 = off; a port that cannot be bound exits 1\n"
+    "  --metrics-addr A        the address for --metrics-port (default 127.0.0.1: this machine\n"
+    "                          only; 0.0.0.0 or :: for every interface)\n"
+    "  -h, --help              this text\n";
+
+/* the rest of --help (two strings: C99 compilers need only take 4095 bytes in one) */
+static const char usage_more[] =
     "\n"
     "Workers get RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE,\n"
     "MASTER_ADDR, MASTER_PORT (the store), ELASTIC_STORE_HOSTED=1, ELASTIC_STORE_TOKEN,\n"
@@ -50,6 +59,9 @@ static const char usage_text[] =
     "unit of progress: the hang watchdog's input). Each worker runs in its own process group,\n"
     "which dies with the agent (a guardian process kills the groups if the agent is killed);\n"
     "its output lines are prefixed \"[rank R] \".\n"
+    "At exit (whatever the cause) the agent logs a goodput report: wall time, productive step\n"
+    "time, recomputed steps, time lost to restarts, snapshot stall, and goodput = productive /\n"
+    "wall (docs/OPERATIONS.md, \"Metrics\").\n"
     "A restart runs COMMAND again from the start: give train `--resume auto` (with --ckpt-dir)\n"
     "so that it continues from the newest snapshot, re-sharded to the new world size.\n"
     "Store token: one node, a random secret per job; several nodes, ELASTIC_STORE_TOKEN of the\n"
@@ -144,7 +156,7 @@ int main(int argc, char **argv)
 {
     enum {
         O_NNODES = 256, O_NPROC, O_MAXR, O_EP, O_ID, O_MON, O_HANG, O_PREEMPT, O_STOP, O_HB,
-        O_LAST, O_JOIN
+        O_LAST, O_JOIN, O_MPORT, O_MADDR
     };
     static const struct option lo[] = {
         {"nnodes", required_argument, 0, O_NNODES},
@@ -159,6 +171,8 @@ int main(int argc, char **argv)
         {"heartbeat-timeout", required_argument, 0, O_HB},
         {"last-call", required_argument, 0, O_LAST},
         {"join-timeout", required_argument, 0, O_JOIN},
+        {"metrics-port", required_argument, 0, O_MPORT},
+        {"metrics-addr", required_argument, 0, O_MADDR},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     elastic_agent_opts o = ELASTIC_AGENT_OPTS_INIT;
@@ -184,7 +198,15 @@ int main(int argc, char **argv)
         case O_HB: rc = parse_secs("--heartbeat-timeout", optarg, 0.1, 3600, &o.heartbeat_timeout_s); break;
         case O_LAST: rc = parse_secs("--last-call", optarg, 0, 3600, &o.last_call_s); break;
         case O_JOIN: rc = parse_secs("--join-timeout", optarg, 1, 86400, &o.join_timeout_s); break;
-        case 'h': fputs(usage_text, stdout); return 0;
+        case O_MPORT: rc = parse_int("--metrics-port", optarg, 0, 65535, &o.metrics_port); break;
+        case O_MADDR:
+            if (!*optarg) rc = bad("--metrics-addr", optarg, "an address or host name");
+            o.metrics_addr = optarg;
+            break;
+        case 'h':
+            fputs(usage_text, stdout);
+            fputs(usage_more, stdout);
+            return 0;
         case ':':
             fprintf(stderr, "elastic: %s needs a value (see --help)\n", argv[optind - 1]);
             return 2;

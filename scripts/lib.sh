@@ -9,7 +9,7 @@ die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 
 # Debian packages the build, the tests and the demo need.
 PKGS=(meson ninja-build pkg-config gcc liburing-dev libzstd-dev libxxhash-dev libjansson-dev
-      libopenblas-dev zstd strace python3 nodejs npm
+      libopenblas-dev libmicrohttpd-dev zstd strace python3 nodejs npm prometheus
       protobuf-compiler python3-protobuf python3-crc32c)  # the last three: test_tensorboard
 
 install_packages() {

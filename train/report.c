@@ -164,6 +164,11 @@ void train_report_snapshot_skipped(train_report *r, int64_t step)
     emit(r, "snapshot_skipped step=%" PRId64, step);
 }
 
+void train_report_snapshot_failed(train_report *r, int64_t step, int result)
+{
+    emit(r, "snapshot_failed step=%" PRId64 " result=%d", step, result);
+}
+
 void train_report_snapshot_done(train_report *r, int64_t step, int result,
                                 double persist_seconds, uint64_t raw_bytes,
                                 uint64_t stored_bytes)

@@ -17,6 +17,8 @@
  *   val step=<n> loss=<x>                                                       (rank 0)
  *   snapshot_staged step=<n> stall_seconds=<s> bytes=<b>        a snapshot's copy (the stall)
  *   snapshot_skipped step=<n>                         policy skip: the previous one persisted
+ *   snapshot_failed step=<n> result=<r>     the stage of a snapshot failed (a negative errno):
+ *       the snapshot was not taken on this rank
  *   snapshot_done step=<n> result=<r> persist_seconds=<s> raw_bytes=<b> stored_bytes=<b>
  *       the persist finished: result 0 committed (on rank 0: the whole snapshot is; on the
  *       others: their shard is part of a committed snapshot), or a negative errno;
@@ -111,6 +113,9 @@ void train_report_snapshot_staged(train_report *r, int64_t step, double stall_se
 
 /* The snapshot of `step` was skipped by the wait/skip policy. */
 void train_report_snapshot_skipped(train_report *r, int64_t step);
+
+/* The stage of the snapshot of `step` failed with result (a negative errno). */
+void train_report_snapshot_failed(train_report *r, int64_t step, int result);
 
 /* A persist finished: result 0 (committed) or a negative errno; the figures of
  * ckpt_persist_stats. */

@@ -229,6 +229,7 @@ int train_take_snapshot(state *s, int last)
     if (rc < 0) {
         LOG_E(TAG, "snapshot of step %" PRId64 " to %s not taken: %s", s->step, s->o->ckpt_dir,
               strerror(-rc));
+        train_report_snapshot_failed(s->report, s->step, rc);
         return 0;
     }
     if (rc == 0) {

@@ -45,6 +45,7 @@ static void lines(void)
     train_report_val(r, 42, 3.5);
     train_report_snapshot_staged(r, 42, 0.0625, 1449984);
     train_report_snapshot_skipped(r, 43);
+    train_report_snapshot_failed(r, 45, -12);
     train_report_snapshot_done(r, 42, 0, 0.75, 1449984, 1235380);
     train_report_snapshot_done(r, 44, -28, 0.5, 0, 0);
     static const char want[] =
@@ -55,6 +56,7 @@ static void lines(void)
         "val step=42 loss=3.5\n"
         "snapshot_staged step=42 stall_seconds=0.0625 bytes=1449984\n"
         "snapshot_skipped step=43\n"
+        "snapshot_failed step=45 result=-12\n"
         "snapshot_done step=42 result=0 persist_seconds=0.75 raw_bytes=1449984 "
         "stored_bytes=1235380\n"
         "snapshot_done step=44 result=-28 persist_seconds=0.5 raw_bytes=0 stored_bytes=0\n";
