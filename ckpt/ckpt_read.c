@@ -969,10 +969,10 @@ int ckpt_list(const char *dir, ckpt_entry **entries, size_t *n)
         ckpt_snapshot *s = NULL;
         int rc = ckpt_path_join(path, sizeof path, dir, e->d_name);
         if (rc == 0) rc = ckpt_snapshot_open(&s, path, en->reason, sizeof en->reason);
-        struct stat st;
-        if ((rc == -ENOENT || rc == -EBADMSG) && lstat(path, &st) != 0 && errno == ENOENT) {
-            /* gone since readdir saw it: retention renamed it away, or a resume set it
-             * aside; it was never corrupt, so it is not listed */
+        if (rc == -ENOENT) {
+            /* gone since readdir saw it (the reader says -ENOENT only for a folder that is
+             * not there, or went while it was read): retention renamed it away, or a resume
+             * set it aside; it was never corrupt, so it is not listed */
             cnt--;
             continue;
         }
