@@ -47,10 +47,12 @@ static const char usage_text[] =
     "Names and paths that are not printable UTF-8 are shown with \\xNN for each such byte,\n"
     "in text and in JSON.\n"
     "\n"
-    "Exit status: 0 success; 1 the snapshot is corrupt, missing, of a newer format or\n"
-    "refused (export: also a failed write); 2 usage error (export: OUT exists without\n"
-    "--force); 3 the snapshot could not be read for a reason that says nothing about its\n"
-    "bytes (too many open files, permission, I/O error, out of memory): it may be fine.\n";
+    "Exit status: 0 success; 1 the snapshot is corrupt, missing (or removed while read),\n"
+    "of a newer format or refused (export: also OUT's file system full or read-only, or\n"
+    "OUT named like a snapshot); 2 usage error (export: OUT exists, or is a link, without\n"
+    "--force); 3 the snapshot could not be read, or OUT written, for a reason that says\n"
+    "nothing about the snapshot (too many open files, permission, I/O error, out of\n"
+    "memory): it may be fine.\n";
 
 enum { EXIT_FAILURE_ = 1, EXIT_USAGE = 2, EXIT_UNREADABLE = 3 };
 
