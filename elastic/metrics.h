@@ -50,6 +50,10 @@ enum elastic_report_kind {
                                     raw_bytes=<b> stored_bytes=<b>] */
     ELASTIC_REPORT_RESTORE,      /* restore step=<n> seconds=<s> source=<name> */
     ELASTIC_REPORT_STAGE_FAILED, /* snapshot_failed step=<n> result=<r> (the stage failed) */
+    ELASTIC_REPORT_UPLOAD_DONE,  /* upload_done step=<n> result=<r> [bytes=<b> seconds=<s>
+                                    lag_steps=<n> lag_seconds=<s> remote_step=<n>] */
+    ELASTIC_REPORT_UPLOAD_FAILED,  /* upload_failed, the same keys */
+    ELASTIC_REPORT_UPLOAD_SKIPPED, /* upload_skipped, the same keys */
 };
 
 /* Bits of elastic_report_event.has: the optional fields that were present. */
@@ -63,21 +67,30 @@ enum elastic_report_kind {
 #define ELASTIC_RF_PERSIST_SECONDS 0x080u
 #define ELASTIC_RF_RAW_BYTES 0x100u
 #define ELASTIC_RF_STORED_BYTES 0x200u
+#define ELASTIC_RF_LAG_STEPS 0x400u
+#define ELASTIC_RF_LAG_SECONDS 0x800u
+#define ELASTIC_RF_REMOTE_STEP 0x1000u
 
 typedef struct elastic_report_event {
     int kind;                   /* enum elastic_report_kind */
     unsigned has;               /* ELASTIC_RF_* */
     int64_t step;               /* every event; [0, INT64_MAX] */
-    double seconds;             /* step: its wall time; restore: the restore's; seconds */
+    double seconds;             /* step: its wall time; restore: the restore's; upload_*:
+                                   the upload's; seconds */
     double loss, lr, grad_norm; /* any value, NaN and infinities kept (a diverged loss) */
     double tokens_per_second;   /* likewise */
     uint64_t samples;           /* samples consumed so far (the data position) */
     double stall_seconds;       /* snapshot_staged */
-    uint64_t bytes;             /* snapshot_staged: bytes copied */
-    int result;                 /* snapshot_done, snapshot_failed: 0 or a negative errno */
+    uint64_t bytes;             /* snapshot_staged: bytes copied; upload_*: bytes PUT */
+    int result;                 /* snapshot_done, snapshot_failed, upload_*: 0 or a negative
+                                   errno */
     double persist_seconds;     /* snapshot_done */
     uint64_t raw_bytes, stored_bytes; /* snapshot_done */
     char source[ELASTIC_REPORT_SOURCE_MAX]; /* restore: "disk", "none", ... */
+    /* upload_*: rank 0's view of the S3 tier (other ranks write placeholders) */
+    uint64_t lag_steps;         /* newest local commit step minus newest complete S3 step */
+    double lag_seconds;         /* age of the oldest local commit not yet on S3; 0 caught up */
+    int64_t remote_step;        /* newest complete step on S3; -1 none yet */
 } elastic_report_event;
 
 /* Largest duration accepted, seconds (about 31 years): a larger one is malformed. */
@@ -88,12 +101,13 @@ typedef struct elastic_report_event {
  * names the event; "step" takes the step number as its second word; every other word is
  * key=value. Every byte must be printable ASCII (0x21..0x7e) or a space. Integers are decimal
  * digits (a result may start with '-'); reals are what strtod reads in the C locale.
- * Checks: step >= 0 and within int64; byte counts and samples within uint64 (no sign);
- * result in [-4095, 0]; durations (seconds, stall_seconds, persist_seconds) finite and in
- * [0, ELASTIC_REPORT_SECONDS_MAX]; the other reals any value, NaN and infinities included;
- * source 1..15 bytes of [a-z0-9_-]. A known key given twice, a known key with a bad value, a
- * required key missing (step: the step number; val: step, loss; snapshot_staged: step,
- * stall_seconds; snapshot_skipped: step; snapshot_done, snapshot_failed: step, result;
+ * Checks: step >= 0 and within int64; remote_step the same or exactly -1; byte counts,
+ * samples and lag_steps within uint64 (no sign); result in [-4095, 0]; durations (seconds,
+ * stall_seconds, persist_seconds, lag_seconds) finite and in [0, ELASTIC_REPORT_SECONDS_MAX];
+ * the other reals any value, NaN and infinities included; source 1..15 bytes of [a-z0-9_-].
+ * A known key given twice, a known key with a bad value, a required key missing (step: the
+ * step number; val: step, loss; snapshot_staged: step, stall_seconds; snapshot_skipped: step;
+ * snapshot_done, snapshot_failed, upload_done, upload_failed, upload_skipped: step, result;
  * restore: step, seconds, source), a word that is not key=value, or a line over
  * ELASTIC_REPORT_LINE_MAX - 1 bytes make the line malformed. Unknown keys are ignored (a newer
  * writer), and so is an unknown event.

@@ -44,6 +44,16 @@ static int parse_result(const char *v, size_t n, int *out)
     return 0;
 }
 
+/* remote_step: a step, or -1 (nothing on S3 yet) */
+static int parse_remote_step(const char *v, size_t n, int64_t *out)
+{
+    if (n == 2 && v[0] == '-' && v[1] == '1') {
+        *out = -1;
+        return 0;
+    }
+    return parse_step(v, n, out);
+}
+
 static int parse_real(const char *v, size_t n, double *out)
 {
     char buf[VAL_MAX];
@@ -82,14 +92,18 @@ static int parse_source(const char *v, size_t n, char *out)
 /* The keys of the protocol; bit = the key's bit in the "seen" set. */
 enum key {
     K_STEP, K_SECONDS, K_LOSS, K_LR, K_GRAD_NORM, K_TPS, K_SAMPLES, K_STALL, K_BYTES, K_RESULT,
-    K_PERSIST, K_RAW, K_STORED, K_SOURCE, K_N
+    K_PERSIST, K_RAW, K_STORED, K_SOURCE, K_LAG_STEPS, K_LAG_SECONDS, K_REMOTE_STEP, K_N
 };
 static const char *const key_names[K_N] = {
     "step", "seconds", "loss", "lr", "grad_norm", "tokens_per_second", "samples",
-    "stall_seconds", "bytes", "result", "persist_seconds", "raw_bytes", "stored_bytes", "source"};
+    "stall_seconds", "bytes", "result", "persist_seconds", "raw_bytes", "stored_bytes", "source",
+    "lag_steps", "lag_seconds", "remote_step"};
 
 /* Which keys each event knows (others are ignored), and which it needs. */
 #define B(k) (1u << (k))
+#define UPLOAD_KEYS                                                                           \
+    (B(K_STEP) | B(K_BYTES) | B(K_SECONDS) | B(K_RESULT) | B(K_LAG_STEPS) | B(K_LAG_SECONDS) | \
+     B(K_REMOTE_STEP))
 static const struct {
     const char *name;
     int kind;
@@ -107,6 +121,9 @@ static const struct {
      B(K_STEP) | B(K_SECONDS) | B(K_SOURCE)},
     {"snapshot_failed", ELASTIC_REPORT_STAGE_FAILED, B(K_STEP) | B(K_RESULT),
      B(K_STEP) | B(K_RESULT)},
+    {"upload_done", ELASTIC_REPORT_UPLOAD_DONE, UPLOAD_KEYS, B(K_STEP) | B(K_RESULT)},
+    {"upload_failed", ELASTIC_REPORT_UPLOAD_FAILED, UPLOAD_KEYS, B(K_STEP) | B(K_RESULT)},
+    {"upload_skipped", ELASTIC_REPORT_UPLOAD_SKIPPED, UPLOAD_KEYS, B(K_STEP) | B(K_RESULT)},
 };
 
 static int word_is(const char *w, size_t n, const char *name)
@@ -133,6 +150,13 @@ static int set_key(elastic_report_event *ev, int k, const char *v, size_t n)
     case K_RAW: ev->has |= ELASTIC_RF_RAW_BYTES; return parse_u64(v, n, &ev->raw_bytes);
     case K_STORED: ev->has |= ELASTIC_RF_STORED_BYTES; return parse_u64(v, n, &ev->stored_bytes);
     case K_SOURCE: return parse_source(v, n, ev->source);
+    case K_LAG_STEPS: ev->has |= ELASTIC_RF_LAG_STEPS; return parse_u64(v, n, &ev->lag_steps);
+    case K_LAG_SECONDS:
+        ev->has |= ELASTIC_RF_LAG_SECONDS;
+        return parse_duration(v, n, &ev->lag_seconds);
+    case K_REMOTE_STEP:
+        ev->has |= ELASTIC_RF_REMOTE_STEP;
+        return parse_remote_step(v, n, &ev->remote_step);
     default: return -EINVAL;
     }
 }

@@ -59,6 +59,31 @@ static void parser_events(void)
     T_CHECK(parse("snapshot_done step=44 result=-28 persist_seconds=0.5 raw_bytes=0 "
                   "stored_bytes=0", &ev) == 1 && ev.result == -28, "done failed");
     T_CHECK(parse("snapshot_done step=44 result=0", &ev) == 1 && ev.has == 0, "done, bare");
+    /* the S3 uploader's lines (train --s3, train_report_upload) */
+    T_CHECK(parse("upload_done step=40 bytes=1449984 seconds=2.5 result=0 lag_steps=10 "
+                  "lag_seconds=3.25 remote_step=40", &ev) == 1, "upload done");
+    T_CHECK(ev.kind == ELASTIC_REPORT_UPLOAD_DONE && ev.step == 40 && ev.bytes == 1449984 &&
+            ev.seconds == 2.5 && ev.result == 0 && ev.lag_steps == 10 &&
+            ev.lag_seconds == 3.25 && ev.remote_step == 40, "upload done fields");
+    T_CHECK(ev.has == (ELASTIC_RF_BYTES | ELASTIC_RF_SECONDS | ELASTIC_RF_LAG_STEPS |
+                       ELASTIC_RF_LAG_SECONDS | ELASTIC_RF_REMOTE_STEP), "upload has %x", ev.has);
+    T_CHECK(parse("upload_failed step=50 bytes=4096 seconds=30 result=-110 lag_steps=20 "
+                  "lag_seconds=61 remote_step=-1", &ev) == 1 &&
+            ev.kind == ELASTIC_REPORT_UPLOAD_FAILED && ev.result == -110 && ev.bytes == 4096 &&
+            ev.remote_step == -1 && ev.lag_steps == 20, "upload failed, nothing on S3 yet");
+    T_CHECK(parse("upload_skipped step=60 bytes=0 seconds=0 result=-125 lag_steps=0 "
+                  "lag_seconds=0 remote_step=0", &ev) == 1 &&
+            ev.kind == ELASTIC_REPORT_UPLOAD_SKIPPED && ev.result == -125 && ev.step == 60 &&
+            ev.remote_step == 0, "upload skipped");
+    T_CHECK(parse("upload_done step=7 result=0", &ev) == 1 &&
+            ev.kind == ELASTIC_REPORT_UPLOAD_DONE && ev.has == 0, "upload, bare");
+    T_CHECK(parse("upload_done step=7 result=0 requests=12 lag=3 remote=9", &ev) == 1 &&
+            ev.has == 0, "upload: unknown keys ignored");
+    T_CHECK(parse("upload_done step=7 result=0 loss=oops stall_seconds=x source=A", &ev) == 1,
+            "upload: the keys of other events are unknown here");
+    T_CHECK(parse("step 7 lag_steps=x remote_step=-5", &ev) == 1,
+            "the upload keys are unknown in other events");
+    T_CHECK(parse("upload_started step=7", &ev) == 0, "an upload event of a newer writer");
     /* several spaces and leading/trailing spaces are fine */
     T_CHECK(parse("  step   7    seconds=1  ", &ev) == 1 && ev.step == 7 && ev.seconds == 1,
             "spaces");
@@ -104,6 +129,31 @@ static void parser_malformed(void)
         "snapshot_done step=1 result=-", "snapshot_done step=1 result=0 persist_seconds=inf",
         "snapshot_done step=1 result=0 stored_bytes=1e3",
         "snapshot_failed step=1", "snapshot_failed step=1 result=3",
+        "upload_done", "upload_done step=1", "upload_done result=0", "upload_failed step=1",
+        "upload_skipped result=-125", "upload_done step=-1 result=0",
+        "upload_done step=1 result=1", "upload_failed step=1 result=-4096",
+        "upload_done step=1 result=0 result=0", "upload_done step=1 step=1 result=0",
+        "upload_done step=1 result=0 bytes=-1", "upload_done step=1 result=0 bytes=1.5",
+        "upload_done step=1 result=0 bytes=18446744073709551616",
+        "upload_done step=1 result=0 bytes=1 bytes=1",
+        "upload_done step=1 result=0 seconds=-1", "upload_done step=1 result=0 seconds=nan",
+        "upload_done step=1 result=0 seconds=1e10", "upload_done step=1 result=0 seconds=",
+        "upload_done step=1 result=0 seconds=1 seconds=1",
+        "upload_done step=1 result=0 lag_steps=-1", "upload_done step=1 result=0 lag_steps=",
+        "upload_done step=1 result=0 lag_steps=2.5", "upload_done step=1 result=0 lag_steps=1e3",
+        "upload_done step=1 result=0 lag_steps=18446744073709551616",
+        "upload_done step=1 result=0 lag_steps=1 lag_steps=1",
+        "upload_done step=1 result=0 lag_seconds=-0.5",
+        "upload_done step=1 result=0 lag_seconds=inf",
+        "upload_done step=1 result=0 lag_seconds=nan", "upload_done step=1 result=0 lag_seconds=",
+        "upload_done step=1 result=0 lag_seconds=1 lag_seconds=2",
+        "upload_done step=1 result=0 remote_step=-2", "upload_done step=1 result=0 remote_step=-",
+        "upload_done step=1 result=0 remote_step=--1", "upload_done step=1 result=0 remote_step=-0",
+        "upload_done step=1 result=0 remote_step=-10", "upload_done step=1 result=0 remote_step=",
+        "upload_done step=1 result=0 remote_step=+1", "upload_done step=1 result=0 remote_step=1.0",
+        "upload_done step=1 result=0 remote_step=9223372036854775808",
+        "upload_done step=1 result=0 remote_step=1 remote_step=1",
+        "upload_skipped step=1 result=0 remote_step", "upload_failed step=1 result=-5 =3",
         "restore step=1 seconds=1", "restore step=1 source=disk", "restore seconds=1 source=disk",
         "restore step=1 seconds=1 source=DISK", "restore step=1 seconds=1 source=",
         "restore step=1 seconds=1 source=a/b", "restore step=1 seconds=1 source=abcdefghijklmnop",
@@ -137,6 +187,12 @@ static void parser_values(void)
             isinf(ev.grad_norm) && ev.grad_norm < 0, "infinities");
     T_CHECK(parse("step 1 loss=1e999", &ev) == 1 && isinf(ev.loss), "overflow is +Inf");
     T_CHECK(parse("step 1 lr=3.000000001e-03", &ev) == 1 && ev.lr == 3.000000001e-03, "%%.9g");
+    T_CHECK(parse("upload_done step=1 result=0 lag_steps=18446744073709551615 lag_seconds=1e9 "
+                  "remote_step=9223372036854775807 bytes=18446744073709551615", &ev) == 1 &&
+            ev.lag_steps == UINT64_MAX && ev.lag_seconds == 1e9 && ev.remote_step == INT64_MAX &&
+            ev.bytes == UINT64_MAX, "upload: the largest values");
+    T_CHECK(parse("upload_done step=0 result=0 remote_step=0 lag_seconds=0", &ev) == 1 &&
+            ev.step == 0 && ev.remote_step == 0, "upload: step 0");
     T_CHECK(parse("restore step=0 seconds=0.01 source=s3-tier_2", &ev) == 1 &&
             !strcmp(ev.source, "s3-tier_2"), "source charset");
 }
