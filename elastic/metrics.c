@@ -31,10 +31,12 @@ struct elastic_metrics {
     unsigned char *up;          /* nlocal entries */
     /* counters: the agent's, never reset */
     uint64_t restarts, committed, fail_stage, fail_persist, skipped, persist_bytes;
+    uint64_t uploads_done, uploads_failed, uploads_skipped, upload_bytes;
     uint64_t lines_ok, lines_unknown, lines_malformed;
     /* gauges */
     gauge step, loss, lr, grad_norm, tps, samples, val_loss;
     gauge last_committed, last_commit_time;
+    gauge upload_lag_steps, upload_lag_seconds, last_uploaded; /* rank 0's upload lines */
     struct {
         char name[ELASTIC_REPORT_SOURCE_MAX];
         double seconds;
@@ -43,8 +45,8 @@ struct elastic_metrics {
     /* histograms */
     elastic_hist step_seconds, stall_seconds, persist_seconds;
     /* one count per snapshot: the (round, step) last counted */
-    int done_gen, stage_fail_gen;
-    int64_t done_step, stage_fail_step;
+    int done_gen, stage_fail_gen, upload_gen;
+    int64_t done_step, stage_fail_step, upload_step;
     elastic_goodput gp;
     int gp_error_logged;
 };
@@ -57,8 +59,8 @@ int elastic_metrics_create(elastic_metrics **out, double now)
         free(m);
         return -ENOMEM;
     }
-    m->done_gen = m->stage_fail_gen = -1;
-    m->done_step = m->stage_fail_step = -1;
+    m->done_gen = m->stage_fail_gen = m->upload_gen = -1;
+    m->done_step = m->stage_fail_step = m->upload_step = -1;
     elastic_goodput_ev ev = {ELASTIC_GP_START, now, 0, 0};
     elastic_goodput_add(&m->gp, &ev);
     *out = m;
@@ -125,6 +127,33 @@ static double unix_now(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+static uint64_t add_sat(uint64_t a, uint64_t b) { return b > UINT64_MAX - a ? UINT64_MAX : a + b; }
+
+/* upload_done, upload_failed, upload_skipped */
+static void apply_upload(elastic_metrics *m, int first, const elastic_report_event *ev)
+{
+    if (ev->kind == ELASTIC_REPORT_UPLOAD_DONE && (ev->has & ELASTIC_RF_BYTES))
+        m->upload_bytes = add_sat(m->upload_bytes, ev->bytes); /* every local rank's PUTs */
+    if (!first) return;
+    if (m->first_rank == 0) {
+        /* the lag keys are rank 0's view; the other ranks write placeholders (0, -1) */
+        if (ev->has & ELASTIC_RF_LAG_STEPS) set(&m->upload_lag_steps, (double)ev->lag_steps);
+        if (ev->has & ELASTIC_RF_LAG_SECONDS) set(&m->upload_lag_seconds, ev->lag_seconds);
+        /* -1: nothing on S3 yet in the trainer's view (a restarted trainer's uploader starts
+         * from -1 again): the newest complete step seen is kept, like the last commit */
+        if ((ev->has & ELASTIC_RF_REMOTE_STEP) && ev->remote_step >= 0 &&
+            (!m->last_uploaded.set || (double)ev->remote_step > m->last_uploaded.v))
+            set(&m->last_uploaded, (double)ev->remote_step);
+    }
+    /* one outcome per snapshot: the same report twice counts once */
+    if (m->upload_gen == m->gen && m->upload_step == ev->step) return;
+    m->upload_gen = m->gen;
+    m->upload_step = ev->step;
+    if (ev->kind == ELASTIC_REPORT_UPLOAD_DONE) m->uploads_done++;
+    else if (ev->kind == ELASTIC_REPORT_UPLOAD_FAILED) m->uploads_failed++;
+    else m->uploads_skipped++;
+}
+
 static void apply(elastic_metrics *m, int local_rank, const elastic_report_event *ev, double now)
 {
     int first = local_rank == 0; /* the node's first rank speaks for the job */
@@ -164,8 +193,7 @@ static void apply(elastic_metrics *m, int local_rank, const elastic_report_event
             if (ev->has & ELASTIC_RF_PERSIST_SECONDS)
                 elastic_hist_observe(&m->persist_seconds, ev->persist_seconds);
             if (ev->has & ELASTIC_RF_STORED_BYTES)
-                m->persist_bytes = ev->stored_bytes > UINT64_MAX - m->persist_bytes
-                                       ? UINT64_MAX : m->persist_bytes + ev->stored_bytes;
+                m->persist_bytes = add_sat(m->persist_bytes, ev->stored_bytes);
         }
         if (!first || (m->done_gen == m->gen && m->done_step == ev->step)) break;
         m->done_gen = m->gen;
@@ -191,6 +219,11 @@ static void apply(elastic_metrics *m, int local_rank, const elastic_report_event
         m->restore[k].seconds = ev->seconds;
         break;
     }
+    case ELASTIC_REPORT_UPLOAD_DONE:
+    case ELASTIC_REPORT_UPLOAD_FAILED:
+    case ELASTIC_REPORT_UPLOAD_SKIPPED:
+        apply_upload(m, first, ev);
+        break;
     default: break;
     }
 }
@@ -336,6 +369,26 @@ int elastic_metrics_render(elastic_metrics *m, double now, char **text, size_t *
         const char *const sl[] = {"node", node, "source", m->restore[k].name, NULL};
         elastic_expo_sample(&e, "ckpt_restore_seconds", sl, m->restore[k].seconds);
     }
+    elastic_expo_family(&e, "ckpt_snapshot_uploads_total", "counter", "Snapshots the S3 "
+                        "uploader finished with, by result: done (on rank 0: complete on S3), "
+                        "failed, skipped (dropped from a full backlog); the node's first rank, "
+                        "once per snapshot.");
+    const char *const l_up_done[] = {"result", "done", NULL},
+                      *const l_up_failed[] = {"result", "failed", NULL},
+                      *const l_up_skipped[] = {"result", "skipped", NULL};
+    elastic_expo_sample_u64(&e, "ckpt_snapshot_uploads_total", l_up_done, m->uploads_done);
+    elastic_expo_sample_u64(&e, "ckpt_snapshot_uploads_total", l_up_failed, m->uploads_failed);
+    elastic_expo_sample_u64(&e, "ckpt_snapshot_uploads_total", l_up_skipped, m->uploads_skipped);
+    counter_out(&e, "ckpt_upload_bytes_total", "Bytes PUT to S3 by the finished uploads "
+                "(upload_done) of every local rank.", m->upload_bytes);
+    gauge_out(&e, "ckpt_upload_lag_steps", "Step of the newest local commit minus the newest "
+              "complete step on S3 (rank 0, as of its last upload outcome).",
+              &m->upload_lag_steps, labels);
+    gauge_out(&e, "ckpt_upload_lag_seconds", "Age of the oldest local commit not yet on S3, "
+              "seconds; 0 when caught up (rank 0, as of its last upload outcome).",
+              &m->upload_lag_seconds, labels);
+    gauge_out(&e, "ckpt_last_uploaded_step", "Step of the newest snapshot complete on S3 seen "
+              "(rank 0; never decreases).", &m->last_uploaded, labels);
     pthread_mutex_unlock(&m->mu);
     return elastic_expo_finish(&e, text, len);
 }

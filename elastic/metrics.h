@@ -16,11 +16,12 @@
  * `rank` (the global rank); the round's gauges carry `node` (this agent's node rank in the
  * current round). Job-wide events are taken from the node's first local rank (local rank 0:
  * global rank 0 on the node that has it), since every rank steps and snapshots together:
- * train_step, train_step_seconds, the snapshot counters, the goodput figures. The loss, the
- * learning rate, the gradient norm, the throughput, the samples and the restore are known to
- * rank 0 only: only the agent that hosts rank 0 exports them. The stall and persist histograms
- * and ckpt_persist_bytes_total take every local rank. A dashboard aggregates across agents with
- * max() (steps, loss) or sum() (bytes) as docs/grafana-dashboard.json does.
+ * train_step, train_step_seconds, the snapshot and upload counters, the goodput figures. The
+ * loss, the learning rate, the gradient norm, the throughput, the samples, the restore and the
+ * S3 lag are known to rank 0 only: only the agent that hosts rank 0 exports them. The stall
+ * and persist histograms, ckpt_persist_bytes_total and ckpt_upload_bytes_total take every
+ * local rank. A dashboard aggregates across agents with max() (steps, loss) or sum() (bytes)
+ * as docs/grafana-dashboard.json does.
  *
  * Thread-safety: elastic_report_parse, the elastic_expo_* and elastic_goodput_* functions work
  * on caller-owned memory and are safe on distinct objects. An elastic_metrics object is safe to

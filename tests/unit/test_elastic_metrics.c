@@ -517,6 +517,130 @@ static void aggregation(void)
     elastic_metrics_free(NULL);
 }
 
+/* The S3 uploader's lines: one count per snapshot from the node's first rank (the same line
+ * twice, or another local rank's, counts once), the bytes of every local rank's upload_done,
+ * the lag gauges from global rank 0 only, the newest S3 step never going down. */
+static void upload_aggregation(void)
+{
+    elastic_metrics *m;
+    T_REQUIRE(elastic_metrics_create(&m, 0) == 0, "create");
+    char *t = render(m, 0);
+    check_exposition(t);
+    T_CHECK(strstr(t, "# TYPE ckpt_snapshot_uploads_total counter\n"
+                      "ckpt_snapshot_uploads_total{result=\"done\"} 0\n"
+                      "ckpt_snapshot_uploads_total{result=\"failed\"} 0\n"
+                      "ckpt_snapshot_uploads_total{result=\"skipped\"} 0\n"), "%s", t);
+    T_CHECK(strstr(t, "# TYPE ckpt_upload_bytes_total counter\nckpt_upload_bytes_total 0\n"),
+            "bytes 0");
+    /* the gauges have no sample before the first line, only their HELP and TYPE */
+    static const char *const gauges[] = {"ckpt_upload_lag_steps", "ckpt_upload_lag_seconds",
+                                         "ckpt_last_uploaded_step"};
+    for (int i = 0; i < 3; i++) {
+        char type[96], sample[96];
+        snprintf(type, sizeof type, "# TYPE %s gauge\n", gauges[i]);
+        snprintf(sample, sizeof sample, "\n%s{", gauges[i]);
+        T_CHECK(strstr(t, type) && !strstr(t, sample), "%s: no sample yet\n%s", gauges[i], t);
+    }
+    free(t);
+
+    /* node 0 of a 2-node job: global ranks 0 and 1 */
+    elastic_metrics_round(m, 0, 0, 4, 0, 2, 1.0);
+    /* the first upload fails: nothing on S3 yet */
+    line(m, 0, "upload_failed step=10 bytes=100 seconds=1.5 result=-110 lag_steps=10 "
+         "lag_seconds=5 remote_step=-1", 2);
+    line(m, 1, "upload_failed step=10 bytes=100 seconds=1.5 result=-110 lag_steps=0 "
+         "lag_seconds=0 remote_step=-1", 2);
+    t = render(m, 2);
+    check_exposition(t);
+    T_CHECK(value_of(t, "ckpt_snapshot_uploads_total{result=\"failed\"}") == 1, "failed once");
+    T_CHECK(value_of(t, "ckpt_upload_bytes_total") == 0, "a failed upload adds no bytes");
+    T_CHECK(value_of(t, "ckpt_upload_lag_steps{node=\"0\"}") == 10, "lag steps\n%s", t);
+    T_CHECK(value_of(t, "ckpt_upload_lag_seconds{node=\"0\"}") == 5, "lag seconds");
+    T_CHECK(!strstr(t, "\nckpt_last_uploaded_step{"), "-1: no step on S3 yet\n%s", t);
+    free(t);
+    /* rank 1 finishes its part first; then rank 0 completes the snapshot (twice: once) */
+    line(m, 1, "upload_done step=20 bytes=1000 seconds=2 result=0 lag_steps=0 lag_seconds=0 "
+         "remote_step=-1", 3);
+    t = render(m, 3);
+    T_CHECK(value_of(t, "ckpt_snapshot_uploads_total{result=\"done\"}") == 0, "not rank 0's");
+    T_CHECK(value_of(t, "ckpt_upload_bytes_total") == 1000, "but its bytes");
+    T_CHECK(value_of(t, "ckpt_upload_lag_steps{node=\"0\"}") == 10, "nor its lag");
+    free(t);
+    const char *done20 = "upload_done step=20 bytes=2000 seconds=2.25 result=0 lag_steps=0 "
+                         "lag_seconds=0 remote_step=20";
+    line(m, 0, done20, 4);
+    line(m, 0, done20, 4);
+    line(m, 0, "upload_skipped step=30 bytes=0 seconds=0 result=-125 lag_steps=10 "
+         "lag_seconds=7.5 remote_step=20", 5);
+    line(m, 1, "upload_skipped step=30 bytes=0 seconds=0 result=-125 lag_steps=0 "
+         "lag_seconds=0 remote_step=-1", 5);
+    line(m, 0, "upload_done step=40 result=0", 6); /* bare: the gauges stay */
+    line(m, 0, "upload_done step=50 result=0 remote_step=-2", 6); /* malformed */
+    line(m, 0, "upload_started step=50", 6);                     /* unknown */
+    t = render(m, 7);
+    check_exposition(t);
+    T_CHECK(value_of(t, "ckpt_snapshot_uploads_total{result=\"done\"}") == 2, "done\n%s", t);
+    T_CHECK(value_of(t, "ckpt_snapshot_uploads_total{result=\"failed\"}") == 1, "failed");
+    T_CHECK(value_of(t, "ckpt_snapshot_uploads_total{result=\"skipped\"}") == 1, "skipped");
+    T_CHECK(value_of(t, "ckpt_upload_bytes_total") == 1000 + 2 * 2000, "bytes: every report");
+    T_CHECK(value_of(t, "ckpt_upload_lag_steps{node=\"0\"}") == 10, "lag steps");
+    T_CHECK(value_of(t, "ckpt_upload_lag_seconds{node=\"0\"}") == 7.5, "lag seconds");
+    T_CHECK(value_of(t, "ckpt_last_uploaded_step{node=\"0\"}") == 20, "on S3");
+    T_CHECK(value_of(t, "elastic_report_lines_total{outcome=\"malformed\"}") == 1, "malformed");
+    T_CHECK(value_of(t, "elastic_report_lines_total{outcome=\"unknown\"}") == 1, "unknown");
+    free(t);
+
+    /* a restart: the new trainer's uploader starts from -1; the same step in a new round
+     * counts again; the newest S3 step does not go back */
+    elastic_metrics_interrupt(m, 8);
+    elastic_metrics_restart(m);
+    elastic_metrics_round(m, 1, 0, 4, 0, 2, 9);
+    line(m, 0, "upload_failed step=40 bytes=0 seconds=30 result=-5 lag_steps=40 "
+         "lag_seconds=2 remote_step=-1", 10);
+    t = render(m, 10);
+    T_CHECK(value_of(t, "ckpt_snapshot_uploads_total{result=\"failed\"}") == 2, "a new round");
+    T_CHECK(value_of(t, "ckpt_last_uploaded_step{node=\"0\"}") == 20, "kept over -1");
+    T_CHECK(value_of(t, "ckpt_upload_lag_steps{node=\"0\"}") == 40, "the new view");
+    free(t);
+    line(m, 0, "upload_done step=50 bytes=7 seconds=1 result=0 lag_steps=0 lag_seconds=0 "
+         "remote_step=50", 11);
+    line(m, 0, "upload_done step=60 bytes=7 seconds=1 result=0 lag_steps=0 lag_seconds=0 "
+         "remote_step=45", 12); /* an older report: kept at 50 */
+    t = render(m, 12);
+    check_exposition(t);
+    T_CHECK(value_of(t, "ckpt_snapshot_uploads_total{result=\"done\"}") == 4, "done");
+    T_CHECK(value_of(t, "ckpt_upload_bytes_total") == 5014, "bytes");
+    T_CHECK(value_of(t, "ckpt_last_uploaded_step{node=\"0\"}") == 50, "never decreases");
+    T_CHECK(value_of(t, "ckpt_upload_lag_seconds{node=\"0\"}") == 0, "caught up");
+    free(t);
+    /* bytes saturate */
+    line(m, 1, "upload_done step=70 bytes=18446744073709551615 result=0", 13);
+    t = render(m, 13);
+    T_CHECK(strstr(t, "\nckpt_upload_bytes_total 18446744073709551615\n"), "saturate");
+    free(t);
+    elastic_metrics_free(m);
+
+    /* the other node's agent: its first rank (global rank 2) counts, its lag keys are
+     * placeholders and are not exported */
+    T_REQUIRE(elastic_metrics_create(&m, 0) == 0, "create");
+    elastic_metrics_round(m, 0, 1, 4, 2, 2, 1.0);
+    line(m, 0, "upload_done step=20 bytes=300 seconds=1 result=0 lag_steps=0 lag_seconds=0 "
+         "remote_step=-1", 2);
+    line(m, 1, "upload_done step=20 bytes=400 seconds=1 result=0 lag_steps=0 lag_seconds=0 "
+         "remote_step=-1", 2);
+    line(m, 0, "upload_failed step=30 bytes=0 seconds=1 result=-110 lag_steps=0 lag_seconds=0 "
+         "remote_step=-1", 3);
+    t = render(m, 3);
+    check_exposition(t);
+    T_CHECK(value_of(t, "ckpt_snapshot_uploads_total{result=\"done\"}") == 1, "node 1 done");
+    T_CHECK(value_of(t, "ckpt_snapshot_uploads_total{result=\"failed\"}") == 1, "node 1 fail");
+    T_CHECK(value_of(t, "ckpt_upload_bytes_total") == 700, "node 1 bytes");
+    T_CHECK(!strstr(t, "\nckpt_upload_lag_steps{") && !strstr(t, "\nckpt_upload_lag_seconds{") &&
+            !strstr(t, "\nckpt_last_uploaded_step{"), "no lag off rank 0's node\n%s", t);
+    free(t);
+    elastic_metrics_free(m);
+}
+
 /* ------------------------------------------------------------------ goodput */
 
 #define EV(k, t, s, d) {ELASTIC_GP_##k, t, s, d}
@@ -796,6 +920,7 @@ int main(void)
     expo_histogram();
     expo_errors();
     aggregation();
+    upload_aggregation();
     goodput_sequences();
     goodput_long();
     http_server();
