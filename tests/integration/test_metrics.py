@@ -41,12 +41,16 @@ STARTED_RE = re.compile(r"round (\d+): started ranks \d+\.\.\d+ of \d+ \(pids ([
 
 COUNTERS = ["elastic_restarts_total", "ckpt_snapshots_committed_total",
             "ckpt_snapshot_failures_total", "ckpt_snapshots_skipped_total",
-            "ckpt_persist_bytes_total", "elastic_report_lines_total"]
+            "ckpt_persist_bytes_total", "elastic_report_lines_total",
+            "ckpt_snapshot_uploads_total", "ckpt_upload_bytes_total"]
 HISTOGRAMS = ["train_step_seconds", "ckpt_snapshot_stall_seconds", "ckpt_persist_seconds"]
 GAUGES = ["train_step", "train_loss", "train_val_loss", "train_learning_rate", "train_grad_norm",
           "train_tokens_per_second", "train_samples", "train_goodput_ratio", "elastic_world_size",
           "elastic_round", "elastic_rank_up", "ckpt_last_committed_step",
           "ckpt_last_commit_timestamp_seconds", "ckpt_restore_seconds"]
+# the S3 uploader's gauges (train --s3): their families only, no sample in a job without S3
+S3_GAUGES = ["ckpt_upload_lag_steps", "ckpt_upload_lag_seconds", "ckpt_last_uploaded_step"]
+S3_SERIES = re.compile(r"\b(ckpt_upload_lag_\w+|ckpt_last_uploaded_step)\b")
 GOODPUT_RE = re.compile(
     r"goodput: wall time (?P<wall>\S+) s\n.*goodput: productive steps (?P<prod>\S+) s .*?(?P<kept>\d+) "
     r"steps\)\n.*goodput: recomputed steps (?P<rec>\S+) s .*?(?P<recsteps>\d+) steps after "
@@ -310,7 +314,8 @@ class Metrics(TempDirTest):
         goodput = p.scalar("train_goodput_ratio", at)
         self.assertTrue(0 < goodput <= 1, goodput)
 
-        # every panel of the dashboard has data in this Prometheus
+        # every panel of the dashboard has data in this Prometheus; the S3 lag's gauges have
+        # no sample without train --s3: there the query must only be valid (p.query checks)
         with open(DASHBOARD) as f:
             dash = json.load(f)
         exprs = [(panel["title"], t["expr"]) for panel in dash["panels"]
@@ -321,6 +326,9 @@ class Metrics(TempDirTest):
                     .replace("$instance", ".+")
             self.assertNotIn("$", e, f"{title}: a variable the test cannot fill in: {expr}")
             r = p.query(e, at)
+            if S3_SERIES.search(e):
+                self.assertEqual(r, [], f"panel {title!r}: data without --s3: {e}")
+                continue
             vals = [float(s["value"][1]) for s in r]
             self.assertTrue(vals and any(math.isfinite(v) for v in vals),
                             f"panel {title!r}: no data for {e}: {r}")
@@ -331,6 +339,13 @@ class Metrics(TempDirTest):
             self.assertIn(name, families)
         self.assertEqual(series["elastic_restarts_total"], 1)
         self.assertEqual(series['elastic_round{node="0"}'], 1)
+        # no --s3: the upload counters at 0, the lag gauges without a sample
+        for result in ("done", "failed", "skipped"):
+            self.assertEqual(series[f'ckpt_snapshot_uploads_total{{result="{result}"}}'], 0)
+        self.assertEqual(series["ckpt_upload_bytes_total"], 0)
+        for name in S3_GAUGES:
+            self.assertEqual(families.get(name), "gauge", name)
+            self.assertFalse([k for k in series if k.split("{")[0] == name], name)
 
         # preemption: the ranks take a final snapshot, the agent exits 143 with its report
         self.agent.send_signal(signal.SIGTERM)
@@ -378,6 +393,82 @@ deadline = time.time() + 60
 while not os.path.exists(sys.argv[1]) and time.time() < deadline:
     time.sleep(0.02)
 """
+
+
+# Two ranks reporting the S3 uploader's outcomes as train --s3 writes them (train/report.c
+# train_report_upload): rank 0 with its lag view, rank 1 with the placeholders; then waits.
+UPLOAD_WORKER = r"""
+import os, sys, time
+fd = int(os.environ["ELASTIC_HEARTBEAT_FD"])
+rank = int(os.environ["RANK"])
+def up(kind, step, nbytes, secs, result, lag_steps, lag_seconds, remote):
+    if rank != 0:
+        lag_steps, lag_seconds, remote = 0, 0, -1
+    os.write(fd, (f"upload_{kind} step={step} bytes={nbytes} seconds={secs:.9g} result={result} "
+                  f"lag_steps={lag_steps} lag_seconds={lag_seconds:.9g} remote_step={remote}\n")
+             .encode())
+os.write(fd, b"step 10 seconds=0.25\n")
+up("failed", 10, 0, 30.5, -110, 10, 31, -1)
+up("done", 20, 1000 + rank, 2.5, 0, 0, 0, 20)
+up("done", 30, 2000 + rank, 2.5, 0, 0, 0, 30)
+up("skipped", 40, 0, 0, -125, 10, 4.5, 30)
+os.write(fd, b"upload_done step=50 result=0 remote_step=-7\n")  # malformed
+print("written", flush=True)
+deadline = time.time() + 60
+while not os.path.exists(sys.argv[1]) and time.time() < deadline:
+    time.sleep(0.02)
+"""
+
+
+class Uploads(TempDirTest):
+    def test_upload_lines_become_series(self):
+        """The uploader's report lines (no S3 server: a stand-in worker writes them): one count
+        per snapshot and outcome from the first rank, the bytes of both ranks, the lag gauges
+        from rank 0's lines only, and a text promtool accepts."""
+        mport = harness.free_port()
+        release = os.path.join(self.tmp, "release")
+        worker = os.path.join(self.tmp, "upload.py")
+        with open(worker, "w") as f:
+            f.write(UPLOAD_WORKER)
+        err_path = os.path.join(self.tmp, "agent.err")
+        out_path = os.path.join(self.tmp, "agent.out")
+        with open(out_path, "w") as out, open(err_path, "w") as err:
+            agent = subprocess.Popen([harness.ELASTIC, "--nproc-per-node", "2", "--metrics-port",
+                                      str(mport), "--", sys.executable, worker, release],
+                                     stdout=out, stderr=err, env=harness.env())
+        try:
+            deadline = time.time() + 30 * T
+            while harness.read(out_path).count("written") < 2 and time.time() < deadline:
+                self.assertIsNone(agent.poll(), harness.read(err_path))
+                time.sleep(0.02)
+            while time.time() < deadline:  # until the agent has read all 2 x 6 lines
+                status, ctype, text = http_get(f"http://127.0.0.1:{mport}/metrics")
+                families, series = parse_exposition(text)
+                if sum(v for k, v in series.items()
+                       if k.startswith("elastic_report_lines_total")) >= 12:
+                    break
+                time.sleep(0.02)
+            lint = subprocess.run(["promtool", "check", "metrics"], input=text,
+                                  capture_output=True, text=True, timeout=30)
+            self.assertEqual(lint.returncode, 0, lint.stdout + lint.stderr)
+            self.assertEqual((lint.stdout + lint.stderr).strip(), "", "promtool lint findings")
+            self.assertEqual(series['elastic_report_lines_total{outcome="malformed"}'], 2)
+            self.assertEqual(series['elastic_report_lines_total{outcome="ok"}'], 10)
+            self.assertEqual(families["ckpt_snapshot_uploads_total"], "counter")
+            self.assertEqual(series['ckpt_snapshot_uploads_total{result="done"}'], 2)
+            self.assertEqual(series['ckpt_snapshot_uploads_total{result="failed"}'], 1)
+            self.assertEqual(series['ckpt_snapshot_uploads_total{result="skipped"}'], 1)
+            self.assertEqual(series["ckpt_upload_bytes_total"], 1000 + 1001 + 2000 + 2001)
+            self.assertEqual(series['ckpt_upload_lag_steps{node="0"}'], 10)
+            self.assertEqual(series['ckpt_upload_lag_seconds{node="0"}'], 4.5)
+            self.assertEqual(series['ckpt_last_uploaded_step{node="0"}'], 30)
+            with open(release, "w"):
+                pass
+            self.assertEqual(agent.wait(timeout=30 * T), 0, harness.read(err_path))
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
 
 
 class Lines(TempDirTest):
