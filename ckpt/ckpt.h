@@ -220,9 +220,14 @@ typedef struct ckpt_engine_opts {
     const ckpt_group *group;/* NULL (default): a world of one rank, whole buffers; else this
                                rank's part in a sharded snapshot (copied at create; the
                                callbacks and ctx must outlive the engine) */
+    void (*on_commit)(void *ctx, uint64_t step); /* NULL, or called on the persist thread
+                               when a snapshot committed (ranks != 0: when rank 0's decision
+                               said so), before retention runs: e.g. to hand it to the S3
+                               uploader. Must not block long. */
+    void *on_commit_ctx;
 } ckpt_engine_opts;
 
-#define CKPT_ENGINE_OPTS_INIT {CKPT_SAVE_OPTS_INIT, 1, 2u, CKPT_POLICY_WAIT, 3600.0, 0u, 0u, 0u, 0, NULL}
+#define CKPT_ENGINE_OPTS_INIT {CKPT_SAVE_OPTS_INIT, 1, 2u, CKPT_POLICY_WAIT, 3600.0, 0u, 0u, 0u, 0, NULL, NULL, NULL}
 
 /* Figures of the last finished persist. */
 typedef struct ckpt_persist_stats {

@@ -130,6 +130,7 @@ static void *persist_main(void *arg)
                   (double)st.raw_bytes / 1048576.0, (double)st.stored_bytes / 1048576.0,
                   st.stored_bytes ? (double)st.raw_bytes / (double)st.stored_bytes : 0.0,
                   persist_s * 1e3, persist_s > 0 ? (double)st.raw_bytes / 1048576.0 / persist_s : 0.0);
+            if (e->o.on_commit) e->o.on_commit(e->o.on_commit_ctx, e->step);
             if (e->o.keep_last > 0 || e->o.keep_every > 0) {
                 removed = ckpt_retain(e->o.save.dir, e->o.keep_last, e->o.keep_every, e->run_id);
                 if (removed < 0) {

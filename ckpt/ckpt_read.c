@@ -1,6 +1,8 @@
 /* Snapshot reader: manifest validation, range reads with checksums, verify, listing. */
 #include "ckpt.h"
 #include "ckpt_internal.h"
+#include "ckpt_snap.h"
+#include "ckpt_s3.h"
 #include "log.h"
 #include "storage.h"
 #include "thread.h"
@@ -18,56 +20,6 @@
 #include <zstd.h>
 
 #define TAG "ckpt"
-
-typedef struct chunk {
-    uint64_t offset;       /* raw offset within the buffer */
-    uint64_t bytes;        /* raw bytes */
-    uint64_t file_offset;  /* where the stored frame starts in its file */
-    uint64_t stored_bytes;
-    uint64_t xxh_raw, xxh_stored;
-    uint32_t file;         /* index into files */
-    int filter;            /* enum ckpt_filter */
-    int codec_zstd;        /* 1 zstd frame, 0 stored raw */
-    uint32_t index;        /* chunk number within its shard, for messages */
-} chunk;
-
-typedef struct buffer {
-    char *name;
-    char *dtype;
-    uint32_t elem_bytes;
-    uint64_t total_bytes;
-    size_t nchunks;
-    chunk *chunks; /* sorted by offset, covering [0, total_bytes) exactly */
-} buffer;
-
-typedef struct file {
-    char *name;
-    uint64_t bytes;
-} file;
-
-/* Decode state of one reading thread: zstd context, bounded buffers, one io_uring reader per
- * data file (opened on first use). */
-typedef struct rctx {
-    ZSTD_DCtx *dctx;
-    uint8_t *stored, *raw, *filt;
-    store_reader **readers;
-} rctx;
-
-struct ckpt_snapshot {
-    char path[CKPT_PATH_MAX];
-    uint64_t step;
-    uint32_t world_size;
-    int64_t created;
-    char *run_id, *config_hash, *trainer_json;
-    size_t nfiles, nbuffers;
-    file *files;
-    buffer *buffers;
-    uint64_t max_stored, max_raw;
-    uint64_t chunk_max; /* the manifest's chunk_bytes */
-    unsigned threads; /* reading threads; default 2 */
-    rctx *ctx;        /* (threads) decode states, allocated on first read */
-};
-
 
 static void rctx_free(rctx *c, size_t nfiles);
 
@@ -87,6 +39,8 @@ void ckpt_snapshot_close(ckpt_snapshot *s)
     free(s->trainer_json);
     for (unsigned t = 0; s->ctx && t < s->threads; t++) rctx_free(&s->ctx[t], s->nfiles);
     free(s->ctx);
+    free(s->text);
+    if (s->own_os) objstore_close(s->os);
     free(s);
 }
 
@@ -333,6 +287,7 @@ static int check_data_file(const ckpt_snapshot *s, const char *name, uint64_t by
 {
     char p[CKPT_PATH_MAX];
     struct stat st;
+    if (s->os) return 0; /* S3: the objects are HEAD-checked after parsing (ckpt_s3.c) */
     if (ckpt_path_join(p, sizeof p, s->path, name) < 0) return -ENAMETOOLONG;
     if (lstat(p, &st) != 0) {
         int rc = -errno;
@@ -618,6 +573,12 @@ static int load_chunk(const ckpt_snapshot *s, rctx *c, const buffer *b, const ch
     char p[CKPT_PATH_MAX];
     int rc;
     if (ckpt_path_join(p, sizeof p, s->path, f->name) < 0) return -ENAMETOOLONG;
+    uint8_t *stored = (!k->codec_zstd && k->filter == CKPT_FILTER_NONE) ? out : c->stored;
+    if (s->os) {
+        rc = ckpt_s3_read_stored(s, k->file, k->file_offset, k->stored_bytes, stored, bad, bad_len);
+        if (rc < 0) return rc;
+        goto check;
+    }
     if (!c->readers[k->file]) {
         uint64_t size = 0;
         rc = store_reader_open(&c->readers[k->file], p, 8, STORE_NOFOLLOW, &size);
@@ -636,7 +597,6 @@ static int load_chunk(const ckpt_snapshot *s, rctx *c, const buffer *b, const ch
         }
     }
     /* a raw chunk without filter is read straight into its destination */
-    uint8_t *stored = (!k->codec_zstd && k->filter == CKPT_FILTER_NONE) ? out : c->stored;
     store_read_req req = {k->file_offset, (size_t)k->stored_bytes, stored};
     rc = store_reader_read(c->readers[k->file], &req, 1);
     if (rc < 0) {
@@ -644,6 +604,7 @@ static int load_chunk(const ckpt_snapshot *s, rctx *c, const buffer *b, const ch
                 k->index, b->name, (unsigned long long)k->file_offset, strerror(-rc));
         return rc;
     }
+check:
     if (XXH3_64bits(stored, (size_t)k->stored_bytes) != k->xxh_stored) {
         log_why(bad, bad_len, "%s: chunk %u of %s (file offset %llu, %llu bytes): stored checksum "
                 "mismatch", p, k->index, b->name, (unsigned long long)k->file_offset,
@@ -846,11 +807,8 @@ int ckpt_snapshot_open(ckpt_snapshot **out, const char *path, char *why, size_t 
     char mpath[CKPT_PATH_MAX];
     char *text = NULL;
     size_t len = 0;
-    json_t *m = NULL;
-    ckpt_snapshot *s = calloc(1, sizeof *s);
+    ckpt_snapshot *s = ckpt_snapshot_alloc(path);
     if (!s) return -ENOMEM;
-    s->threads = 2;
-    snprintf(s->path, sizeof s->path, "%s", path);
     ckpt_path_join(mpath, sizeof mpath, path, CKPT_MANIFEST_NAME); /* length checked above */
     int rc = store_read_file(mpath, CKPT_MAX_MANIFEST_BYTES, STORE_NOFOLLOW, &text, &len);
     if (rc < 0) {
@@ -871,6 +829,31 @@ int ckpt_snapshot_open(ckpt_snapshot **out, const char *path, char *why, size_t 
         rc = file_error(rc);
         goto out;
     }
+    rc = ckpt_snapshot_parse_text(s, text, len, why, why_len);
+out:
+    free(text);
+    if (rc < 0) {
+        ckpt_snapshot_close(s);
+        return rc;
+    }
+    *out = s;
+    return 0;
+}
+
+ckpt_snapshot *ckpt_snapshot_alloc(const char *path)
+{
+    ckpt_snapshot *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->threads = 2;
+    snprintf(s->path, sizeof s->path, "%s", path);
+    return s;
+}
+
+int ckpt_snapshot_parse_text(ckpt_snapshot *s, const char *text, size_t len, char *why,
+                             size_t why_len)
+{
+    json_t *m = NULL;
+    int rc;
     if ((rc = check_manifest_sum(text, len, why, why_len)) < 0) goto out;
     size_t values = json_values_upper_bound(text, len);
     if (values > CKPT_MAX_JSON_VALUES) {
@@ -894,18 +877,10 @@ int ckpt_snapshot_open(ckpt_snapshot **out, const char *path, char *why, size_t 
         rc = -EBADMSG;
         goto out;
     }
-    free(text); /* the parsed tree is all that is needed from here on */
-    text = NULL;
     rc = parse_manifest(s, m, why, why_len);
 out:
     json_decref(m);
-    free(text);
-    if (rc < 0) {
-        ckpt_snapshot_close(s);
-        return rc;
-    }
-    *out = s;
-    return 0;
+    return rc;
 }
 
 static int cmp_entry(const void *a, const void *b)

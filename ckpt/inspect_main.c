@@ -2,6 +2,8 @@
 #include "ckpt.h"
 #include "ckpt_export.h"
 #include "ckpt_plan.h"
+#include "ckpt_s3.h"
+#include "storage.h"
 #include "clock.h"
 #include "log.h"
 #include "progress.h"
@@ -20,8 +22,12 @@ static const char usage_text[] =
     "usage: ckpt-inspect [--json] COMMAND ARGS\n"
     "\n"
     "Commands:\n"
-    "  list DIR           snapshots under DIR: step, time, raw and stored bytes, ratio, status\n"
-    "  show SNAPSHOT      buffers, tensors and trainer state of one snapshot folder\n"
+    "  list DIR|URL       snapshots under DIR (and, when train --s3 uploads from it, each\n"
+    "                     one's upload state and the lag of the bucket) or under\n"
+    "                     s3://BUCKET/PREFIX: step, time, raw and stored bytes, ratio, status\n"
+    "  show SNAPSHOT      buffers, tensors and trainer state of one snapshot: a folder, or\n"
+    "                     s3://BUCKET/PREFIX/step-NNNNNNNNN (show, verify and plan read both;\n"
+    "                     S3 settings from the AWS variables, as train --s3)\n"
     "  verify SNAPSHOT    read every chunk and check its checksums; exit 1 naming the first\n"
     "                     bad file and chunk\n"
     "  export SNAPSHOT OUT\n"
@@ -40,6 +46,7 @@ static const char usage_text[] =
     "  --window-mib N     export: MiB of the buffer read at a time (memory), 1..4096;\n"
     "                     default 64\n"
     "  --world-size N     plan: ranks of the restoring job, 1..65536\n"
+    "  --s3-signature V   v4 (default) or v2, for s3:// URLs\n"
     "  -q, --quiet        no progress (verify and export show it after 2 s: on a terminal one\n"
     "                     line redrawn in place, otherwise a log line every 10 s)\n"
     "  -h, --help         this text\n"
@@ -58,6 +65,8 @@ enum { EXIT_FAILURE_ = 1, EXIT_USAGE = 2, EXIT_UNREADABLE = 3 };
 
 /* Exit status for a failure to open or read a snapshot: only evidence about the snapshot
  * (corrupt, missing, newer format, refused) is 1 (DESIGN I7). */
+static objstore_opts g_sopts = OBJSTORE_OPTS_INIT;
+
 static int status_of(int rc)
 {
     switch (rc) {
@@ -168,11 +177,56 @@ static int list_failed(const char *dir, int json, int rc, const char *why)
     return status_of(rc);
 }
 
+/* The uploader's state file of a local folder (train --s3), or NULL. */
+static json_t *upload_state(const char *dir)
+{
+    char p[CKPT_PATH_MAX + 64], *text = NULL;
+    snprintf(p, sizeof p, "%s/%s", dir, CKPT_UPLOAD_STATE_NAME);
+    if (store_read_file(p, 16u << 20, STORE_NOFOLLOW, &text, NULL) < 0) return NULL;
+    json_t *doc = json_loads(text, 0, NULL);
+    free(text);
+    if (!json_is_object(doc) || !json_is_array(json_object_get(doc, "steps"))) {
+        json_decref(doc);
+        return NULL;
+    }
+    return doc;
+}
+
+/* The state the uploader recorded for `step`: "uploaded", "failed", ...; "-" when none. */
+static const char *upload_of(json_t *doc, uint64_t step, int64_t remote_step)
+{
+    if (!doc) return NULL;
+    size_t i;
+    json_t *o;
+    json_array_foreach(json_object_get(doc, "steps"), i, o) {
+        if ((uint64_t)json_integer_value(json_object_get(o, "step")) == step) {
+            const char *st = json_string_value(json_object_get(o, "state"));
+            return st ? st : "-";
+        }
+    }
+    return remote_step >= 0 && step <= (uint64_t)remote_step ? "older" : "-";
+}
+
 static int cmd_list(const char *dir, int json)
 {
     ckpt_entry *e;
     size_t n;
     struct stat st;
+    json_t *up = NULL;
+    int64_t remote_step = -1;
+    if (ckpt_is_s3_url(dir)) {
+        objstore_opts so = g_sopts;
+        so.url = dir;
+        objstore *os;
+        char why[400] = "";
+        int rc = objstore_open(&os, &so, why, sizeof why);
+        if (rc < 0) return rc == -EINVAL ? (fprintf(stderr, "ckpt-inspect: %s: %s\n", P(dir), why), EXIT_USAGE)
+                                         : list_failed(dir, json, rc, why);
+        rc = ckpt_list_s3(os, &e, &n, why, sizeof why);
+        objstore_close(os);
+        if (rc < 0) return list_failed(dir, json, rc, why[0] ? why : strerror(-rc));
+        goto print;
+    }
     if (stat(dir, &st) != 0) {
         int err = errno;
         return list_failed(dir, json, err == ENOTDIR ? -ENOENT : -err, strerror(err));
@@ -180,6 +234,9 @@ static int cmd_list(const char *dir, int json)
     if (!S_ISDIR(st.st_mode)) return list_failed(dir, json, -ENOENT, "not a folder");
     int rc = ckpt_list(dir, &e, &n);
     if (rc < 0) return list_failed(dir, json, rc, strerror(-rc));
+    up = upload_state(dir);
+    if (up) remote_step = (int64_t)json_integer_value(json_object_get(up, "remote_step"));
+print:
     if (json) {
         json_t *arr = json_array();
         for (size_t i = 0; i < n; i++) {
@@ -190,15 +247,29 @@ static int cmd_list(const char *dir, int json)
                                   (json_int_t)e[i].stored_bytes);
             if (o && e[i].reason[0]) json_object_set_new(o, "reason", J(e[i].reason));
             if (o && e[i].error) json_object_set_new(o, "error", J(strerror(-e[i].error)));
+            if (o && up) json_object_set_new(o, "upload", J(upload_of(up, e[i].step, remote_step)));
             json_array_append_new(arr, o);
         }
-        if (print_json(json_pack("{s:o, s:o}", "dir", J(dir), "snapshots", arr), JSON_INDENT(2))) {
+        json_t *doc = json_pack("{s:o, s:o}", "dir", J(dir), "snapshots", arr);
+        if (doc && up) {
+            json_t *s3 = json_object();
+            const char *keys[] = {"url", "remote_step", "lag_steps", "lag_seconds", "updated_unix",
+                                  "uploaded", "failed", "skipped"};
+            for (size_t k = 0; s3 && k < sizeof keys / sizeof keys[0]; k++) {
+                json_t *v = json_object_get(up, keys[k]);
+                if (json_is_string(v)) json_object_set_new(s3, keys[k], J(json_string_value(v)));
+                else if (v) json_object_set(s3, keys[k], v);
+            }
+            json_object_set_new(doc, "s3", s3);
+        }
+        json_decref(up);
+        if (print_json(doc, JSON_INDENT(2))) {
             free(e);
             return EXIT_UNREADABLE;
         }
     } else {
-        printf("%-12s %-20s %12s %12s %6s  %s\n", "step", "time (UTC)", "raw", "stored", "ratio",
-               "status");
+        printf("%-12s %-20s %12s %12s %6s  %s%s\n", "step", "time (UTC)", "raw", "stored", "ratio",
+               up ? "s3        " : "", "status");
         for (size_t i = 0; i < n; i++) {
             char t[32], r[32], s[32], ratio[16];
             fmt_time(e[i].created, t, sizeof t);
@@ -212,10 +283,22 @@ static int cmd_list(const char *dir, int json)
                 snprintf(s, sizeof s, "-");
                 snprintf(ratio, sizeof ratio, "-");
             }
-            printf("%-12llu %-20s %12s %12s %6s  %s%s%s\n", (unsigned long long)e[i].step, t, r, s,
-                   ratio, ckpt_status_name(e[i].status), e[i].reason[0] ? ": " : "", P(e[i].reason));
+            char u[16] = "";
+            if (up) snprintf(u, sizeof u, "%-10s", upload_of(up, e[i].step, remote_step));
+            printf("%-12llu %-20s %12s %12s %6s  %s%s%s%s\n", (unsigned long long)e[i].step, t, r, s,
+                   ratio, u, ckpt_status_name(e[i].status), e[i].reason[0] ? ": " : "", P(e[i].reason));
         }
         if (n == 0) printf("(no snapshots in %s)\n", P(dir));
+        if (up) {
+            char t[32];
+            fmt_time((int64_t)json_integer_value(json_object_get(up, "updated_unix")), t, sizeof t);
+            const char *url = json_string_value(json_object_get(up, "url"));
+            printf("S3 %s: newest complete step %s%lld, lag %lld steps, %.0f s (as of %s UTC)\n",
+                   P(url ? url : "?"), remote_step < 0 ? "none " : "", (long long)remote_step,
+                   (long long)json_integer_value(json_object_get(up, "lag_steps")),
+                   json_number_value(json_object_get(up, "lag_seconds")), t);
+        }
+        json_decref(up);
     }
     free(e);
     return 0;
@@ -226,7 +309,7 @@ static int cmd_list(const char *dir, int json)
 static int open_or_report(ckpt_snapshot **s, const char *path, int json)
 {
     char why[512] = "";
-    int rc = ckpt_snapshot_open(s, path, why, sizeof why);
+    int rc = ckpt_snapshot_open_any(s, path, &g_sopts, why, sizeof why);
     if (rc < 0) {
         if (json)
             print_json(json_pack("{s:o, s:b, s:s, s:o}", "snapshot", J(path), "ok", 0, "status",
@@ -540,12 +623,13 @@ static int parse_window(const char *v, uint64_t *bytes)
 
 int main(int argc, char **argv)
 {
-    enum { O_WINDOW = 256, O_WORLD };
+    enum { O_WINDOW = 256, O_WORLD, O_SIG };
     static const struct option opts[] = {{"json", no_argument, 0, 'j'},
                                          {"quiet", no_argument, 0, 'q'},
                                          {"force", no_argument, 0, 'f'},
                                          {"window-mib", required_argument, 0, O_WINDOW},
                                          {"world-size", required_argument, 0, O_WORLD},
+                                         {"s3-signature", required_argument, 0, O_SIG},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
     ckpt_export_opts eo = CKPT_EXPORT_OPTS_INIT;
@@ -564,6 +648,14 @@ int main(int argc, char **argv)
             break;
         case O_WORLD:
             if (parse_world(optarg, &world)) return 2;
+            break;
+        case O_SIG:
+            if (!strcmp(optarg, "v4")) g_sopts.signature = OBJSTORE_SIG_V4;
+            else if (!strcmp(optarg, "v2")) g_sopts.signature = OBJSTORE_SIG_V2;
+            else {
+                fprintf(stderr, "ckpt-inspect: --s3-signature: '%s' is not v4 or v2\n", P(optarg));
+                return 2;
+            }
             break;
         case 'h': fputs(usage_text, stdout); return 0;
         default:

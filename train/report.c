@@ -187,6 +187,20 @@ void train_report_snapshot_done(train_report *r, int64_t step, int result,
     tb_flush(r);
 }
 
+void train_report_upload(train_report *r, const char *kind, int64_t step, uint64_t bytes,
+                         double seconds, int result, uint64_t lag_steps, double lag_seconds,
+                         int64_t remote_step)
+{
+    emit(r, "upload_%s step=%" PRId64 " bytes=%" PRIu64 " seconds=%.9g result=%d lag_steps=%"
+         PRIu64 " lag_seconds=%.9g remote_step=%" PRId64, kind, step, bytes, seconds, result,
+         lag_steps, lag_seconds, remote_step);
+}
+
+void train_report_uploads_draining(train_report *r, int64_t step)
+{
+    emit(r, "uploads_draining step=%" PRId64, step);
+}
+
 void train_report_restore(train_report *r, int64_t step, double seconds, const char *source)
 {
     emit(r, "restore step=%" PRId64 " seconds=%.9g source=%s", step, seconds, source);

@@ -23,7 +23,12 @@
  *       the persist finished: result 0 committed (on rank 0: the whole snapshot is; on the
  *       others: their shard is part of a committed snapshot), or a negative errno;
  *       persist_seconds from the start of the stage to the commit
- *   restore step=<n> seconds=<s> source=<disk|none>            (rank 0) where training starts:
+ *   upload_<done|failed|skipped> step=<n> bytes=<b> seconds=<s> result=<r> lag_steps=<n>
+ *       lag_seconds=<s> remote_step=<n>          the S3 uploader (train --s3) finished with the
+ *       snapshot of step n on this rank; the lag keys: rank 0's view (newest local commit vs
+ *       newest complete snapshot on S3; remote_step -1 when none yet)
+ *   uploads_draining step=<n>        the run ended at step n and waits for its last uploads
+ *   restore step=<n> seconds=<s> source=<disk|s3|none>         (rank 0) where training starts:
  *       the step restored and the time the restore took; source none for a fresh start
  *
  * TensorBoard (train --tensorboard-dir, or the config's "tensorboard" section): after
@@ -123,8 +128,20 @@ void train_report_snapshot_done(train_report *r, int64_t step, int result,
                                 double persist_seconds, uint64_t raw_bytes,
                                 uint64_t stored_bytes);
 
-/* Training starts at `step`, restored in `seconds` from `source` ("disk"; "none" for a fresh
- * start, step 0). */
+/* The S3 uploader's outcome for the snapshot of `step` (ckpt_s3.h events): kind "done"
+ * (bytes PUT by this rank, seconds), "failed" (result) or "skipped" (a full backlog dropped
+ * it); on rank 0 with the lag (steps and seconds) and the newest complete step on S3 (-1 none).
+ * Safe to call from the uploader's thread (one write of one line; no TensorBoard event). */
+void train_report_upload(train_report *r, const char *kind, int64_t step, uint64_t bytes,
+                         double seconds, int result, uint64_t lag_steps, double lag_seconds,
+                         int64_t remote_step);
+
+/* The run is over at `step` and waits for its last uploads to S3 (every few seconds while it
+ * does: progress for a hang watchdog). */
+void train_report_uploads_draining(train_report *r, int64_t step);
+
+/* Training starts at `step`, restored in `seconds` from `source` ("disk", "s3"; "none" for a
+ * fresh start, step 0). */
 void train_report_restore(train_report *r, int64_t step, double seconds, const char *source);
 
 #endif /* TRAIN_REPORT_H */

@@ -25,6 +25,7 @@
 #include "report.h"
 #include "store.h"
 #include "vote.h"
+#include "ckpt_s3.h"
 
 #include <signal.h>
 #include <stddef.h>
@@ -53,6 +54,12 @@ typedef struct options {
     unsigned keep_last;
     int keep_every;
     uint64_t chunk_bytes;
+    /* --s3 (train_s3.c): NULL = no S3 tier */
+    const char *s3;
+    int s3_signature;         /* 4 or 2 */
+    unsigned s3_keep_last, s3_backlog, s3_attempts;
+    uint64_t s3_part_bytes;
+    double s3_timeout, s3_snapshot_timeout, s3_lag_warn, s3_drain_timeout;
 } options;
 
 /* The state of one rank. main() (train_main.c) owns it: it allocates the buffers, and frees
@@ -102,6 +109,14 @@ typedef struct state {
     char recorded_moments[2][17]; /* the loaded record's, "" when it has none (older) */
     train_report *report;     /* progress events for the launcher (report.h) */
     uint64_t persists_reported; /* finished persists already reported */
+    /* the S3 tier (train_s3.c) */
+    objstore *s3_read;        /* restore and listing */
+    objstore *s3_up;          /* the uploader's own */
+    ckpt_uploader *uploader;
+    train_vote *s3_vote;      /* the uploader's confirmations (W > 1) */
+    ckpt_group s3_group;
+    char s3_restored[CKPT_PATH_MAX]; /* the s3:// snapshot restored from, "" when none */
+    int64_t s3_newest;        /* rank 0: newest committed step the resume saw on S3; -1 none */
 } state;
 
 /* ------------------------------------------------------------------ train_opts.c */
@@ -183,6 +198,31 @@ void train_poll_persists(state *s);
  * never skipped. Collective. Returns 0 (also when the stage failed or the policy skipped it:
  * logged), or a negative errno when a collective failed or memory ran out (fatal). */
 int train_take_snapshot(state *s, int last);
+
+/* ------------------------------------------------------------------ train_s3.c */
+
+/* With --s3: open the store handles from the environment and check the bucket can be listed
+ * (bad credentials, no such bucket: exit 2 before the first step; an outage only warns: the
+ * uploads retry). Returns the exit status 0, 1 or 2 (logged). */
+int train_s3_open(state *s);
+
+/* The store settings the options give (signature, request timeout, o->s3 as URL). */
+void train_s3_store_opts(const options *o, objstore_opts *so);
+
+/* With --s3 at W > 1: the uploader's confirmation channel (train_dist_init). */
+int train_s3_vote_create(state *s, const char *host, int port, const char *token,
+                         const char *gen);
+
+/* With --s3: start the uploader (after the resume: the run id is known), and make the
+ * snapshot engine hand it every commit (train_make_engine reads s->uploader). 0 or -errno. */
+int train_s3_start(state *s);
+
+/* At the end: wait up to --s3-drain-timeout for uploads, log the figures, stop the uploader,
+ * close the handles. Safe without --s3. */
+void train_s3_finish(state *s, int drain);
+
+/* The engine's on_commit hook: queue the snapshot for upload. */
+void train_s3_on_commit(void *ctx, uint64_t step);
 
 /* ------------------------------------------------------------------ train_resume.c */
 

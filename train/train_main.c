@@ -83,13 +83,22 @@ int main(int argc, char **argv)
     o.zero_stage = 2;
     o.comm_timeout = 60.0;
     o.join_timeout = 120.0;
+    o.s3_signature = OBJSTORE_SIG_V4;
+    o.s3_part_bytes = CKPT_S3_PART_BYTES_DEFAULT;
+    o.s3_backlog = 2;
+    o.s3_attempts = 6;
+    o.s3_timeout = 60.0;
+    o.s3_snapshot_timeout = 1800.0;
+    o.s3_lag_warn = 1800.0;
+    o.s3_drain_timeout = 600.0;
     static train_ds_config dc;
     signal(SIGPIPE, SIG_IGN); /* a gone launcher pipe is an EPIPE, not a death */
     if (train_read_config(argc, argv, &o, &dc) < 0) return 2;
     if (train_parse_args(argc, argv, &o) < 0) return 2;
     openblas_set_num_threads(1);
 
-    state s = {.o = &o, .last_loss = NAN, .last_val = NAN, .sample_fd = -1, .world = 1};
+    state s = {.o = &o, .last_loss = NAN, .last_val = NAN, .sample_fd = -1, .world = 1,
+               .s3_newest = -1};
     int rc, status = 1;
     /* join the group first, so that a rank that cannot start tells the others at once
      * (train_startup_agree) instead of leaving them waiting for it */
@@ -126,7 +135,8 @@ int main(int argc, char **argv)
     if (s.rank == 0) {
         double restore_s = clock_now_s() - t_resume;
         if (o.tensorboard_dir) train_report_tensorboard(s.report, o.tensorboard_dir); /* logged */
-        train_report_restore(s.report, s.step, restore_s, s.step > 0 ? "disk" : "none");
+        train_report_restore(s.report, s.step, restore_s,
+                             s.step == 0 ? "none" : s.s3_restored[0] ? "s3" : "disk");
     }
     const int64_t start_step = s.step;
     train_make_config_hash(&s, s.config_hash);
@@ -169,6 +179,7 @@ int main(int argc, char **argv)
             goto out;
         }
     }
+    if (o.s3 && train_s3_start(&s) < 0) goto out;
     if (o.ckpt_every > 0 && train_make_engine(&s) < 0) goto out;
     install_stop_handlers();
     if (s.step >= o.steps && s.rank == 0)
@@ -240,6 +251,9 @@ int main(int argc, char **argv)
         if (skipped && s.rank == 0)
             LOG_W(TAG, "%llu snapshots were skipped (policy skip)", (unsigned long long)skipped);
     }
+    /* the last snapshot goes to S3 before the end (bounded by --s3-drain-timeout); every rank
+     * has voted when this returns, so rank 0's store is no longer needed for it */
+    if (s.uploader) train_s3_finish(&s, 1);
     if (o.zero_stage == 3 && s.world > 1 && train_gather_range_hook(&s, 0, s.np) < 0) goto out;
     /* rank 0 keeps the store up until every rank is done with it */
     if (s.world > 1 && (rc = train_comm_barrier(s.comm)) < 0) {
@@ -258,6 +272,7 @@ out:
     if (status != 0 && status != 128 + SIGTERM && status != 128 + SIGINT)
         train_vote_abort(s.vote); /* no decision will come: unblock our persist */
     ckpt_engine_destroy(s.engine);
+    train_s3_finish(&s, 0);
     train_report_close(s.report);
     train_vote_free(s.vote);
     ckpt_dir_lock_release(s.lock);

@@ -5,6 +5,7 @@
 #include "model.h"
 #include "storage.h"
 #include "train_internal.h"
+#include "ckpt_s3.h"
 
 #include <errno.h>
 #include <getopt.h>
@@ -90,6 +91,23 @@ static const char usage_text2[] =
     "                        state)\n"
     "  --chunk-mib N         raw MiB per chunk (default 4)\n"
     "  --no-direct-io        buffered writes instead of O_DIRECT\n"
+    "Off-site backup on S3 (docs/OPERATIONS.md, \"S3\"):\n"
+    "  --s3 s3://BUCKET/PREFIX  upload every committed snapshot in the background, and let\n"
+    "                        --resume auto restore from the bucket (the newest complete snapshot\n"
+    "                        across --ckpt-dir and S3). Settings and keys from the AWS variables\n"
+    "                        (AWS_ENDPOINT_URL[_S3], AWS_REGION, AWS_ACCESS_KEY_ID, ...) or the\n"
+    "                        shared credentials file (AWS_SHARED_CREDENTIALS_FILE, AWS_PROFILE),\n"
+    "                        re-read when it changes. Never a secret on the command line\n"
+    "  --s3-signature V      v4 (default: AWS, R2, B2, Ceph, MinIO) or v2 (libs3; old servers)\n"
+    "  --s3-keep-last K      keep the newest K complete snapshots on S3, 0 = all (default 0)\n"
+    "  --s3-part-mib N       data files larger than N MiB become several objects (default 256)\n"
+    "  --s3-backlog N        snapshots waiting for upload at most; a new one then drops the\n"
+    "                        oldest waiting (counted, logged), never the newest (default 2)\n"
+    "  --s3-timeout S        per request attempt, seconds (default 60; retried with backoff)\n"
+    "  --s3-attempts N       attempts per request, the first included (default 6)\n"
+    "  --s3-snapshot-timeout S  bound of one snapshot's upload, seconds (default 1800)\n"
+    "  --s3-lag-warn S       warn when the oldest snapshot not yet on S3 is older (default 1800)\n"
+    "  --s3-drain-timeout S  at the end, wait this long for uploads in progress (default 600)\n"
     "Ranks (one process per rank; launched by elastic, torchrun-style or by hand):\n"
     "  --comm-timeout S      deadline of each collective, seconds (default 60); a dead rank is\n"
     "                        noticed at once, a stopped one at this deadline\n"
@@ -144,7 +162,8 @@ int train_parse_args(int argc, char **argv, options *o)
         O_LR, O_MINLR, O_WARM, O_WD, O_CLIP, O_SEED, O_EVAL, O_VALS, O_LOG, O_CKDIR, O_CKEVERY,
         O_RESUME, O_RUNID, O_ZLEVEL, O_SHUFFLE, O_NOSHUFFLE, O_CHUNK, O_NODIRECT, O_NOCOMP, O_SNTHREADS,
         O_POLICY, O_KEEPLAST, O_KEEPEVERY, O_OVERLAP, O_GB, O_ZERO, O_CONFIG, O_CTIMEOUT, O_SLOG,
-        O_JTIMEOUT, O_FRESH, O_TBDIR
+        O_JTIMEOUT, O_FRESH, O_TBDIR, O_S3, O_S3SIG, O_S3KEEP, O_S3PART, O_S3BACKLOG, O_S3TIMEOUT,
+        O_S3SNAPTIMEOUT, O_S3LAG, O_S3DRAIN, O_S3ATTEMPTS
     };
     static const struct option lo[] = {
         {"data", required_argument, 0, O_DATA}, {"val-data", required_argument, 0, O_VAL},
@@ -173,6 +192,12 @@ int train_parse_args(int argc, char **argv, options *o)
         {"join-timeout", required_argument, 0, O_JTIMEOUT},
         {"allow-fresh-start", no_argument, 0, O_FRESH},
         {"tensorboard-dir", required_argument, 0, O_TBDIR},
+        {"s3", required_argument, 0, O_S3}, {"s3-signature", required_argument, 0, O_S3SIG},
+        {"s3-keep-last", required_argument, 0, O_S3KEEP}, {"s3-part-mib", required_argument, 0, O_S3PART},
+        {"s3-backlog", required_argument, 0, O_S3BACKLOG}, {"s3-timeout", required_argument, 0, O_S3TIMEOUT},
+        {"s3-snapshot-timeout", required_argument, 0, O_S3SNAPTIMEOUT},
+        {"s3-lag-warn", required_argument, 0, O_S3LAG}, {"s3-drain-timeout", required_argument, 0, O_S3DRAIN},
+        {"s3-attempts", required_argument, 0, O_S3ATTEMPTS},
         {0, 0, 0, 0}};
     int c, v = 0, chunk_mib = 4;
     while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -259,6 +284,43 @@ int train_parse_args(int argc, char **argv, options *o)
             break;
         case O_KEEPEVERY: bad = parse_int("--keep-every", optarg, 0, INT_MAX, &o->keep_every); break;
         case O_OVERLAP: o->overlap = 1; break;
+        case O_S3: o->s3 = optarg; break;
+        case O_S3SIG:
+            if (!strcmp(optarg, "v4")) o->s3_signature = 4;
+            else if (!strcmp(optarg, "v2")) o->s3_signature = 2;
+            else {
+                fprintf(stderr, "train: --s3-signature: '%s' is not v4 or v2\n", optarg);
+                bad = 1;
+            }
+            break;
+        case O_S3KEEP:
+            bad = parse_int("--s3-keep-last", optarg, 0, INT_MAX, &v);
+            o->s3_keep_last = (unsigned)v;
+            break;
+        case O_S3PART:
+            bad = parse_int("--s3-part-mib", optarg, 1, 4096, &v);
+            o->s3_part_bytes = (uint64_t)v << 20;
+            break;
+        case O_S3ATTEMPTS:
+            bad = parse_int("--s3-attempts", optarg, 1, 100, &v);
+            o->s3_attempts = (unsigned)v;
+            break;
+        case O_S3BACKLOG:
+            bad = parse_int("--s3-backlog", optarg, 1, 64, &v);
+            o->s3_backlog = (unsigned)v;
+            break;
+        case O_S3TIMEOUT: case O_S3SNAPTIMEOUT: case O_S3LAG: case O_S3DRAIN: {
+            float t = 0;
+            const char *flag = c == O_S3TIMEOUT ? "--s3-timeout" : c == O_S3SNAPTIMEOUT ?
+                               "--s3-snapshot-timeout" : c == O_S3LAG ? "--s3-lag-warn" :
+                               "--s3-drain-timeout";
+            bad = parse_float(flag, optarg, c == O_S3DRAIN ? 0 : 0.1, 1e7, &t);
+            if (c == O_S3TIMEOUT) o->s3_timeout = t;
+            else if (c == O_S3SNAPTIMEOUT) o->s3_snapshot_timeout = t;
+            else if (c == O_S3LAG) o->s3_lag_warn = t;
+            else o->s3_drain_timeout = t;
+            break;
+        }
         case 'h':
             fputs(usage_text, stdout);
             fputs(usage_text2, stdout);
@@ -289,6 +351,18 @@ int train_parse_args(int argc, char **argv, options *o)
         fprintf(stderr, "train: --ckpt-every needs --ckpt-dir\n");
         return -1;
     }
+    if (o->s3) {
+        char bucket[64], prefix[1024], w[200];
+        if (objstore_parse_url(o->s3, bucket, sizeof bucket, prefix, sizeof prefix, w, sizeof w) < 0) {
+            fprintf(stderr, "train: --s3 %s: %s\n", o->s3, w);
+            return -1;
+        }
+        if (!o->ckpt_dir) {
+            fprintf(stderr, "train: --s3 needs --ckpt-dir (snapshots are uploaded once committed "
+                    "there, and restored through it)\n");
+            return -1;
+        }
+    }
     if (o->cli_gb && o->cli_ga) {
         fprintf(stderr, "train: give --global-batch or --grad-accum, not both (the global batch "
                 "fixes the accumulation per rank)\n");
@@ -310,7 +384,7 @@ int train_parse_args(int argc, char **argv, options *o)
     }
     if (o->ckpt_dir) o->ckpt_dir = ckpt_abs;
     if (o->resume && strcmp(o->resume, "auto") != 0 && strcmp(o->resume, "none") != 0 &&
-        store_canonical_path(o->resume, resume_abs, sizeof resume_abs) == 0)
+        !ckpt_is_s3_url(o->resume) && store_canonical_path(o->resume, resume_abs, sizeof resume_abs) == 0)
         o->resume = resume_abs; /* an error is reported by the resume, naming the path */
     o->adam.total_steps = o->steps;
     return 0;

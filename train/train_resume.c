@@ -7,6 +7,7 @@
 #include "log.h"
 #include "model.h"
 #include "progress.h"
+#include "storage.h"
 #include "train_internal.h"
 
 #include <errno.h>
@@ -144,7 +145,9 @@ static int read_ranges(state *s, ckpt_snapshot *snap, size_t plo, size_t phi, fl
 static int load_part(state *s, const char *path, char *why, size_t why_len)
 {
     ckpt_snapshot *snap;
-    int rc = ckpt_snapshot_open(&snap, path, why, why_len);
+    objstore_opts so;
+    train_s3_store_opts(s->o, &so);
+    int rc = ckpt_snapshot_open_any(&snap, path, &so, why, why_len);
     if (rc < 0) return rc == -EPROTONOSUPPORT ? -EINVAL : rc;
     json_error_t jerr;
     json_t *tr = json_loads(ckpt_snapshot_trainer_json(snap), 0, &jerr);
@@ -346,6 +349,8 @@ static int load_snapshot(state *s, const char *path, char *why, size_t why_len, 
     return 0;
 }
 
+static int o_ckpt_dir(const state *s) { return s->o->ckpt_dir != NULL; }
+
 static void fresh_start(state *s)
 {
     train_model_init_params(s->model, s->o->seed);
@@ -409,6 +414,7 @@ typedef struct resume_msg {
     int32_t global_batch;    /* CMD_DONE: B of a fresh start */
     int32_t resumed;         /* CMD_DONE: 1 a snapshot was loaded and accepted by every rank */
     char run_id[64];         /* CMD_DONE: the run id */
+    int32_t from_s3;         /* CMD_DONE: resumed from the S3 snapshot in path: make a local copy */
     char path[CKPT_PATH_MAX];/* CMD_TRY */
 } resume_msg;
 
@@ -438,6 +444,20 @@ static int resume_path(state *s, int *resumed)
     int fatal = 0;
     struct stat st;
     char mpath[CKPT_PATH_MAX + 16];
+    if (ckpt_is_s3_url(o->resume)) {
+        int rc = try_snapshot(s, o->resume, why, sizeof why, &fatal);
+        if (fatal) return 1;
+        if (rc < 0) {
+            int status = rc == -EBADMSG || rc == -EPROTONOSUPPORT ? 2 : train_input_status(rc);
+            LOG_E(TAG, "cannot resume from %s: %s%s", o->resume, why[0] ? why : strerror(-rc),
+                  status == 1 ? " (a transient error: the snapshot may be fine)" : "");
+            return status;
+        }
+        *resumed = 1;
+        snprintf(s->s3_restored, sizeof s->s3_restored, "%s", o->resume);
+        LOG_I(TAG, "resumed from %s at step %" PRId64 " (run %s)", o->resume, s->step, s->run_id);
+        return 0;
+    }
     if (stat(o->resume, &st) != 0 || !S_ISDIR(st.st_mode)) {
         int e = errno;
         if (stat(o->resume, &st) != 0 && e != ENOENT && e != ENOTDIR) {
@@ -471,6 +491,63 @@ static int resume_path(state *s, int *resumed)
     return 0;
 }
 
+/* Rank 0, --resume auto with --s3: try the S3 snapshot e3. Returns 0 resumed, 1 or 2 (the
+ * exit status: stop), or -1 not restorable from there (go on; *line gets why when it was a
+ * snapshot: corrupt). */
+static int try_s3_entry(state *s, const ckpt_entry *e3, char *line, size_t line_len, int *fatal)
+{
+    const options *o = s->o;
+    char url[CKPT_PATH_MAX], why[600] = "";
+    const char *p = objstore_prefix(s->s3_read);
+    snprintf(url, sizeof url, "s3://%s/%s%s%s", objstore_bucket(s->s3_read), p, *p ? "/" : "",
+             e3->name);
+    line[0] = '\0';
+    switch (e3->status) {
+    case CKPT_STATUS_INCOMPLETE:
+        LOG_I(TAG, "ignoring %s: %s", url, e3->reason);
+        return -1;
+    case CKPT_STATUS_NEWER:
+        LOG_E(TAG, "refusing to resume: %s was written by a newer version (%s); upgrade, or pass "
+              "--resume PATH to choose an older snapshot", url, e3->reason);
+        return 2;
+    case CKPT_STATUS_UNREADABLE:
+        LOG_E(TAG, "cannot read %s: %s; not resuming (nothing was skipped: the snapshot may be "
+              "fine, and a restart tries it again)", url, e3->reason);
+        return 1;
+    case CKPT_STATUS_CORRUPT:
+        LOG_W(TAG, "skipping %s: corrupt (%s)", url, e3->reason);
+        snprintf(line, line_len, "%.600s: corrupt: %.300s", url, e3->reason);
+        return -1;
+    default: break;
+    }
+    if (o->run_id && strcmp(e3->run_id, o->run_id) != 0) {
+        LOG_W(TAG, "skipping %s: it belongs to run %s, another lineage (this run is %s)", url,
+              e3->run_id, o->run_id);
+        return -1;
+    }
+    double t0 = clock_now_s();
+    int rc = try_snapshot(s, url, why, sizeof why, fatal);
+    if (*fatal) return 1;
+    if (rc == 0) {
+        LOG_I(TAG, "resumed from %s at step %" PRId64 " (run %s): fetched, loaded and checked in "
+              "%.0f ms", url, s->step, s->run_id, (clock_now_s() - t0) * 1e3);
+        snprintf(s->s3_restored, sizeof s->s3_restored, "%s", url);
+        return 0;
+    }
+    if (rc == -EINVAL) {
+        LOG_E(TAG, "refusing to resume from %s: %s", url, why);
+        return 2;
+    }
+    if (rc != -EBADMSG) {
+        LOG_E(TAG, "cannot read %s: %s; not resuming (nothing was skipped: the snapshot may be "
+              "fine, and a restart tries it again)", url, why[0] ? why : strerror(-rc));
+        return 1;
+    }
+    LOG_W(TAG, "skipping corrupt snapshot %s: %s", url, why);
+    snprintf(line, line_len, "%.600s: corrupt: %.300s", url, why);
+    return -1;
+}
+
 /* Rank 0's side of the resume: returns 0 (resumed, *resumed = 1, or a fresh start), 1 runtime
  * failure, 2 configuration error; the others follow (train_resume). With --resume auto the
  * newest restorable snapshot wins: a corrupt one is set aside and the next older tried; one
@@ -497,15 +574,47 @@ static int resume_rank0(state *s, int *resumed)
         LOG_E(TAG, "cannot list snapshots in %s: %s", o->ckpt_dir, strerror(-rc));
         return 1;
     }
+    /* the S3 tier: its snapshots join the candidates, newest step first; a listing that fails
+     * now leaves the local ones (normally at least as new: S3 copies them) */
+    ckpt_entry *e3 = NULL;
+    size_t n3 = 0, k3 = 0;
+    if (s->s3_read) {
+        char w[400] = "";
+        int lr = ckpt_list_s3(s->s3_read, &e3, &n3, w, sizeof w);
+        if (lr < 0) {
+            LOG_W(TAG, "cannot list the snapshots on %s: %s; resuming from %s only", o->s3,
+                  w[0] ? w : strerror(-lr), o->ckpt_dir);
+            e3 = NULL;
+            n3 = 0;
+        } else {
+            LOG_I(TAG, "%s holds %zu snapshot folder%s", o->s3, n3, n3 == 1 ? "" : "s");
+            for (size_t j = 0; j < n3; j++)
+                if (e3[j].status == CKPT_STATUS_COMMITTED && (int64_t)e3[j].step > s->s3_newest)
+                    s->s3_newest = (int64_t)e3[j].step;
+        }
+        k3 = n3;
+    }
     int result = -1;
     size_t bad = 0;       /* snapshots found corrupt now, set aside */
     size_t earlier = 0;   /* folders set aside as corrupt by earlier resumes */
-    char (*lines)[1024] = calloc(n ? n : 1, sizeof *lines); /* why each one failed */
+    char (*lines)[1024] = calloc(n + n3 ? n + n3 : 1, sizeof *lines); /* why each one failed */
     if (!lines) {
         free(e);
+        free(e3);
         return 1;
     }
-    for (size_t i = n; i-- > 0;) {
+    for (size_t i = n; result < 0 && i-- > 0;) {
+        /* S3 snapshots newer than this local one come first */
+        while (result < 0 && k3 > 0 && e3[k3 - 1].step > e[i].step) {
+            int r3 = try_s3_entry(s, &e3[--k3], lines[bad + earlier], sizeof lines[0], &fatal);
+            if (r3 >= 0) {
+                result = r3;
+                *resumed = r3 == 0;
+            } else if (lines[bad + earlier][0]) {
+                bad++;
+            }
+        }
+        if (result >= 0) break;
         char path[CKPT_PATH_MAX];
         snprintf(path, sizeof path, "%s/%s", o->ckpt_dir, e[i].name);
         if (e[i].status == CKPT_STATUS_SET_ASIDE) {
@@ -576,7 +685,28 @@ static int resume_rank0(state *s, int *resumed)
         int ar = ckpt_set_aside(o->ckpt_dir, e[i].name, aside, sizeof aside);
         if (ar == 0) LOG_W(TAG, "set %s aside as %s/%s", path, o->ckpt_dir, aside);
         else LOG_W(TAG, "could not set %s aside: %s", path, strerror(-ar));
+        /* the S3 copy of the same step, when there is one (DESIGN I1) */
+        while (result < 0 && k3 > 0 && e3[k3 - 1].step == e[i].step) {
+            int r3 = try_s3_entry(s, &e3[--k3], lines[bad + earlier], sizeof lines[0], &fatal);
+            if (r3 >= 0) {
+                result = r3;
+                *resumed = r3 == 0;
+            } else if (lines[bad + earlier][0]) {
+                bad++;
+            }
+        }
     }
+    /* S3 snapshots older than every local one */
+    while (result < 0 && k3 > 0) {
+        int r3 = try_s3_entry(s, &e3[--k3], lines[bad + earlier], sizeof lines[0], &fatal);
+        if (r3 >= 0) {
+            result = r3;
+            *resumed = r3 == 0;
+        } else if (lines[bad + earlier][0]) {
+            bad++;
+        }
+    }
+    free(e3);
     if (result < 0 && bad + earlier > 0 && !o->allow_fresh_start) {
         /* snapshots existed and none could be restored: starting from step 0 silently would
          * lose the run's work; an input error (DESIGN I8), a restart would find the same */
@@ -598,6 +728,56 @@ static int resume_rank0(state *s, int *resumed)
         result = 0;
     }
     return result;
+}
+
+/* Every rank, after a restore from S3: leave a verified local copy in --ckpt-dir so that the
+ * next restart is local. Each rank fetches the data files f with f % W == rank into one temp
+ * folder, every chunk checked; when all succeeded rank 0 writes the manifest and renames the
+ * folder to its step name. A failure is logged and costs nothing but the copy (the next
+ * restart restores from S3 again). Collective. Returns 0, or -EIO when a collective failed. */
+static int local_copy(state *s, const char *url)
+{
+    const options *o = s->o;
+    double t0 = clock_now_s();
+    char why[600] = "", tmp[CKPT_PATH_MAX] = "", d[32];
+    ckpt_snapshot *snap = NULL;
+    objstore_opts so;
+    train_s3_store_opts(o, &so);
+    int rc = ckpt_snapshot_open_any(&snap, url, &so, why, sizeof why);
+    if (rc == 0) {
+        ckpt_step_dirname(ckpt_snapshot_step(snap), d, sizeof d);
+        snprintf(tmp, sizeof tmp, "%s/.tmp-%s-s3copy-%s", o->ckpt_dir, d, s->run_id);
+        if (mkdir(tmp, 0755) != 0 && errno != EEXIST) {
+            rc = -errno;
+            snprintf(why, sizeof why, "cannot create %s: %s", tmp, strerror(errno));
+        }
+    }
+    if (rc == 0) rc = ckpt_s3_copy_files(snap, tmp, (uint32_t)s->rank, (uint32_t)s->world, why,
+                                         sizeof why);
+    if (rc < 0 && s->world > 1) LOG_W(TAG, "local copy of %s: %s", url, why[0] ? why : strerror(-rc));
+    int comm_err = 0, who = 0;
+    int all = agree(s, rc, &comm_err, &who);
+    if (comm_err) {
+        ckpt_snapshot_close(snap);
+        return -EIO;
+    }
+    if (s->rank == 0) {
+        if (all == 0) {
+            all = ckpt_s3_commit_local(snap, tmp, o->ckpt_dir);
+            if (all == 0)
+                LOG_I(TAG, "left a verified local copy of %s in %s/%s (%.0f ms): the next restart "
+                      "is local", url, o->ckpt_dir, d, (clock_now_s() - t0) * 1e3);
+            else
+                LOG_W(TAG, "no local copy of %s: the commit in %s failed: %s", url, o->ckpt_dir,
+                      strerror(-all));
+        } else {
+            LOG_W(TAG, "no local copy of %s (rank %d: %s); training goes on, a restart restores "
+                  "from S3 again", url, who, who == 0 && why[0] ? why : strerror(-all));
+        }
+        if (all != 0 && tmp[0]) store_remove_tree(tmp);
+    }
+    ckpt_snapshot_close(snap);
+    return 0;
 }
 
 /* Every rank: the resume decided by rank 0 (collective). Returns 0, 1 or 2 (exit status). */
@@ -632,6 +812,8 @@ int train_resume(state *s)
         m.global_batch = s->global_batch;
         m.resumed = resumed;
         snprintf(m.run_id, sizeof m.run_id, "%s", s->run_id);
+        m.from_s3 = status == 0 && resumed && s->s3_restored[0] && o_ckpt_dir(s);
+        if (m.from_s3) snprintf(m.path, sizeof m.path, "%s", s->s3_restored);
         if (s->world > 1) {
             int rc = train_comm_broadcast(s->comm, &m, sizeof m, 0);
             if (rc < 0 && status == 0) {
@@ -639,6 +821,7 @@ int train_resume(state *s)
                 status = 1;
             }
         }
+        if (status == 0 && m.from_s3 && local_copy(s, m.path) < 0) status = 1;
         return status;
     }
     for (;;) {
@@ -663,5 +846,9 @@ int train_resume(state *s)
         }
     }
     snprintf(s->run_id, sizeof s->run_id, "%s", m.run_id);
+    if (m.from_s3) {
+        snprintf(s->s3_restored, sizeof s->s3_restored, "%s", m.path);
+        if (local_copy(s, m.path) < 0) return 1;
+    }
     return 0;
 }

@@ -274,6 +274,10 @@ int train_make_engine(state *s)
     eo.reserve_bytes = 3 * (s->hi - s->lo) * sizeof(float);
     eo.overlap = o->overlap;
     eo.group = s->world > 1 ? &s->group : NULL;
+    if (s->uploader) {
+        eo.on_commit = train_s3_on_commit;
+        eo.on_commit_ctx = s;
+    }
     int rc = ckpt_engine_create(&s->engine, &eo);
     if (rc < 0) LOG_E(TAG, "cannot start the snapshot engine for %s: %s", o->ckpt_dir, strerror(-rc));
     return rc;

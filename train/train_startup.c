@@ -112,6 +112,7 @@ int train_startup_local(state *s)
             LOG_W(TAG, "snapshot folder %s did not exist (created it): nothing to resume",
                   o->ckpt_dir);
     }
+    if (o->s3) return train_s3_open(s);
     return 0;
 }
 
@@ -131,7 +132,8 @@ static void settings_text(const state *s, char *buf, size_t len)
              "steps=%d;lr=%.9g;min-lr-ratio=%.9g;warmup=%d;weight-decay=%.9g;grad-clip=%.9g;"
              "beta1=%.9g;beta2=%.9g;eps=%.9g;seed=%" PRIu64 ";eval-every=%d;val-samples=%d;"
              "ckpt-every=%d;resume=%s;run-id=%s;keep-last=%u;keep-every=%d;compress=%d;"
-             "zstd-level=%d;shuffle=%d;chunk=%" PRIu64 ";policy=%d;comm-timeout=%g;ckpt-dir=%.3000s;",
+             "zstd-level=%d;shuffle=%d;chunk=%" PRIu64 ";policy=%d;comm-timeout=%g;s3=%.1000s;"
+             "s3-part=%" PRIu64 ";s3-signature=%d;s3-keep-last=%u;ckpt-dir=%.3000s;",
              s->train ? train_dataset_hash(s->train) : 0, s->val ? train_dataset_hash(s->val) : 0,
              o->model.vocab, o->model.seq_len, o->model.n_layer, o->model.n_embd, o->model.n_head,
              o->micro_batch, o->grad_accum, o->grad_accum_set ? "(given)" : "", o->global_batch,
@@ -140,7 +142,8 @@ static void settings_text(const state *s, char *buf, size_t len)
              train_f2d(o->adam.beta1), train_f2d(o->adam.beta2), train_f2d(o->adam.eps), o->seed,
              o->eval_every, o->val_samples, o->ckpt_every, o->resume ? o->resume : "none",
              o->run_id ? o->run_id : "-", o->keep_last, o->keep_every, o->compress, o->zstd_level,
-             o->filter, o->chunk_bytes, o->policy, o->comm_timeout, dir);
+             o->filter, o->chunk_bytes, o->policy, o->comm_timeout, o->s3 ? o->s3 : "-",
+             o->s3_part_bytes, o->s3_signature, o->s3_keep_last, dir);
 }
 
 /* The first setting in which a and b differ, as "key (a vs b)". */
@@ -172,7 +175,7 @@ static void first_difference(const char *a, const char *b, char *out, size_t len
 int train_startup_agree(state *s, int local)
 {
     if (s->world == 1) return local;
-    enum { TEXT = 4000 };
+    enum { TEXT = 6000 };
     typedef struct { int32_t status; char text[TEXT]; } msg;
     msg *all = calloc((size_t)s->world, sizeof *all);
     if (!all) return 1;
@@ -276,6 +279,9 @@ int train_dist_init(state *s)
             LOG_E(TAG, "rank %d cannot open the snapshot vote channel: %s", s->rank, strerror(-rc));
             return 1;
         }
+        if (o->ckpt_every > 0 && o->s3 &&
+            (rc = train_s3_vote_create(s, co.store_host, co.store_port, token, gen)) < 0)
+            return 1;
         /* every rank holds its store connections now: rank 0 may stop the store (exit)
          * without leaving anyone connecting to a gone server */
         if ((rc = train_comm_barrier(s->comm)) < 0) {

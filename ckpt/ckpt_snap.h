@@ -1,0 +1,82 @@
+/* ckpt_snap.h - the open snapshot handle, shared by the local reader (ckpt_read.c) and the
+ * S3 tier (ckpt_s3.c). Internal. */
+#ifndef CKPT_SNAP_H
+#define CKPT_SNAP_H
+
+#include "ckpt.h"
+#include "objstore.h"
+#include "storage.h"
+
+#include <stdint.h>
+#include <zstd.h>
+
+typedef struct chunk {
+    uint64_t offset;       /* raw offset within the buffer */
+    uint64_t bytes;        /* raw bytes */
+    uint64_t file_offset;  /* where the stored frame starts in its file */
+    uint64_t stored_bytes;
+    uint64_t xxh_raw, xxh_stored;
+    uint32_t file;         /* index into files */
+    int filter;            /* enum ckpt_filter */
+    int codec_zstd;        /* 1 zstd frame, 0 stored raw */
+    uint32_t index;        /* chunk number within its shard, for messages */
+} chunk;
+
+typedef struct buffer {
+    char *name;
+    char *dtype;
+    uint32_t elem_bytes;
+    uint64_t total_bytes;
+    size_t nchunks;
+    chunk *chunks; /* sorted by offset, covering [0, total_bytes) exactly */
+} buffer;
+
+typedef struct file {
+    char *name;
+    uint64_t bytes;
+} file;
+
+/* Decode state of one reading thread: zstd context, bounded buffers, one io_uring reader per
+ * data file (opened on first use). */
+typedef struct rctx {
+    ZSTD_DCtx *dctx;
+    uint8_t *stored, *raw, *filt;
+    store_reader **readers;
+} rctx;
+
+struct ckpt_snapshot {
+    char path[CKPT_PATH_MAX];
+    uint64_t step;
+    uint32_t world_size;
+    int64_t created;
+    char *run_id, *config_hash, *trainer_json;
+    size_t nfiles, nbuffers;
+    file *files;
+    buffer *buffers;
+    uint64_t max_stored, max_raw;
+    uint64_t chunk_max; /* the manifest's chunk_bytes */
+    unsigned threads; /* reading threads; default 2 */
+    rctx *ctx;        /* (threads) decode states, allocated on first read */
+    /* the S3 tier (ckpt_s3.c): NULL os = local files under path */
+    objstore *os;
+    int own_os;           /* close os with the handle */
+    uint64_t part_bytes;  /* object size cap the snapshot was uploaded with */
+    char *text;           /* the manifest as read (S3 handles only) */
+    size_t text_len;
+};
+
+
+
+/* Check and parse manifest text into s (s->path set by the caller): checksum, limits, JSON,
+ * layout; local data files are stat-ed unless s->os is set. */
+int ckpt_snapshot_parse_text(ckpt_snapshot *s, const char *text, size_t len, char *why,
+                             size_t why_len);
+
+/* S3 handles: read len stored bytes of data file `file` at offset off into dst (ckpt_s3.c). */
+int ckpt_s3_read_stored(const ckpt_snapshot *s, uint32_t file, uint64_t off, uint64_t len,
+                        uint8_t *dst, char *bad, size_t bad_len);
+
+/* A new handle with the defaults (2 threads) for path; NULL when out of memory. */
+ckpt_snapshot *ckpt_snapshot_alloc(const char *path);
+
+#endif /* CKPT_SNAP_H */

@@ -1,0 +1,176 @@
+/* train_s3.c - the S3 tier of the train program: store handles, the start-up check of the
+ * bucket, the uploader and its events (see train_internal.h). */
+#include "ckpt_s3.h"
+#include "clock.h"
+#include "log.h"
+#include "objstore.h"
+#include "train_internal.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define TAG "s3"
+
+void train_s3_store_opts(const options *o, objstore_opts *so)
+{
+    *so = (objstore_opts)OBJSTORE_OPTS_INIT;
+    so->url = o->s3;
+    so->signature = o->s3_signature;
+    so->request_timeout_s = o->s3_timeout;
+    so->max_attempts = o->s3_attempts;
+}
+
+int train_s3_open(state *s)
+{
+    const options *o = s->o;
+    objstore_opts so;
+    train_s3_store_opts(o, &so);
+    char why[400] = "";
+    int rc = objstore_open(&s->s3_read, &so, why, sizeof why);
+    if (rc == 0) rc = objstore_open(&s->s3_up, &so, why, sizeof why);
+    if (rc < 0) {
+        LOG_E(TAG, "--s3 %s: %s", o->s3, why[0] ? why : strerror(-rc));
+        return rc == -ENOMEM ? 1 : 2;
+    }
+    /* the credentials and the bucket, before the first step: a listing of the prefix */
+    char pfx[1100];
+    const char *p = objstore_prefix(s->s3_read);
+    snprintf(pfx, sizeof pfx, "%s%s", p, *p ? "/" : "");
+    objstore_entry *e = NULL;
+    size_t n = 0;
+    double t0 = clock_now_s();
+    rc = objstore_list(s->s3_read, pfx, "/", &e, &n, 0, why, sizeof why);
+    objstore_entries_free(e, n);
+    if (rc == -EACCES || rc == -ENXIO || rc == -EINVAL) {
+        LOG_E(TAG, "--s3 %s: %s", o->s3, why[0] ? why : strerror(-rc));
+        return 2; /* wrong keys, no such bucket: a restart would find the same (DESIGN I8) */
+    }
+    if (rc < 0) {
+        /* an outage: training goes on, the uploads retry; a resume that needs the bucket
+         * finds out on its own */
+        LOG_W(TAG, "--s3 %s: the bucket cannot be reached now (%s); training goes on, uploads "
+              "will retry", o->s3, why[0] ? why : strerror(-rc));
+        return 0;
+    }
+    if (s->rank == 0)
+        LOG_I(TAG, "S3 tier: %s at %s (signature %s), reachable (%.0f ms)", o->s3,
+              objstore_endpoint(s->s3_read), objstore_signature(s->s3_read) == OBJSTORE_SIG_V2 ?
+              "v2" : "v4", (clock_now_s() - t0) * 1e3);
+    return 0;
+}
+
+int train_s3_vote_create(state *s, const char *host, int port, const char *token,
+                         const char *gen)
+{
+    char vprefix[160];
+    snprintf(vprefix, sizeof vprefix, "g%s/s3/%s", gen && *gen ? gen : "0", s->job_tag);
+    int rc = train_vote_create(&s->s3_vote, &s->s3_group, host, port, token, 60.0, vprefix,
+                               s->job_tag, s->rank, s->world, s->o->s3_snapshot_timeout);
+    if (rc < 0)
+        LOG_E(TAG, "rank %d cannot open the upload confirmation channel: %s", s->rank, strerror(-rc));
+    return rc;
+}
+
+static void on_event(void *ctx, const ckpt_upload_event *ev)
+{
+    state *s = ctx;
+    switch (ev->kind) {
+    case CKPT_UPLOAD_DONE:
+        if (s->rank == 0)
+            LOG_I(TAG, "step %" PRIu64 " is on S3 (%s): %.2f MiB from this rank in %.2f s "
+                  "(%.1f MiB/s), %u requests, %u retries; lag %" PRIu64 " steps, %.0f s", ev->step,
+                  s->o->s3, (double)ev->bytes / 1048576.0, ev->seconds,
+                  ev->seconds > 0 ? (double)ev->bytes / 1048576.0 / ev->seconds : 0.0, ev->requests,
+                  ev->retries, ev->lag_steps, ev->lag_seconds);
+        else
+            LOG_D(TAG, "step %" PRIu64 ": objects uploaded (%.2f MiB, %.2f s, %u retries)", ev->step,
+                  (double)ev->bytes / 1048576.0, ev->seconds, ev->retries);
+        train_report_upload(s->report, "done", (int64_t)ev->step, ev->bytes, ev->seconds, 0,
+                            ev->lag_steps, ev->lag_seconds, ev->remote_step);
+        break;
+    case CKPT_UPLOAD_FAILED:
+        LOG_W(TAG, "upload of step %" PRIu64 " failed after %.1f s (%u requests, %u retries): %s; "
+              "the local snapshot is intact, the next one will be tried", ev->step, ev->seconds,
+              ev->requests, ev->retries, ev->why ? ev->why : strerror(-ev->result));
+        train_report_upload(s->report, "failed", (int64_t)ev->step, ev->bytes, ev->seconds,
+                            ev->result, ev->lag_steps, ev->lag_seconds, ev->remote_step);
+        break;
+    case CKPT_UPLOAD_SKIPPED:
+        train_report_upload(s->report, "skipped", (int64_t)ev->step, 0, 0, ev->result,
+                            ev->lag_steps, ev->lag_seconds, ev->remote_step);
+        break;
+    case CKPT_UPLOAD_LAG:
+        LOG_W(TAG, "S3 lags behind: the oldest snapshot not yet on S3 was committed %.0f s ago "
+              "(%" PRIu64 " steps behind; newest complete on S3: %s%" PRId64 "); threshold "
+              "--s3-lag-warn %.0f s", ev->lag_seconds, ev->lag_steps,
+              ev->remote_step < 0 ? "none, " : "step ", ev->remote_step,
+              s->o->s3_lag_warn);
+        break;
+    }
+}
+
+int train_s3_start(state *s)
+{
+    const options *o = s->o;
+    if (!o->s3 || o->ckpt_every <= 0) return 0;
+    ckpt_uploader_opts uo = {0};
+    uo.os = s->s3_up;
+    uo.dir = o->ckpt_dir;
+    uo.group = s->world > 1 ? &s->s3_group : NULL;
+    uo.part_bytes = o->s3_part_bytes;
+    uo.backlog = o->s3_backlog;
+    uo.keep_last = s->rank == 0 ? o->s3_keep_last : 0;
+    uo.run_id = s->run_id;
+    uo.snapshot_timeout_s = o->s3_snapshot_timeout;
+    uo.lag_warn_s = o->s3_lag_warn;
+    char state_file[CKPT_PATH_MAX];
+    snprintf(state_file, sizeof state_file, "%s/%s", o->ckpt_dir, CKPT_UPLOAD_STATE_NAME);
+    uo.state_file = s->rank == 0 ? state_file : NULL;
+    uo.remote_step = s->rank == 0 ? s->s3_newest : -1;
+    uo.on_event = on_event;
+    uo.ctx = s;
+    int rc = ckpt_uploader_create(&s->uploader, &uo);
+    if (rc < 0) LOG_E(TAG, "cannot start the S3 uploader: %s", strerror(-rc));
+    return rc;
+}
+
+void train_s3_on_commit(void *ctx, uint64_t step)
+{
+    state *s = ctx;
+    if (s->uploader) ckpt_uploader_submit(s->uploader, step, (double)time(NULL));
+}
+
+void train_s3_finish(state *s, int drain)
+{
+    if (s->uploader) {
+        double t = s->o->s3_drain_timeout, end = clock_now_s() + t;
+        int rc = 0;
+        /* in slices, each followed by a report line: a launcher's hang watchdog sees the
+         * rank alive while the last uploads finish */
+        while (drain && t > 0 && (rc = ckpt_uploader_drain(s->uploader, end - clock_now_s() < 5 ?
+                                                          end - clock_now_s() : 5)) == -ETIMEDOUT &&
+               clock_now_s() < end)
+            train_report_uploads_draining(s->report, s->step);
+        if (drain && t > 0 && rc == -ETIMEDOUT)
+            LOG_W(TAG, "uploads still in progress after --s3-drain-timeout %.0f s: stopping them "
+                  "(the local snapshots are intact; a later run with --s3 does not re-upload "
+                  "them)", t);
+        ckpt_upload_stats st;
+        ckpt_uploader_stats(s->uploader, &st);
+        ckpt_uploader_destroy(s->uploader);
+        s->uploader = NULL;
+        if (s->rank == 0)
+            LOG_I(TAG, "S3 uploads: %" PRIu64 " complete, %" PRIu64 " failed, %" PRIu64 " skipped; "
+                  "newest on S3: %s%" PRId64 "; lag %" PRIu64 " steps", st.uploaded, st.failed,
+                  st.skipped, st.remote_step < 0 ? "none " : "step ", st.remote_step, st.lag_steps);
+    }
+    objstore_close(s->s3_up);
+    objstore_close(s->s3_read);
+    s->s3_up = s->s3_read = NULL;
+    train_vote_free(s->s3_vote);
+    s->s3_vote = NULL;
+}
