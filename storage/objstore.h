@@ -76,9 +76,12 @@ typedef struct objstore_opts {
     double backoff_base_s;    /* default 0.2 */
     double backoff_max_s;     /* default 10 */
     unsigned max_in_flight;   /* requests objstore_run keeps in flight; default 8, [1, 256] */
+    unsigned list_page_keys;  /* keys asked per listing page (max-keys); default 1000, the
+                                 most servers give, [1, 1000] */
 } objstore_opts;
 
-#define OBJSTORE_OPTS_INIT {NULL, 0, 5.0, 60.0, 6u, 0.2, 10.0, 8u}
+/* A field left 0 (other than url) takes its default, so a zeroed struct works too. */
+#define OBJSTORE_OPTS_INIT {NULL, 0, 5.0, 60.0, 6u, 0.2, 10.0, 8u, 1000u}
 
 typedef struct objstore objstore;
 
