@@ -959,6 +959,17 @@ static int judge(objstore *s, slot *sl, int *rc)
                          "ends at %llu", (long long)x->range_total, (unsigned long long)end);
                 return OUT_FAIL;
             }
+            /* The server announced fewer bytes than asked (a cut body still announces them
+             * all): the object ends inside the range. libs3 hides Content-Range, so this is
+             * how V2 tells it from a cut. */
+            if (x->content_length > 0 && (uint64_t)x->content_length < x->get_len &&
+                x->got == (uint64_t)x->content_length) {
+                *rc = -ERANGE;
+                snprintf(sl->reason, sizeof sl->reason, "the answer has %lld of the %llu bytes "
+                         "asked for: the object ends inside the range",
+                         (long long)x->content_length, (unsigned long long)x->get_len);
+                return OUT_FAIL;
+            }
             if (s->o.signature == OBJSTORE_SIG_V4 && st != 206 &&
                 !(x->get_offset == 0 && x->content_length == (int64_t)x->get_len)) {
                 *rc = -EIO;
