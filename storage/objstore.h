@@ -9,7 +9,11 @@
  *   OBJSTORE_SIG_V2: libs3 2.0 (signature version 2; no session tokens). Kept for old
  *     S3-compatible servers that do not speak V4.
  * Requests are driven by this module's own loop (curl multi / libs3 request contexts with
- * their fd sets), so every attempt has a deadline: libs3 2.0 has none of its own.
+ * their fd sets), so every attempt has a deadline: libs3 2.0 has none of its own. V2: the
+ * connect timeout is not enforced separately (libs3 has no hook for it); the request
+ * timeout and the low-speed rule (below) bound a silent connection instead. libs3 2.0 does
+ * not report HTTP statuses either: with V2, objstore_op.http_status is the status its
+ * S3Status implies (an error it does not name counts as 500).
  *
  * Settings, read at objstore_open the way the AWS CLI reads them:
  *   AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL: "http[s]://host[:port]" of an S3-compatible
@@ -31,10 +35,12 @@
  * GET must deliver exactly the bytes asked for (a short or long body is retried).
  *
  * Retries (objstore_retryable): connection failures (refused, reset, timed out, DNS,
- * TLS), HTTP 408, 429, 500, 502, 503, 504 and any other 5xx, and the S3 error codes
- * InternalError, SlowDown, RequestTimeout, RequestTimeTooSkewed, ServiceUnavailable,
- * Throttling, ThrottlingException, RequestThrottled, and a body cut short or a PUT whose
- * HEAD check disagrees. Backoff: "full jitter" (AWS Architecture Blog, "Exponential Backoff
+ * the TLS handshake; not a certificate that fails verification), HTTP 408, 429, 500, 502,
+ * 503, 504 and any other 5xx, and the S3 error codes InternalError, SlowDown,
+ * RequestTimeout, RequestTimeTooSkewed, ServiceUnavailable, Throttling,
+ * ThrottlingException, RequestThrottled, BadDigest and IncompleteBody (the body was damaged
+ * or cut on the way), whatever the status they come with; and a body cut short, a 2xx with
+ * an error document, or a PUT whose HEAD check disagrees. Backoff: "full jitter" (AWS Architecture Blog, "Exponential Backoff
  * And Jitter", 2015): before attempt k+1 sleep uniform(0, min(backoff_max_s,
  * backoff_base_s * 2^k)). Everything else (403 AccessDenied / InvalidAccessKeyId /
  * SignatureDoesNotMatch, 404 NoSuchBucket, 400) fails at once with a one-line why naming the
@@ -49,7 +55,10 @@
  *   -ETIMEDOUT  the attempts' deadlines or the call's deadline passed
  *   -ECONNREFUSED, -ECONNRESET, -EHOSTUNREACH  transport failures after the last attempt
  *   -EIO        5xx / throttling after the last attempt, a short body, an error document,
- *               a PUT whose HEAD check disagreed
+ *               a PUT whose HEAD check disagreed, another 4xx (405, 409, 412, ...)
+ *   -ERANGE     GET: the range runs past the end of the object (416 InvalidRange, or an
+ *               answer that announces fewer bytes than asked for); not retried
+ *   -EFBIG      GET whole: the object is larger than get_max
  *   -ECANCELED  objstore_cancel was called
  *   -ENOMEM
  *
@@ -76,9 +85,12 @@ typedef struct objstore_opts {
     double backoff_base_s;    /* default 0.2 */
     double backoff_max_s;     /* default 10 */
     unsigned max_in_flight;   /* requests objstore_run keeps in flight; default 8, [1, 256] */
+    unsigned list_page_keys;  /* keys asked per listing page (max-keys); default 1000, the
+                                 most servers give, [1, 1000] */
 } objstore_opts;
 
-#define OBJSTORE_OPTS_INIT {NULL, 0, 5.0, 60.0, 6u, 0.2, 10.0, 8u}
+/* A field left 0 (other than url) takes its default, so a zeroed struct works too. */
+#define OBJSTORE_OPTS_INIT {NULL, 0, 5.0, 60.0, 6u, 0.2, 10.0, 8u, 1000u}
 
 typedef struct objstore objstore;
 
@@ -107,7 +119,8 @@ enum objstore_kind { OBJSTORE_PUT = 1, OBJSTORE_GET = 2, OBJSTORE_HEAD = 3, OBJS
 
 /* One request of a batch. The caller fills the inputs; objstore_run fills the results. Keys
  * are full keys within the bucket (the caller adds objstore_prefix) of [A-Za-z0-9._/-],
- * 1..1024 bytes. */
+ * 1..1024 bytes, without a leading slash, an empty segment ("a//b") or a "." or ".."
+ * segment (curl would fold those and reach another object). */
 typedef struct objstore_op {
     int kind;                 /* enum objstore_kind */
     const char *key;
@@ -123,7 +136,8 @@ typedef struct objstore_op {
     char meta_value[128];     /* PUT: input (printable ASCII); GET/HEAD: output */
     /* GET: bytes [get_offset, get_offset + get_len) into get_buf (get_len bytes, caller-owned).
      * get_len 0 with get_buf NULL: the whole object into a malloc'ed buffer returned in
-     * get_whole (caller frees; a NUL is appended; at most get_max bytes, else -EFBIG). */
+     * get_whole (caller frees; a NUL is appended; at most get_max bytes, 1..2^40, else
+     * -EFBIG). Any other combination is -EINVAL. */
     void *get_buf;
     uint64_t get_offset, get_len;
     uint64_t get_max;
@@ -142,9 +156,11 @@ typedef struct objstore_op {
 /* Run n requests with up to max_in_flight in flight, each retried as above, in the order
  * given (ops are started in array order: give ranged GETs ordered by offset). Waits for all
  * of them; a request whose deadline (now + deadline_s; <= 0: none beyond the per-attempt
- * limits) passes gets -ETIMEDOUT. Returns 0 when every op succeeded, else the rc of the
- * first failed op in array order (each op has its own rc and why).
- * Errors: -EINVAL s or ops NULL, or a malformed op (that op's rc says which). */
+ * limits) passes gets -ETIMEDOUT (also when the next backoff would end past it). Returns 0
+ * when every op succeeded, else the rc of the first failed op in array order (each op has
+ * its own rc and why). A PUT first reads its body once for the MD5, then streams it.
+ * Errors: -EINVAL s or ops NULL, or a malformed op (that op's rc and why say which; then no
+ * op of the batch runs, and the others get -ECANCELED). */
 int objstore_run(objstore *s, objstore_op *ops, size_t n, double deadline_s);
 
 /* One entry of a listing. */
@@ -155,8 +171,10 @@ typedef struct objstore_entry {
     char etag[72];
 } objstore_entry;
 
-/* List the keys under `prefix` (may be "" or NULL), with ListObjects (V2 signer: libs3's
- * ListBucket; V4: ListObjectsV2), following continuation markers. With delimiter ("/") the
+/* List the keys under `prefix` (may be "" or NULL; [A-Za-z0-9._/-]), with ListObjects (V2
+ * signer: libs3's ListBucket; V4: ListObjectsV2), list_page_keys keys a page, following
+ * continuation markers, each page retried as objstore_run retries. Entries come in the
+ * server's order (by key). With delimiter (one of "/", ".", "_", "-") the
  * keys below the next delimiter are folded into common prefixes. The caller frees the array
  * with objstore_entries_free. At most max_entries entries (-EFBIG past it; 0 = 1,000,000).
  * Errors: as objstore_run, and -EBADMSG (an answer that is not a listing: never about
