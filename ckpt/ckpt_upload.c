@@ -430,8 +430,9 @@ int ckpt_uploader_submit(ckpt_uploader *u, uint64_t step, double committed_unix)
         }
     }
     if (rc == 0 && u->rank == 0) {
-        snprintf(path, sizeof path, "%s/%s/manifest.json", u->dir, d);
-        rc = store_read_file(path, CKPT_MAX_MANIFEST_BYTES, STORE_NOFOLLOW, &j.manifest, &j.manifest_len);
+        if (snprintf(path, sizeof path, "%s/%s/manifest.json", u->dir, d) >= (int)sizeof path)
+            rc = -ENAMETOOLONG;
+        if (rc == 0) rc = store_read_file(path, CKPT_MAX_MANIFEST_BYTES, STORE_NOFOLLOW, &j.manifest, &j.manifest_len);
     }
     if (u->rank == 0) {
         pthread_mutex_lock(&u->mu);

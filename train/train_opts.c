@@ -91,7 +91,9 @@ static const char usage_text2[] =
     "                        state)\n"
     "  --chunk-mib N         raw MiB per chunk (default 4)\n"
     "  --no-direct-io        buffered writes instead of O_DIRECT\n"
-    "Off-site backup on S3 (docs/OPERATIONS.md, \"S3\"):\n"
+    ;
+static const char usage_text_s3[] =
+    "Off-site backup on S3 (docs/OPERATIONS.md, \"Off-site backup on S3\"):\n"
     "  --s3 s3://BUCKET/PREFIX  upload every committed snapshot in the background, and let\n"
     "                        --resume auto restore from the bucket (the newest complete snapshot\n"
     "                        across --ckpt-dir and S3). Settings and keys from the AWS variables\n"
@@ -108,6 +110,8 @@ static const char usage_text2[] =
     "  --s3-snapshot-timeout S  bound of one snapshot's upload, seconds (default 1800)\n"
     "  --s3-lag-warn S       warn when the oldest snapshot not yet on S3 is older (default 1800)\n"
     "  --s3-drain-timeout S  at the end, wait this long for uploads in progress (default 600)\n"
+    ;
+static const char usage_text3[] =
     "Ranks (one process per rank; launched by elastic, torchrun-style or by hand):\n"
     "  --comm-timeout S      deadline of each collective, seconds (default 60); a dead rank is\n"
     "                        noticed at once, a stopped one at this deadline\n"
@@ -324,6 +328,8 @@ int train_parse_args(int argc, char **argv, options *o)
         case 'h':
             fputs(usage_text, stdout);
             fputs(usage_text2, stdout);
+            fputs(usage_text_s3, stdout);
+            fputs(usage_text3, stdout);
             exit(0);
         default: bad = 1; fputs("train: see --help\n", stderr); break;
         }
