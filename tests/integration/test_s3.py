@@ -103,6 +103,11 @@ class S3(TempDirTest):
         p = inspect("--json", "list", d, check=True)
         self.assertEqual(json.loads(p.stdout)["s3"]["remote_step"], 6)
         self.assertEqual(inspect("verify", self.url() + "/step-000000003", env=self.env).returncode, 0)
+        p = inspect("--json", "show", self.url() + "/step-000000003", env=self.env, check=True)
+        self.assertEqual(json.loads(p.stdout)["world_size"], 2)
+        p = inspect("--json", "plan", self.url() + "/step-000000003", "--world-size", "4",
+                    env=self.env, check=True)
+        self.assertEqual(len(json.loads(p.stdout)["ranks"]), 4)
         # the local folder is lost; resume from the bucket at W = 2, 1, 4 from step 3
         shutil.rmtree(d)
         for world in (2, 1, 4):
@@ -231,6 +236,61 @@ class S3(TempDirTest):
         parts = [k for k in keys if ".part-" in k]
         self.assertEqual(len(parts), (size + (1 << 20) - 1) >> 20, keys)
         self.assertEqual(self.keys("job/step-000000002/"), [])
+
+    def test_interrupted_upload_then_the_same_step_saved_again_c32(self):
+        """C32: the job dies after rank 0 uploaded its objects of step 6 (rank 1's hang); the
+        local folder is lost; the restart restores step 3 from S3 and saves step 6 again: the
+        leftovers are overwritten, the manifest comes last, every rank agrees."""
+        ref, _ = ok(self, 1, ["--ckpt-dir", os.path.join(self.tmp, "ref"), "--ckpt-every", "3"],
+                    self.env)
+        d = os.path.join(self.tmp, "ck")
+        with s3env.FaultProxy(self.rgw.endpoint) as proxy:
+            e = dict(self.env, AWS_ENDPOINT_URL=proxy.endpoint)
+            rule = proxy.add_rule("hang", method="PUT", match="step-000000006/rank-00001")
+            ranks = Ranks(2, ["--ckpt-dir", d, "--ckpt-every", "3", "--s3", self.url()], self.tmp,
+                          extra_env=e, base=DIST)
+            deadline = time.time() + 120
+            while (rule.hits < 1 or "job/step-000000006/rank-00000.bin" not in
+                   " ".join(self.keys("job/step-000000006/"))) and time.time() < deadline:
+                time.sleep(0.05)
+            ranks.kill()
+            self.all_logs.append("\n".join(ranks.stderr(r) for r in range(2)))
+        self.assertEqual(self.s3_steps(), {3: "committed", 6: "incomplete"})
+        shutil.rmtree(d)
+        got, logs = ok(self, 2, ["--ckpt-dir", d, "--ckpt-every", "3", "--s3", self.url(),
+                                 "--resume", "auto"], self.env)
+        self.assertIn(f"resumed from {self.url()}/step-000000003", logs)
+        self.assertEqual(got["digest"], ref["digest"])
+        self.assertEqual(self.s3_steps(), {3: "committed", 6: "committed"})
+        p = inspect("verify", self.url() + "/step-000000006", env=self.env)
+        self.assertEqual(p.returncode, 0, p.stderr)
+
+    def test_full_backlog_drops_the_oldest_and_the_lag_warns(self):
+        """Slow uploads, a snapshot every step, a backlog of 1: older waiting snapshots are
+        dropped (logged, counted), the newest always goes; the lag warning fires."""
+        d = os.path.join(self.tmp, "ck")
+        with s3env.FaultProxy(self.rgw.endpoint) as proxy:
+            e = dict(self.env, AWS_ENDPOINT_URL=proxy.endpoint)
+            proxy.add_rule("delay:0.5", method="PUT")
+            got, logs = ok(self, 1, ["--ckpt-dir", d, "--ckpt-every", "1", "--steps", "8",
+                                     "--s3", self.url(), "--s3-backlog", "1",
+                                     "--s3-lag-warn", "0.5"], e)
+        skipped = [int(x) for x in re.findall(r"upload of step (\d+) skipped", logs)]
+        self.assertTrue(skipped, logs[-3000:])
+        self.assertNotIn(8, skipped)
+        self.assertIn("S3 lags behind", logs)
+        m = re.search(r"S3 uploads: (\d+) complete, (\d+) failed, (\d+) skipped", logs)
+        self.assertEqual(int(m.group(3)), len(skipped))
+        self.assertEqual(int(m.group(1)) + int(m.group(3)), 8)
+        steps = self.s3_steps()
+        self.assertEqual(steps.get(8), "committed")
+        for s in skipped:
+            self.assertNotIn(s, steps)
+        with open(os.path.join(d, ".s3-upload-state.json")) as f:
+            state = json.load(f)
+        self.assertEqual(state["remote_step"], 8)
+        self.assertEqual(sorted(x["step"] for x in state["steps"] if x["state"] == "skipped"),
+                         sorted(skipped))
 
     # ------------------------------------------------------------------ faults
 
