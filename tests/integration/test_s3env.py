@@ -113,6 +113,7 @@ class Proxy(Base):
         src = self.file("big", data)
         self.aws("s3", "cp", src, f"s3://{self.b}/big/rank-00000", check=True)  # multipart, 100-continue
         self.assertGreaterEqual(self.proxy.count("PUT", "big/rank-00000"), 3)
+        self.assertTrue(all(e["expect"] for e in self.proxy.events if e["method"] == "PUT"))
         self.aws("s3", "cp", f"s3://{self.b}/big/rank-00000", os.path.join(self.tmp, "back"), check=True)
         self.assertEqual(hashlib.sha256(self.read("back")).digest(), hashlib.sha256(data).digest())
         c = rgw.client(endpoint=self.proxy.endpoint)  # single PUT, then a ranged GET, through
@@ -188,6 +189,55 @@ class Proxy(Base):
         time.sleep(0.4)
         self.assertEqual(c.get(self.b, "d"), b"d")
         self.assertEqual(rule.hits, 1)
+
+
+class ProxyFraming(Base):
+    """Pass-through of what RGW seldom sends: chunked bodies both ways, on one kept-alive
+    connection (a local http.server upstream)."""
+
+    def test_chunked_both_ways_keep_alive(self):
+        import http.client
+        import http.server
+        import threading
+
+        class H(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def do_PUT(self):
+                body = b""
+                while True:  # a chunked request body
+                    size = int(self.rfile.readline().split(b";")[0], 16)
+                    if size == 0:
+                        self.rfile.readline()
+                        break
+                    body += self.rfile.read(size)
+                    self.rfile.readline()
+                self.send_response(200)
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for i in range(0, len(body), 7000):
+                    part = body[i:i + 7000]
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                self.wfile.write(b"0\r\n\r\n")
+
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        self.addCleanup(srv.server_close)
+        self.addCleanup(srv.shutdown)
+        with s3env.FaultProxy(f"http://127.0.0.1:{srv.server_address[1]}") as proxy:
+            c = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+            for n in (100_000, 3):
+                data = os.urandom(n)
+                c.request("PUT", "/b/k", body=iter([data[:n // 2], data[n // 2:]]),
+                          encode_chunked=True, headers={"Transfer-Encoding": "chunked"})
+                r = c.getresponse()
+                self.assertEqual(r.getheader("Transfer-Encoding"), "chunked")
+                self.assertEqual(r.read(), data)
+            c.close()
+            self.assertEqual(proxy.count("PUT"), 2)
 
 
 class S3rverTest(Base):
