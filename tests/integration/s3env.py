@@ -543,6 +543,9 @@ class RGW:
         except BaseException:
             logs = self.logs()
             self._stop_daemons(signal.SIGKILL)
+            self.stopped = True
+            if self.own_dir and not self.keep:  # the log tails go into the exception
+                shutil.rmtree(self.dir, ignore_errors=True)
             if isinstance(sys.exc_info()[1], S3EnvError):
                 raise S3EnvError(f"{sys.exc_info()[1]}\n{logs}") from None
             raise
@@ -1053,6 +1056,8 @@ class FaultProxy:
       cut-upload    (alias drop-request-body) forward the head and half the request body (half
                     the head when there is no body) upstream, then close both sides, no answer
       delay:S       wait S seconds, then forward
+    When upstream refuses the connection (radosgw killed), the client's connection is closed
+    without an answer, as the server's own would be.
     Counters: count(method, match), events (list of dicts), rule.hits."""
 
     def __init__(self, upstream, upstream_timeout=120.0, continue_wait=1.0):
@@ -1364,8 +1369,10 @@ class FaultProxy:
                 r, _, _ = select.select([usock], [], [], self.continue_wait)
                 if r:
                     head, line, _ = up.read_head()
-                    if " 100 " in line + " ":
-                        cs.sendall(head)
+                    if line.split(" ")[1:2] != ["100"]:  # refused: the body will not come
+                        self._close(usock, reset=True)
+                        raise _Dropped(False)
+                    cs.sendall(head)
             half = (framing[1] // 2) if framing[0] == "length" else 32 * 1024
             self._body(client, framing, usock.sendall, limit=max(1, half))
             self._close(usock, reset=True)

@@ -4,6 +4,7 @@ passing a 20 MiB object through unchanged and each of its faults failing the req
 should, and s3rver answering awscli."""
 import hashlib
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -37,7 +38,7 @@ def tearDownModule():
 class Base(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="test-s3env-")
-        self.addCleanup(lambda: __import__("shutil").rmtree(self.tmp, ignore_errors=True))
+        self.addCleanup(lambda: shutil.rmtree(self.tmp, ignore_errors=True))
 
     def file(self, name, data):
         path = os.path.join(self.tmp, name)
