@@ -10,7 +10,9 @@ die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 # Debian packages the build, the tests and the demo need.
 PKGS=(meson ninja-build pkg-config gcc liburing-dev libzstd-dev libxxhash-dev libjansson-dev
       libopenblas-dev libmicrohttpd-dev zstd strace python3 nodejs npm prometheus
-      protobuf-compiler python3-protobuf python3-crc32c)  # the last three: test_tensorboard
+      protobuf-compiler python3-protobuf python3-crc32c  # these three: test_tensorboard
+      ceph-mon ceph-osd radosgw ceph-common awscli  # S3 tests (tests/integration/s3env.py)
+      libs3-dev libcurl4-openssl-dev libxml2-dev libssl-dev)  # the S3 object store client
 
 install_packages() {
     local missing=()
@@ -29,6 +31,18 @@ install_packages() {
     $sudo apt-get update -qq || die "apt-get update failed"
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" \
         >/dev/null || die "apt-get install ${missing[*]} failed"
+}
+
+# s3rver (npm), the weak S3 server of the S3 tests (tests/integration/s3env.py), in
+# tests/.npm (ignored by git).
+S3RVER_VERSION=3.7.1
+install_s3rver() {
+    local prefix="$ROOT/tests/.npm"
+    [ -f "$prefix/node_modules/s3rver/bin/s3rver.js" ] && return 0
+    say "installing s3rver@$S3RVER_VERSION (npm) into tests/.npm"
+    mkdir -p "$prefix"
+    npm install --prefix "$prefix" --no-audit --no-fund --silent "s3rver@$S3RVER_VERSION" >/dev/null \
+        || die "npm install s3rver failed"
 }
 
 build() {
