@@ -811,11 +811,22 @@ int ckpt_snapshot_open(ckpt_snapshot **out, const char *path, char *why, size_t 
     if (!s) return -ENOMEM;
     ckpt_path_join(mpath, sizeof mpath, path, CKPT_MANIFEST_NAME); /* length checked above */
     int rc = store_read_file(mpath, CKPT_MAX_MANIFEST_BYTES, STORE_NOFOLLOW, &text, &len);
+    if (rc == -ENOENT) {
+        struct stat st;
+        if (stat(path, &st) != 0 && errno == ENOENT) {
+            log_why(why, why_len, "no such snapshot folder");
+            goto out; /* -ENOENT: nothing there (or it was just removed) */
+        }
+        /* the folder may have appeared since the read: a commit renames a temp folder that
+         * already holds its manifest, so now that the folder is there the manifest is too,
+         * unless the folder really lacks one; read again before calling it corrupt */
+        rc = store_read_file(mpath, CKPT_MAX_MANIFEST_BYTES, STORE_NOFOLLOW, &text, &len);
+    }
     if (rc < 0) {
         struct stat st;
         if (rc == -ENOENT && stat(path, &st) != 0 && errno == ENOENT) {
             log_why(why, why_len, "no such snapshot folder");
-            goto out; /* -ENOENT: nothing there (or it was just removed) */
+            goto out; /* -ENOENT: removed since (retention, a set-aside) */
         }
         if (rc == -EFBIG)
             log_why(why, why_len, "%s is larger than the format's limit of %u bytes",
