@@ -921,6 +921,22 @@ static int status_rc(int status, const char *code)
     return -EIO;
 }
 
+/* A 2xx GET whose body is an S3 error document instead of the object (some gateways and
+ * proxies answer so; docs/OPERATIONS.md lists it as retried). The body went into the GET's
+ * buffer, so it is looked at there, and only when it cannot be the data asked for: a ranged
+ * answer shorter than the range, or a whole object whose first byte is '<' (manifests are
+ * JSON). */
+static int get_error_doc(os_xfer *x)
+{
+    const unsigned char *b = x->get_whole ? (const unsigned char *)x->whole : x->get_buf;
+    if (!b || x->got == 0 || x->got > 64 * 1024) return 0;
+    if (!x->get_whole && x->got >= x->get_len) return 0;
+    uint64_t i = 0;
+    while (i < x->got && isspace(b[i])) i++;
+    if (i == x->got || b[i] != '<') return 0;
+    return os_parse_error_doc(x, (const char *)b, (size_t)x->got);
+}
+
 /* Judge a finished attempt: OUT_OK, OUT_RETRY or OUT_FAIL with *rc and sl->reason. */
 static int judge(objstore *s, slot *sl, int *rc)
 {
@@ -943,6 +959,13 @@ static int judge(objstore *s, slot *sl, int *rc)
             *rc = -EIO;
             snprintf(sl->reason, sizeof sl->reason, "HTTP %d with an error document: %s%s%.120s",
                      st, x->code[0] ? x->code : "(no code)", x->msg[0] ? ": " : "", x->msg);
+            return OUT_RETRY;
+        }
+        if (x->kind == OS_X_GET && get_error_doc(x)) {
+            *rc = -EIO;
+            snprintf(sl->reason, sizeof sl->reason, "HTTP %d with an error document, not "
+                     "the object: %s%s%.100s", st, x->code[0] ? x->code : "(no code)",
+                     x->msg[0] ? ": " : "", x->msg);
             return OUT_RETRY;
         }
         if (x->kind == OS_X_LIST && x->parse_failed) {

@@ -349,6 +349,37 @@ class S3(TempDirTest):
             self.assertEqual((r2.hits, r3.hits), (1, 1))
         self.assertEqual(got["digest"], ref["digest"])
 
+
+    def test_error_document_in_a_200_to_a_get_is_transient(self):
+        """DESIGN I7: a 200 whose body is an error document, to the GET of a manifest or of a
+        chunk, is retried; when it never stops, the snapshot is "could not read" (exit 3, and
+        --resume auto exits 1 skipping nothing), never corrupt (it was listed as corrupt and
+        --resume auto fell back to the older step)."""
+        d = os.path.join(self.tmp, "ck")
+        ref, _ = ok(self, 1, ["--ckpt-dir", d, "--ckpt-every", "3", "--s3", self.url()], self.env)
+        shutil.rmtree(d)
+        newest = f"{self.url()}/step-000000006"
+        with s3env.FaultProxy(self.rgw.endpoint) as proxy:
+            e = dict(self.env, AWS_ENDPOINT_URL=proxy.endpoint)
+            for match in ("step-000000006/manifest.json", "step-000000006/rank-00000.bin"):
+                with self.subTest(match=match):
+                    rule = proxy.add_rule("error200:InternalError", method="GET", match=match, count=1)
+                    self.assertEqual(inspect("-q", "verify", newest, env=e).returncode, 0)
+                    self.assertEqual(rule.hits, 1)
+                    rule = proxy.add_rule("error200:InternalError", method="GET", match=match)
+                    p = inspect("-q", "verify", newest, env=e)
+                    self.assertEqual(p.returncode, 3, p.stderr)
+                    self.assertIn("error document", p.stderr)
+                    _, codes, logs = launch(self, 1, ["--ckpt-dir", d, "--ckpt-every", "3", "--s3",
+                                                      self.url(), "--resume", "auto", "--s3-attempts", "2"], e)
+                    self.assertEqual(codes, [1], logs[-3000:])
+                    self.assertNotIn("resumed from", logs)
+                    proxy.remove_rule(rule)
+            self.assertEqual(self.s3_steps(env=e), {3: "committed", 6: "committed"})
+            got, _ = ok(self, 1, ["--ckpt-dir", d, "--ckpt-every", "3", "--s3", self.url(),
+                                  "--resume", "auto"], e)
+        self.assertEqual(got["digest"], ref["digest"])
+
     def test_rgw_killed_mid_upload_and_restarted_a_minute_later_c26(self):
         """C26: radosgw SIGKILLed while snapshots upload, back a minute later: training never
         waits, the upload completes or is counted failed, nothing partial is taken as complete."""
