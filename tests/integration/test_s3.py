@@ -380,6 +380,21 @@ class S3(TempDirTest):
                                   "--resume", "auto"], e)
         self.assertEqual(got["digest"], ref["digest"])
 
+
+    def test_no_snapshot_on_s3_is_named_none(self):
+        """With S3 unreachable the whole run, the summary and ckpt-inspect list say there is no
+        complete snapshot on S3 (they printed "none -1")."""
+        d = os.path.join(self.tmp, "ck")
+        port = s3env.free_port()
+        e = dict(self.env, AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+        got, logs = ok(self, 1, ["--ckpt-dir", d, "--ckpt-every", "3", "--s3", self.url(),
+                                 "--s3-attempts", "1"], e)
+        self.assertIn("newest on S3: none;", logs)
+        self.assertNotIn("none -1", logs)
+        p = inspect("list", d, env=e)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn(f"S3 {self.url()}: no complete snapshot, lag 6 steps", p.stdout)
+
     def test_rgw_killed_mid_upload_and_restarted_a_minute_later_c26(self):
         """C26: radosgw SIGKILLed while snapshots upload, back a minute later: training never
         waits, the upload completes or is counted failed, nothing partial is taken as complete."""
