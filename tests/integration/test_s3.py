@@ -237,6 +237,24 @@ class S3(TempDirTest):
         self.assertEqual(len(parts), (size + (1 << 20) - 1) >> 20, keys)
         self.assertEqual(self.keys("job/step-000000002/"), [])
 
+
+    def test_remote_retention_leaves_a_nested_prefix_alone(self):
+        """Retention removes a step's own objects, not everything below its folder: another
+        job whose --s3 prefix lies inside it (named like a step folder) keeps its snapshots
+        (they were all deleted with the outer job's step)."""
+        nested = "job/step-000000003"
+        ok(self, 1, ["--ckpt-dir", os.path.join(self.tmp, "inner"), "--ckpt-every", "3",
+                     "--s3", self.url(nested)], self.env)
+        self.assertEqual(self.s3_steps(nested), {3: "committed", 6: "committed"})
+        ok(self, 1, ["--ckpt-dir", os.path.join(self.tmp, "outer"), "--ckpt-every", "3", "--steps", "9",
+                     "--s3", self.url(), "--s3-keep-last", "1"], self.env)
+        # the outer step 3 is gone; its folder stays as long as the inner job's keys do
+        self.assertEqual(self.s3_steps(), {3: "incomplete", 9: "committed"})
+        self.assertEqual(self.s3_steps(nested), {3: "committed", 6: "committed"})
+        self.assertFalse([k for k in self.keys(f"{nested}/") if k.count("/") == 2], "outer step 3 left")
+        self.assertEqual(inspect("-q", "verify", f"{self.url(nested)}/step-000000006",
+                                 env=self.env).returncode, 0)
+
     def test_interrupted_upload_then_the_same_step_saved_again_c32(self):
         """C32: the job dies after rank 0 uploaded its objects of step 6 (rank 1's hang); the
         local folder is lost; the restart restores step 3 from S3 and saves step 6 again: the
