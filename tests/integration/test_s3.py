@@ -179,6 +179,36 @@ class S3(TempDirTest):
         self.assertEqual(codes, [2], logs[-2000:])
         self.assertIn("nosuchbucket", logs)
 
+
+    def test_control_characters_in_keys_exit_2(self):
+        """DESIGN I5/I8: a key or session token with a line break (from the environment or the
+        credentials file) exits 2 before the first step naming the variable, never its value;
+        it was sent as it is, injecting a header into every request."""
+        d = os.path.join(self.tmp, "ck")
+        inj = "X-Injected: 1"
+        for extra, name in (({"AWS_SESSION_TOKEN": "tok\r\n" + inj}, "AWS_SESSION_TOKEN"),
+                            ({"AWS_ACCESS_KEY_ID": self.rgw.access_key + "\r\n" + inj}, "AWS_ACCESS_KEY_ID"),
+                            ({"AWS_SECRET_ACCESS_KEY": self.rgw.secret_key + "\n" + inj},
+                             "AWS_SECRET_ACCESS_KEY")):
+            with self.subTest(name=name):
+                _, codes, logs = launch(self, 1, ["--ckpt-dir", d, "--ckpt-every", "3", "--s3",
+                                                  self.url()], dict(self.env, **extra))
+                self.assertEqual(codes, [2], logs[-2000:])
+                self.assertIn(f"{name} has a control character", logs)
+                self.assertNotIn(inj, logs)
+                self.assertNotIn("step 1/", logs)
+        cred = os.path.join(self.tmp, "credentials")
+        with open(cred, "w") as f:
+            f.write(f"[default]\naws_access_key_id = {self.rgw.access_key}\r{inj}\n"
+                    f"aws_secret_access_key = {self.rgw.secret_key}\n")
+        e = dict(self.env, AWS_SHARED_CREDENTIALS_FILE=cred)
+        e.pop("AWS_ACCESS_KEY_ID")
+        e.pop("AWS_SECRET_ACCESS_KEY")
+        _, codes, logs = launch(self, 1, ["--ckpt-dir", d, "--ckpt-every", "3", "--s3", self.url()], e)
+        self.assertEqual(codes, [2], logs[-2000:])
+        self.assertIn("has a control character", logs)
+        self.assertNotIn(inj, logs)
+
     def test_rotated_credentials_file_c25(self):
         """C25: a new key in the credentials file, the old one revoked, uploads go on."""
         d = os.path.join(self.tmp, "ck")
