@@ -338,7 +338,9 @@ int ckpt_list_s3(objstore *os, ckpt_entry **entries, size_t *n, char *why, size_
 
 /* ------------------------------------------------------------------ retention */
 
-/* Remove one step from S3: the manifest first, then every key below the step folder. */
+/* Remove one step from S3: the manifest first, then the objects directly in the step folder
+ * (not below a deeper "/": those are not the snapshot's, e.g. another job's prefix that is
+ * named like a step folder). */
 static int remove_step(objstore *os, uint64_t step, char *why, size_t why_len)
 {
     char key[1100], pfx[1100];
@@ -354,18 +356,21 @@ static int remove_step(objstore *os, uint64_t step, char *why, size_t why_len)
     pfx[kl] = '\0';
     objstore_entry *le = NULL;
     size_t ln = 0;
-    if ((rc = objstore_list(os, pfx, NULL, &le, &ln, 0, why, why_len)) < 0) return rc;
+    if ((rc = objstore_list(os, pfx, "/", &le, &ln, 0, why, why_len)) < 0) return rc;
     objstore_op *ops = calloc(ln ? ln : 1, sizeof *ops);
     if (!ops) {
         objstore_entries_free(le, ln);
         return -ENOMEM;
     }
+    size_t nops = 0;
     for (size_t i = 0; i < ln; i++) {
-        ops[i].kind = OBJSTORE_DELETE;
-        ops[i].key = le[i].key;
+        if (le[i].is_prefix) continue;
+        ops[nops].kind = OBJSTORE_DELETE;
+        ops[nops].key = le[i].key;
+        nops++;
     }
-    rc = ln ? objstore_run(os, ops, ln, 0) : 0;
-    for (size_t i = 0; rc < 0 && i < ln; i++)
+    rc = nops ? objstore_run(os, ops, nops, 0) : 0;
+    for (size_t i = 0; rc < 0 && i < nops; i++)
         if (ops[i].rc < 0) {
             log_why(why, why_len, "%s", ops[i].why);
             break;

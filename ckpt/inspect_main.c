@@ -293,8 +293,11 @@ print:
             char t[32];
             fmt_time((int64_t)json_integer_value(json_object_get(up, "updated_unix")), t, sizeof t);
             const char *url = json_string_value(json_object_get(up, "url"));
-            printf("S3 %s: newest complete step %s%lld, lag %lld steps, %.0f s (as of %s UTC)\n",
-                   P(url ? url : "?"), remote_step < 0 ? "none " : "", (long long)remote_step,
+            char rs[48] = "no complete snapshot";
+            if (remote_step >= 0)
+                snprintf(rs, sizeof rs, "newest complete step %lld", (long long)remote_step);
+            printf("S3 %s: %s, lag %lld steps, %.0f s (as of %s UTC)\n",
+                   P(url ? url : "?"), rs,
                    (long long)json_integer_value(json_object_get(up, "lag_steps")),
                    json_number_value(json_object_get(up, "lag_seconds")), t);
         }

@@ -217,10 +217,20 @@ static void trim(const char **a, const char **b)
     while (*b > *a && ((*b)[-1] == ' ' || (*b)[-1] == '\t' || (*b)[-1] == '\r')) (*b)--;
 }
 
+/* A control character (a CR, a line break, ...) in a key would go into the request's
+ * headers as it is: an injected header, or a request the server cannot parse. */
+static int has_ctl(const char *a, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)a[i] < 0x20 || (unsigned char)a[i] == 0x7f) return 1;
+    return 0;
+}
+
 static int put_val(char *dst, size_t len, const char *a, const char *b)
 {
     size_t n = (size_t)(b - a);
     if (n + 1 > len) return -EINVAL;
+    if (has_ctl(a, n)) return -EILSEQ;
     memcpy(dst, a, n);
     dst[n] = 0;
     return 0;
@@ -332,6 +342,9 @@ static int load_cred_file(const char *path, const char *profile, os_creds *cr,
     if (rc == -ENOENT)
         log_why(why, why_len, "%s has no profile [%s] with aws_access_key_id and "
                 "aws_secret_access_key", path, profile);
+    else if (rc == -EILSEQ)
+        log_why(why, why_len, "%s: a value in profile [%s] has a control character", path,
+                profile);
     else if (rc)
         log_why(why, why_len, "%s: a value in profile [%s] is too long", path, profile);
     if (!rc && st_out) *st_out = st;
@@ -562,6 +575,15 @@ int objstore_open(objstore **out, const objstore_opts *opts, char *why, size_t w
             (tok && strlen(tok) >= sizeof s->cr.token)) {
             log_why(why, why_len, "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or "
                     "AWS_SESSION_TOKEN is too long");
+            rc = -EINVAL;
+            goto fail;
+        }
+        const char *bad = has_ctl(kid, strlen(kid))       ? "AWS_ACCESS_KEY_ID"
+                          : has_ctl(sec, strlen(sec))       ? "AWS_SECRET_ACCESS_KEY"
+                          : tok && has_ctl(tok, strlen(tok)) ? "AWS_SESSION_TOKEN"
+                                                             : NULL;
+        if (bad) {
+            log_why(why, why_len, "%s has a control character (a line break?)", bad);
             rc = -EINVAL;
             goto fail;
         }
@@ -921,6 +943,22 @@ static int status_rc(int status, const char *code)
     return -EIO;
 }
 
+/* A 2xx GET whose body is an S3 error document instead of the object (some gateways and
+ * proxies answer so; docs/OPERATIONS.md lists it as retried). The body went into the GET's
+ * buffer, so it is looked at there, and only when it cannot be the data asked for: a ranged
+ * answer shorter than the range, or a whole object whose first byte is '<' (manifests are
+ * JSON). */
+static int get_error_doc(os_xfer *x)
+{
+    const unsigned char *b = x->get_whole ? (const unsigned char *)x->whole : x->get_buf;
+    if (!b || x->got == 0 || x->got > 64 * 1024) return 0;
+    if (!x->get_whole && x->got >= x->get_len) return 0;
+    uint64_t i = 0;
+    while (i < x->got && isspace(b[i])) i++;
+    if (i == x->got || b[i] != '<') return 0;
+    return os_parse_error_doc(x, (const char *)b, (size_t)x->got);
+}
+
 /* Judge a finished attempt: OUT_OK, OUT_RETRY or OUT_FAIL with *rc and sl->reason. */
 static int judge(objstore *s, slot *sl, int *rc)
 {
@@ -943,6 +981,13 @@ static int judge(objstore *s, slot *sl, int *rc)
             *rc = -EIO;
             snprintf(sl->reason, sizeof sl->reason, "HTTP %d with an error document: %s%s%.120s",
                      st, x->code[0] ? x->code : "(no code)", x->msg[0] ? ": " : "", x->msg);
+            return OUT_RETRY;
+        }
+        if (x->kind == OS_X_GET && get_error_doc(x)) {
+            *rc = -EIO;
+            snprintf(sl->reason, sizeof sl->reason, "HTTP %d with an error document, not "
+                     "the object: %s%s%.100s", st, x->code[0] ? x->code : "(no code)",
+                     x->msg[0] ? ": " : "", x->msg);
             return OUT_RETRY;
         }
         if (x->kind == OS_X_LIST && x->parse_failed) {

@@ -75,9 +75,18 @@ int train_s3_vote_create(state *s, const char *host, int port, const char *token
     return rc;
 }
 
+/* "step N", or "none" while S3 holds no complete snapshot (remote_step -1) */
+static const char *remote_step_name(int64_t remote_step, char *buf, size_t len)
+{
+    if (remote_step < 0) return "none";
+    snprintf(buf, len, "step %" PRId64, remote_step);
+    return buf;
+}
+
 static void on_event(void *ctx, const ckpt_upload_event *ev)
 {
     state *s = ctx;
+    char nb[32];
     switch (ev->kind) {
     case CKPT_UPLOAD_DONE:
         if (s->rank == 0)
@@ -105,10 +114,9 @@ static void on_event(void *ctx, const ckpt_upload_event *ev)
         break;
     case CKPT_UPLOAD_LAG:
         LOG_W(TAG, "S3 lags behind: the oldest snapshot not yet on S3 was committed %.0f s ago "
-              "(%" PRIu64 " steps behind; newest complete on S3: %s%" PRId64 "); threshold "
+              "(%" PRIu64 " steps behind; newest complete on S3: %s); threshold "
               "--s3-lag-warn %.0f s", ev->lag_seconds, ev->lag_steps,
-              ev->remote_step < 0 ? "none, " : "step ", ev->remote_step,
-              s->o->s3_lag_warn);
+              remote_step_name(ev->remote_step, nb, sizeof nb), s->o->s3_lag_warn);
         break;
     }
 }
@@ -160,13 +168,14 @@ void train_s3_finish(state *s, int drain)
                   "(the local snapshots are intact; a later run with --s3 does not re-upload "
                   "them)", t);
         ckpt_upload_stats st;
+        char nb[32];
         ckpt_uploader_stats(s->uploader, &st);
         ckpt_uploader_destroy(s->uploader);
         s->uploader = NULL;
         if (s->rank == 0)
             LOG_I(TAG, "S3 uploads: %" PRIu64 " complete, %" PRIu64 " failed, %" PRIu64 " skipped; "
-                  "newest on S3: %s%" PRId64 "; lag %" PRIu64 " steps", st.uploaded, st.failed,
-                  st.skipped, st.remote_step < 0 ? "none " : "step ", st.remote_step, st.lag_steps);
+                  "newest on S3: %s; lag %" PRIu64 " steps", st.uploaded, st.failed, st.skipped,
+                  remote_step_name(st.remote_step, nb, sizeof nb), st.lag_steps);
     }
     objstore_close(s->s3_up);
     objstore_close(s->s3_read);

@@ -4,7 +4,8 @@ build/tests/objstore-cli: put / get (parallel parts and ranged) / head / list (s
 the secret; a credentials file rotated while a process runs; and faults from a proxy in
 front of radosgw: a hang (per-attempt timeout, bounded total), 503 SlowDown (retried with
 backoff), a GET body cut short or reset (retried, short data never returned), and a 200
-carrying an error document on PUT (retried, object verified by HEAD).
+carrying an error document on PUT (retried, object verified by HEAD) and on GET (retried,
+never taken for the object's bytes).
 
 The fixtures come from s3env.py beside this file (S3ENV_PATH may name another folder).
 """
@@ -330,6 +331,33 @@ class ObjstoreTest(unittest.TestCase):
                     self.assertEqual(proxy.count("HEAD", key), 1, "the PUT was checked by HEAD")
                     self.assertEqual(rgw.client().get(bucket, key), data)
 
+
+    def test_fault_error200_on_get(self):
+        """A 200 whose body is an S3 error document instead of the object, on a ranged GET
+        (a chunk) or a whole one (a manifest): retried like a 5xx, and when it never stops,
+        EIO (transient), not ERANGE or the error document returned as the object's bytes."""
+        with s3env.FaultProxy(rgw.endpoint) as proxy:
+            src, data = self.put_file("g", 300000)
+            key = "fault/e200-get"
+            self.ok(["put", f"s3://{bucket}/{key}", src])
+            out = self.path("o")
+            for sig in SIGS:
+                for how in (["--range", 1000, 200000], ["--whole"]):
+                    with self.subTest(sig=sig, how=how[0]):
+                        want = data[1000:201000] if how[0] == "--range" else data
+                        rule = proxy.add_rule("error200:InternalError", method="GET", match=key, count=1)
+                        get = self.ok(["--sig", sig, "--backoff", 0.05, "get", f"s3://{bucket}/{key}", out]
+                                      + how, endpoint=proxy.endpoint)
+                        self.assertEqual((rule.hits, get["attempts"]), (1, 2))
+                        with open(out, "rb") as f:
+                            self.assertTrue(f.read() == want, "the bytes read back differ")
+                        rule = proxy.add_rule("error200:InternalError", method="GET", match=key)
+                        rc, line, err = self.last(["--sig", sig, "--backoff", 0.05, "--attempts", 3, "get",
+                                                   f"s3://{bucket}/{key}", out] + how,
+                                                  endpoint=proxy.endpoint)
+                        proxy.remove_rule(rule)
+                        self.assertEqual((rc, line["errno"], line["attempts"]), (1, "EIO", 3), line)
+                        self.assertIn("error document", err)
 
 if __name__ == "__main__":
     t0 = time.monotonic()

@@ -179,6 +179,36 @@ class S3(TempDirTest):
         self.assertEqual(codes, [2], logs[-2000:])
         self.assertIn("nosuchbucket", logs)
 
+
+    def test_control_characters_in_keys_exit_2(self):
+        """DESIGN I5/I8: a key or session token with a line break (from the environment or the
+        credentials file) exits 2 before the first step naming the variable, never its value;
+        it was sent as it is, injecting a header into every request."""
+        d = os.path.join(self.tmp, "ck")
+        inj = "X-Injected: 1"
+        for extra, name in (({"AWS_SESSION_TOKEN": "tok\r\n" + inj}, "AWS_SESSION_TOKEN"),
+                            ({"AWS_ACCESS_KEY_ID": self.rgw.access_key + "\r\n" + inj}, "AWS_ACCESS_KEY_ID"),
+                            ({"AWS_SECRET_ACCESS_KEY": self.rgw.secret_key + "\n" + inj},
+                             "AWS_SECRET_ACCESS_KEY")):
+            with self.subTest(name=name):
+                _, codes, logs = launch(self, 1, ["--ckpt-dir", d, "--ckpt-every", "3", "--s3",
+                                                  self.url()], dict(self.env, **extra))
+                self.assertEqual(codes, [2], logs[-2000:])
+                self.assertIn(f"{name} has a control character", logs)
+                self.assertNotIn(inj, logs)
+                self.assertNotIn("step 1/", logs)
+        cred = os.path.join(self.tmp, "credentials")
+        with open(cred, "w") as f:
+            f.write(f"[default]\naws_access_key_id = {self.rgw.access_key}\r{inj}\n"
+                    f"aws_secret_access_key = {self.rgw.secret_key}\n")
+        e = dict(self.env, AWS_SHARED_CREDENTIALS_FILE=cred)
+        e.pop("AWS_ACCESS_KEY_ID")
+        e.pop("AWS_SECRET_ACCESS_KEY")
+        _, codes, logs = launch(self, 1, ["--ckpt-dir", d, "--ckpt-every", "3", "--s3", self.url()], e)
+        self.assertEqual(codes, [2], logs[-2000:])
+        self.assertIn("has a control character", logs)
+        self.assertNotIn(inj, logs)
+
     def test_rotated_credentials_file_c25(self):
         """C25: a new key in the credentials file, the old one revoked, uploads go on."""
         d = os.path.join(self.tmp, "ck")
@@ -236,6 +266,24 @@ class S3(TempDirTest):
         parts = [k for k in keys if ".part-" in k]
         self.assertEqual(len(parts), (size + (1 << 20) - 1) >> 20, keys)
         self.assertEqual(self.keys("job/step-000000002/"), [])
+
+
+    def test_remote_retention_leaves_a_nested_prefix_alone(self):
+        """Retention removes a step's own objects, not everything below its folder: another
+        job whose --s3 prefix lies inside it (named like a step folder) keeps its snapshots
+        (they were all deleted with the outer job's step)."""
+        nested = "job/step-000000003"
+        ok(self, 1, ["--ckpt-dir", os.path.join(self.tmp, "inner"), "--ckpt-every", "3",
+                     "--s3", self.url(nested)], self.env)
+        self.assertEqual(self.s3_steps(nested), {3: "committed", 6: "committed"})
+        ok(self, 1, ["--ckpt-dir", os.path.join(self.tmp, "outer"), "--ckpt-every", "3", "--steps", "9",
+                     "--s3", self.url(), "--s3-keep-last", "1"], self.env)
+        # the outer step 3 is gone; its folder stays as long as the inner job's keys do
+        self.assertEqual(self.s3_steps(), {3: "incomplete", 9: "committed"})
+        self.assertEqual(self.s3_steps(nested), {3: "committed", 6: "committed"})
+        self.assertFalse([k for k in self.keys(f"{nested}/") if k.count("/") == 2], "outer step 3 left")
+        self.assertEqual(inspect("-q", "verify", f"{self.url(nested)}/step-000000006",
+                                 env=self.env).returncode, 0)
 
     def test_interrupted_upload_then_the_same_step_saved_again_c32(self):
         """C32: the job dies after rank 0 uploaded its objects of step 6 (rank 1's hang); the
@@ -348,6 +396,52 @@ class S3(TempDirTest):
                                      "--resume", "auto"], e)
             self.assertEqual((r2.hits, r3.hits), (1, 1))
         self.assertEqual(got["digest"], ref["digest"])
+
+
+    def test_error_document_in_a_200_to_a_get_is_transient(self):
+        """DESIGN I7: a 200 whose body is an error document, to the GET of a manifest or of a
+        chunk, is retried; when it never stops, the snapshot is "could not read" (exit 3, and
+        --resume auto exits 1 skipping nothing), never corrupt (it was listed as corrupt and
+        --resume auto fell back to the older step)."""
+        d = os.path.join(self.tmp, "ck")
+        ref, _ = ok(self, 1, ["--ckpt-dir", d, "--ckpt-every", "3", "--s3", self.url()], self.env)
+        shutil.rmtree(d)
+        newest = f"{self.url()}/step-000000006"
+        with s3env.FaultProxy(self.rgw.endpoint) as proxy:
+            e = dict(self.env, AWS_ENDPOINT_URL=proxy.endpoint)
+            for match in ("step-000000006/manifest.json", "step-000000006/rank-00000.bin"):
+                with self.subTest(match=match):
+                    rule = proxy.add_rule("error200:InternalError", method="GET", match=match, count=1)
+                    self.assertEqual(inspect("-q", "verify", newest, env=e).returncode, 0)
+                    self.assertEqual(rule.hits, 1)
+                    rule = proxy.add_rule("error200:InternalError", method="GET", match=match)
+                    p = inspect("-q", "verify", newest, env=e)
+                    self.assertEqual(p.returncode, 3, p.stderr)
+                    self.assertIn("error document", p.stderr)
+                    _, codes, logs = launch(self, 1, ["--ckpt-dir", d, "--ckpt-every", "3", "--s3",
+                                                      self.url(), "--resume", "auto", "--s3-attempts", "2"], e)
+                    self.assertEqual(codes, [1], logs[-3000:])
+                    self.assertNotIn("resumed from", logs)
+                    proxy.remove_rule(rule)
+            self.assertEqual(self.s3_steps(env=e), {3: "committed", 6: "committed"})
+            got, _ = ok(self, 1, ["--ckpt-dir", d, "--ckpt-every", "3", "--s3", self.url(),
+                                  "--resume", "auto"], e)
+        self.assertEqual(got["digest"], ref["digest"])
+
+
+    def test_no_snapshot_on_s3_is_named_none(self):
+        """With S3 unreachable the whole run, the summary and ckpt-inspect list say there is no
+        complete snapshot on S3 (they printed "none -1")."""
+        d = os.path.join(self.tmp, "ck")
+        port = s3env.free_port()
+        e = dict(self.env, AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+        got, logs = ok(self, 1, ["--ckpt-dir", d, "--ckpt-every", "3", "--s3", self.url(),
+                                 "--s3-attempts", "1"], e)
+        self.assertIn("newest on S3: none;", logs)
+        self.assertNotIn("none -1", logs)
+        p = inspect("list", d, env=e)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn(f"S3 {self.url()}: no complete snapshot, lag 6 steps", p.stdout)
 
     def test_rgw_killed_mid_upload_and_restarted_a_minute_later_c26(self):
         """C26: radosgw SIGKILLed while snapshots upload, back a minute later: training never

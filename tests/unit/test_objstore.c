@@ -294,6 +294,10 @@ static void test_credentials(void)
     T_CHECK(!k[0] && !s[0], "nothing left behind on failure");
     T_CHECK(objstore_parse_credentials(text, "missing", k, sizeof k, s, sizeof s, t, sizeof t) == -ENOENT, "missing");
     T_CHECK(objstore_parse_credentials(text, "prod ", k, sizeof k, s, sizeof s, t, sizeof t) == -ENOENT, "name exact");
+    T_CHECK(objstore_parse_credentials("[default]\naws_access_key_id=AK\rX-Injected: 1\naws_secret_access_key=B\n",
+                                       "default", k, sizeof k, s, sizeof s, t, sizeof t) == -EILSEQ,
+            "a CR inside a value (header injection) is refused");
+    T_CHECK(!k[0] && !s[0], "nothing left behind after a control character");
     T_CHECK(objstore_parse_credentials("", "default", k, sizeof k, s, sizeof s, t, sizeof t) == -ENOENT, "empty");
     T_CHECK(objstore_parse_credentials("aws_access_key_id=A\naws_secret_access_key=B\n", "default", k,
                                        sizeof k, s, sizeof s, t, sizeof t) == -ENOENT, "keys outside a section");
