@@ -103,8 +103,9 @@ int ckpt_s3_commit_local(ckpt_snapshot *s, const char *tmpdir, const char *dir);
  *   rank 0:     collect(step, timeout) waits for every other rank's vote; when all are 0 it
  *               PUTs the manifest object (last), then applies remote retention, and
  *               decide(step, result).
- * The backlog holds at most `backlog` snapshots not yet started: when a new one comes and it
- * is full, the oldest waiting one is dropped (skipped: counted, logged, and voted -ECANCELED
+ * The thread takes the newest waiting snapshot first (the one a restart wants). The backlog
+ * holds at most `backlog` snapshots not yet started: when a new one comes and it is full, the
+ * oldest waiting one is dropped (skipped: counted, logged, and voted -ECANCELED
  * so rank 0 learns at once), never the newest. Nothing here ever blocks the caller. */
 
 enum ckpt_upload_event_kind {
@@ -173,6 +174,9 @@ typedef struct ckpt_upload_stats {
 } ckpt_upload_stats;
 
 void ckpt_uploader_stats(ckpt_uploader *u, ckpt_upload_stats *st);
+
+/* "step 40 (in progress), 38, 36" - what is not uploaded yet, newest first - into out. */
+void ckpt_uploader_pending(ckpt_uploader *u, char *out, size_t len);
 
 /* Stop: drop what waits (voted -ECANCELED), cancel what is in flight (objstore_cancel on the
  * uploader's store), join the thread, free. Call ckpt_uploader_drain first to let the backlog

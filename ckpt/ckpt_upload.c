@@ -56,6 +56,7 @@ struct ckpt_uploader {
     uint64_t skipped_steps[MAX_BACKLOG]; /* dropped, their votes still to send (thread) */
     unsigned nskipped_pending;
     int busy, stop;
+    uint64_t busy_step;
     ckpt_upload_stats st;
     record hist[HISTORY]; /* rank 0: recent commits, oldest first */
     unsigned nhist;
@@ -353,10 +354,11 @@ static void *upload_main(void *arg)
             pthread_mutex_unlock(&u->mu);
             continue;
         }
-        job j = u->waiting[0];
-        memmove(u->waiting, u->waiting + 1, (u->nwaiting - 1) * sizeof *u->waiting);
-        u->nwaiting--;
+        /* the newest first: it is the one a restart would want; older ones follow when
+         * there is time, or are dropped when the backlog fills */
+        job j = u->waiting[--u->nwaiting];
         u->busy = 1;
+        u->busy_step = j.step;
         pthread_mutex_unlock(&u->mu);
         upload_one(u, &j);
         job_free(&j);
@@ -467,7 +469,7 @@ int ckpt_uploader_submit(ckpt_uploader *u, uint64_t step, double committed_unix)
     pthread_mutex_unlock(&u->mu);
     if (dropped) {
         LOG_W(TAG, "upload of step %" PRIu64 " skipped: the backlog of %u snapshot%s is full (step %"
-              PRIu64 " came); the newest ones go first", old.step, u->o.backlog,
+              PRIu64 " came); the oldest waiting one is dropped", old.step, u->o.backlog,
               u->o.backlog == 1 ? "" : "s", step);
         account(u, old.step, CKPT_UPLOAD_SKIPPED, 0, 0, "dropped from a full upload backlog");
         ckpt_upload_event ev = {.kind = CKPT_UPLOAD_SKIPPED, .step = old.step, .result = -ECANCELED};
@@ -490,6 +492,23 @@ int ckpt_uploader_drain(ckpt_uploader *u, double timeout_s)
             rc = -ETIMEDOUT;
     pthread_mutex_unlock(&u->mu);
     return rc;
+}
+
+void ckpt_uploader_pending(ckpt_uploader *u, char *out, size_t len)
+{
+    if (!out || len == 0) return;
+    out[0] = '\0';
+    if (!u) return;
+    size_t off = 0;
+    pthread_mutex_lock(&u->mu);
+    unsigned n = u->nwaiting + (u->busy ? 1u : 0u);
+    off += (size_t)snprintf(out, len, "%s", n == 0 ? "no snapshot" : n == 1 ? "step" : "steps");
+    if (u->busy && off < len)
+        off += (size_t)snprintf(out + off, len - off, " %" PRIu64 " (in progress)", u->busy_step);
+    for (unsigned i = u->nwaiting; i-- > 0 && off < len;)
+        off += (size_t)snprintf(out + off, len - off, "%s %" PRIu64, u->busy || i + 1 < u->nwaiting ?
+                                ",": "", u->waiting[i].step);
+    pthread_mutex_unlock(&u->mu);
 }
 
 void ckpt_uploader_stats(ckpt_uploader *u, ckpt_upload_stats *st)

@@ -117,6 +117,9 @@ typedef struct state {
     ckpt_group s3_group;
     char s3_restored[CKPT_PATH_MAX]; /* the s3:// snapshot restored from, "" when none */
     int64_t s3_newest;        /* rank 0: newest committed step the resume saw on S3; -1 none */
+    int s3_down;              /* the start-up check could not reach the bucket (transient) */
+    ckpt_entry *s3_list;      /* rank 0: the S3 listing of the resume (NULL: not listed) */
+    size_t s3_nlist;
 } state;
 
 /* ------------------------------------------------------------------ train_opts.c */
@@ -268,5 +271,8 @@ int train_plan_shards(state *s);
 /* The SIGTERM/SIGINT received (the signal number), 0 = none: set by main's handler, read by
  * train_step for this rank's stop flag. */
 extern volatile sig_atomic_t train_stop_signal;
+/* Every SIGTERM/SIGINT received (the first one also sets train_stop_signal): a second one ends
+ * the wait for the last uploads. */
+extern volatile sig_atomic_t train_stop_count;
 
 #endif

@@ -36,12 +36,14 @@ void openblas_set_num_threads(int num_threads);
 /* SIGTERM/SIGINT (a scheduler's preemption notice, Ctrl-C): finish the step in progress, take
  * a final snapshot, print the final line and exit 128 + signal. */
 volatile sig_atomic_t train_stop_signal;
+volatile sig_atomic_t train_stop_count; /* stop signals received, all of them */
 
 /* The first stop request decides (a SIGINT after a SIGTERM does not turn exit 143 into
  * 130); the handlers block each other, so the test and the store cannot interleave.
  * sigpending and sigismember are async-signal-safe (POSIX). */
 static void on_stop_signal(int sig)
 {
+    train_stop_count++;
     if (train_stop_signal) return;
     /* SIGTERM and SIGINT pending together (sent in a row before this process ran) are
      * delivered lowest number first, SIGINT, whatever the order they were sent in: the

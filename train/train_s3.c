@@ -36,15 +36,27 @@ int train_s3_open(state *s)
         LOG_E(TAG, "--s3 %s: %s", o->s3, why[0] ? why : strerror(-rc));
         return rc == -ENOMEM ? 1 : 2;
     }
-    /* the credentials and the bucket, before the first step: a listing of the prefix */
+    /* the credentials and the bucket, before the first step: a listing of the prefix, on a
+     * handle of its own with short limits (at most 2 attempts of 10 s), so that a server that
+     * does not answer delays the start by seconds, not by the uploads' patience */
     char pfx[1100];
     const char *p = objstore_prefix(s->s3_read);
     snprintf(pfx, sizeof pfx, "%s%s", p, *p ? "/" : "");
     objstore_entry *e = NULL;
     size_t n = 0;
     double t0 = clock_now_s();
-    rc = objstore_list(s->s3_read, pfx, "/", &e, &n, 0, why, sizeof why);
+    objstore_opts po = so;
+    po.request_timeout_s = so.request_timeout_s < 10 ? so.request_timeout_s : 10;
+    po.connect_timeout_s = 5;
+    po.max_attempts = so.max_attempts < 2 ? so.max_attempts : 2;
+    objstore *probe = NULL;
+    rc = objstore_open(&probe, &po, why, sizeof why);
+    if (rc == 0) {
+        LOG_D(TAG, "checking %s at %s", o->s3, objstore_endpoint(probe));
+        rc = objstore_list(probe, pfx, "/", &e, &n, 0, why, sizeof why);
+    }
     objstore_entries_free(e, n);
+    objstore_close(probe);
     if (rc == -EACCES || rc == -ENXIO || rc == -EINVAL) {
         LOG_E(TAG, "--s3 %s: %s", o->s3, why[0] ? why : strerror(-rc));
         return 2; /* wrong keys, no such bucket: a restart would find the same (DESIGN I8) */
@@ -52,8 +64,11 @@ int train_s3_open(state *s)
     if (rc < 0) {
         /* an outage: training goes on, the uploads retry; a resume that needs the bucket
          * finds out on its own */
-        LOG_W(TAG, "--s3 %s: the bucket cannot be reached now (%s); training goes on, uploads "
-              "will retry", o->s3, why[0] ? why : strerror(-rc));
+        LOG_W(TAG, "--s3 %s: the bucket cannot be reached now (%s, after %.1f s); training goes "
+              "on, uploads will retry%s", o->s3, why[0] ? why : strerror(-rc), clock_now_s() - t0,
+              o->resume && !strcmp(o->resume, "auto") ? ", and --resume auto does not look at "
+              "the bucket this time" : "");
+        s->s3_down = 1;
         return 0;
     }
     if (s->rank == 0)
@@ -155,18 +170,36 @@ void train_s3_on_commit(void *ctx, uint64_t step)
 void train_s3_finish(state *s, int drain)
 {
     if (s->uploader) {
-        double t = s->o->s3_drain_timeout, end = clock_now_s() + t;
-        int rc = 0;
+        double t = s->o->s3_drain_timeout, t0 = clock_now_s(), end = t0 + t, said = t0;
+        int rc = 0, interrupted = 0;
+        const sig_atomic_t stops = train_stop_count;
         /* in slices, each followed by a report line: a launcher's hang watchdog sees the
-         * rank alive while the last uploads finish */
-        while (drain && t > 0 && (rc = ckpt_uploader_drain(s->uploader, end - clock_now_s() < 5 ?
-                                                          end - clock_now_s() : 5)) == -ETIMEDOUT &&
-               clock_now_s() < end)
+         * rank alive while the last uploads finish; another stop signal ends the wait */
+        while (drain && t > 0 && (rc = ckpt_uploader_drain(s->uploader, end - clock_now_s() < 1 ?
+                                                          end - clock_now_s() : 1)) == -ETIMEDOUT &&
+               clock_now_s() < end) {
             train_report_uploads_draining(s->report, s->step);
-        if (drain && t > 0 && rc == -ETIMEDOUT)
-            LOG_W(TAG, "uploads still in progress after --s3-drain-timeout %.0f s: stopping them "
-                  "(the local snapshots are intact; a later run with --s3 does not re-upload "
-                  "them)", t);
+            if (train_stop_count != stops) {
+                interrupted = 1;
+                break;
+            }
+            if (clock_now_s() - said >= 10 && s->rank == 0) {
+                char pend[200];
+                ckpt_uploader_pending(s->uploader, pend, sizeof pend);
+                LOG_I(TAG, "waiting for the uploads of %s (%.0f s so far, at most %.0f s more; "
+                      "another SIGTERM/SIGINT stops waiting)", pend, clock_now_s() - t0,
+                      end - clock_now_s());
+                said = clock_now_s();
+            }
+        }
+        if (drain && t > 0 && rc == -ETIMEDOUT) {
+            char pend[200];
+            ckpt_uploader_pending(s->uploader, pend, sizeof pend);
+            LOG_W(TAG, "%s: not uploaded: %s (the local snapshots are intact; a later run with "
+                  "--s3 does not upload them)", pend,
+                  interrupted ? "a second stop request ended the wait"
+                              : "--s3-drain-timeout passed");
+        }
         ckpt_upload_stats st;
         char nb[32];
         ckpt_uploader_stats(s->uploader, &st);
