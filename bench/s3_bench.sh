@@ -138,7 +138,7 @@ usage() { printf 'error: %s\n' "$*" >&2; exit 2; }
 SIZE_MIB=$(awk -v g="$GIB" 'BEGIN { printf "%d", g * 1024 }')
 
 AWS=/usr/bin/aws # not a pyenv shim named aws that may come first on PATH
-for prog in ceph-mon ceph-osd radosgw python3 "$AWS"; do
+for prog in ceph-mon ceph-osd radosgw python3 "$AWS"; do # rgw_start checks them too
     command -v "$prog" >/dev/null || die "$prog is not installed (scripts/lib.sh PKGS: ceph-mon ceph-osd radosgw ceph-common awscli)"
 done
 if [ -z "$EXE" ]; then
@@ -163,14 +163,9 @@ FREE_GIB=$(df -P -k "$TMPBASE" | awk 'NR == 2 { printf "%d", $4 / 1048576 }')
 [ "$FREE_GIB" -ge "$NEED_GIB" ] || die "$TMPBASE has $FREE_GIB GiB free, the run needs about $NEED_GIB GiB (try a smaller --gib)"
 
 WORK=$(mktemp -d "$TMPBASE/s3-bench.XXXXXX")
-S3ENV_PID=""
 cleanup() {
     local rc=$?
-    if [ -n "$S3ENV_PID" ] && kill -0 "$S3ENV_PID" 2>/dev/null; then
-        kill -TERM "$S3ENV_PID" 2>/dev/null || true
-        for _ in $(seq 150); do kill -0 "$S3ENV_PID" 2>/dev/null || break; sleep 0.1; done
-        kill -0 "$S3ENV_PID" 2>/dev/null && kill -KILL "$S3ENV_PID" 2>/dev/null || true
-    fi
+    rgw_stop
     if [ "$KEEP" -eq 0 ]; then rm -rf "$WORK"; else echo "work folder kept: $WORK" >&2; fi
     exit $rc
 }
@@ -185,19 +180,7 @@ KV="$WORK/bench.kv"
 : >"$KV"
 
 say "starting RGW (tests/integration/s3env.py rgw, OSD block file $BLOCK_GIB GiB sparse)" >&2
-python3 "$ROOT/tests/integration/s3env.py" rgw --block-gib "$BLOCK_GIB" >"$WORK/s3env.out" 2>"$WORK/s3env.err" &
-S3ENV_PID=$!
-for _ in $(seq 900); do # 90 s
-    grep -q '^S3ENV_READY=1$' "$WORK/s3env.out" 2>/dev/null && break
-    kill -0 "$S3ENV_PID" 2>/dev/null || break
-    sleep 0.1
-done
-grep -q '^S3ENV_READY=1$' "$WORK/s3env.out" || { tail -n 30 "$WORK/s3env.err" >&2; die "RGW did not start within 90 s"; }
-set -a
-# shellcheck disable=SC1091
-source <(grep -E '^[A-Z0-9_]+=' "$WORK/s3env.out")
-set +a
-unset AWS_ENDPOINT_URL_S3 AWS_PROFILE AWS_SESSION_TOKEN
+rgw_start "$WORK" "$BLOCK_GIB"
 BUCKET=$S3ENV_BUCKET
 # the daemons (children of the s3env process), for their CPU time
 daemon_pids() { ps -o pid= --ppid "$S3ENV_PID" | tr -s ' \n' ' '; }
