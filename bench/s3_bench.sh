@@ -91,9 +91,10 @@ END {
         r = v["train_local_ms"] > 0 ? v["train_s3_ms"] / v["train_local_ms"] : 0
         printf "\ntraining (demo model, 9.7 MiB snapshots, --ckpt-every %s, two runs side by side; %s snapshots on S3, %s failed, %s skipped):\n",
             v["train_every"], v["train_uploaded"], v["train_upload_failed"], v["train_upload_skipped"]
-        printf "  step time median %s ms with --s3, %s ms without; mean %s / %s ms; CPU a step %.0f / %.0f ms (the uploader: %+.0f ms)\n",
-            v["train_s3_ms"], v["train_local_ms"], v["train_s3_mean_ms"], v["train_local_mean_ms"], v["train_s3_cpu_ms"],
-            v["train_local_cpu_ms"], v["train_s3_cpu_ms"] - v["train_local_cpu_ms"]
+        printf "  step time (steps 6.. that ended while both ran: %s / %s) median %s ms with --s3, %s ms without; mean %s / %s ms\n",
+            v["train_s3_n"], v["train_local_n"], v["train_s3_ms"], v["train_local_ms"], v["train_s3_mean_ms"], v["train_local_mean_ms"]
+        printf "  CPU a step (the process, every thread) %.0f / %.0f ms: the uploader %+.0f ms a snapshot\n", v["train_s3_cpu_ms"],
+            v["train_local_cpu_ms"], (v["train_s3_cpu_ms"] - v["train_local_cpu_ms"]) * v["train_every"]
         printf "target step time (median) with uploads within 5%%: ratio %.3f  %s; same params_digest: %s\n", r, (r <= 1.05 ? "met" : "NOT MET"), v["train_same_digest"]
     }
 }' "$1" | sed 's/ *$//'
@@ -277,17 +278,25 @@ if [ "$TRAIN" -eq 1 ]; then
     wait "$p1" || ok=0
     wait "$p2" || ok=0
     [ "$ok" -eq 1 ] || { tail -n 20 "$WORK/train-s3.log" "$WORK/train-local.log" >&2; die "a training run failed"; }
-    med() { # median step time, ms, of the steps after the first 5 (start-up, first snapshot)
-        grep -oE 'step [0-9]+/[0-9]+ loss .* [0-9.]+ ms' "$1" | awk '{ split($2, a, "/"); if (a[1] > 5) print $(NF-1) }' \
-            | sort -n | awk '{ v[NR] = $1 } END { if (NR) print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'
-    }
-    echo "train_s3_ms $(med "$WORK/train-s3.log")" >>"$KV"
-    echo "train_local_ms $(med "$WORK/train-local.log")" >>"$KV"
-    mean() { # mean step time, ms, of the same steps
-        grep -oE 'step [0-9]+/[0-9]+ loss .* [0-9.]+ ms' "$1" | awk '{ split($2, a, "/"); if (a[1] > 5) { s += $(NF-1); n++ } } END { if (n) printf "%.1f", s / n }'
-    }
-    echo "train_s3_mean_ms $(mean "$WORK/train-s3.log")" >>"$KV"
-    echo "train_local_mean_ms $(mean "$WORK/train-local.log")" >>"$KV"
+    # step lines: "HH:MM:SS.mmm INFO  [train] step N/M loss ... X ms ..." -> "seconds-of-day N X"
+    steps_of() { grep -E '\[train\] step [0-9]+/[0-9]+ loss ' "$1" \
+        | sed -nE 's/^([0-9]+):([0-9]+):([0-9.]+) .* step ([0-9]+)\/[0-9]+ loss .* ([0-9.]+) ms.*/\1 \2 \3 \4 \5/p' \
+        | awk '{ printf "%.3f %s %s\n", $1 * 3600 + $2 * 60 + $3, $4, $5 }'; }
+    steps_of "$WORK/train-s3.log" >"$WORK/steps-s3.txt"
+    steps_of "$WORK/train-local.log" >"$WORK/steps-local.txt"
+    # only the steps after the first 5 (start-up, first snapshot) that ended while both runs
+    # were still training: the one that ends first leaves the other alone on the cores
+    CUT=$(tail -n 1 "$WORK/steps-s3.txt" "$WORK/steps-local.txt" | awk 'NF == 3 { if (c == "" || $1 < c) c = $1 } END { print c }')
+    med() { awk -v c="$CUT" '$2 > 5 && $1 <= c { print $3 }' "$1" | sort -n \
+        | awk '{ v[NR] = $1 } END { if (NR) print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
+    mean() { awk -v c="$CUT" '$2 > 5 && $1 <= c { s += $3; n++ } END { if (n) printf "%.1f", s / n }' "$1"; }
+    count() { awk -v c="$CUT" '$2 > 5 && $1 <= c' "$1" | wc -l; }
+    echo "train_s3_ms $(med "$WORK/steps-s3.txt")" >>"$KV"
+    echo "train_local_ms $(med "$WORK/steps-local.txt")" >>"$KV"
+    echo "train_s3_mean_ms $(mean "$WORK/steps-s3.txt")" >>"$KV"
+    echo "train_local_mean_ms $(mean "$WORK/steps-local.txt")" >>"$KV"
+    echo "train_s3_n $(count "$WORK/steps-s3.txt")" >>"$KV"
+    echo "train_local_n $(count "$WORK/steps-local.txt")" >>"$KV"
     # CPU of each process (user + sys, every thread: the uploader's too), ms a step
     for w in s3 local; do
         awk -v n="$TRAIN_STEPS" '{ print "train_'"$w"'_cpu_ms", ($2 + $3) * 1000 / n }' "$WORK/train-$w.time" >>"$KV"
