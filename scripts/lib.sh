@@ -84,3 +84,42 @@ prepare_brown() {
     "$BUILD/train-prepare" --out "$out" --format brown --val-fraction 0.05 \
         "$src"/c[a-r][0-9][0-9] >/dev/null || die "train-prepare failed"
 }
+
+# A local S3 server for scripts/demo and bench/s3_bench.sh: one RGW (a single-node Ceph
+# radosgw on loopback, tests/integration/s3env.py) in a new temp folder. rgw_start LOGDIR
+# [BLOCK_GIB] waits (at most 90 s) until it serves, then exports its settings (AWS_ENDPOINT_URL,
+# the keys, ...; S3ENV_BUCKET: an empty bucket, S3ENV_ENDPOINT, S3ENV_PID). rgw_stop stops it
+# by pid (SIGTERM; SIGKILL after 15 s) and is safe to call twice: call it from an EXIT trap.
+# The daemons also die with the s3env process (PR_SET_PDEATHSIG).
+S3ENV_PID=""
+rgw_start() {
+    local log=$1 block=${2:-16}
+    for prog in ceph-mon ceph-osd radosgw python3; do
+        command -v "$prog" >/dev/null || die "$prog is not installed (PKGS: ceph-mon ceph-osd radosgw ceph-common)"
+    done
+    python3 "$ROOT/tests/integration/s3env.py" rgw --block-gib "$block" >"$log/s3env.out" 2>"$log/s3env.err" &
+    S3ENV_PID=$!
+    local i
+    for i in $(seq 900); do
+        grep -q '^S3ENV_READY=1$' "$log/s3env.out" 2>/dev/null && break
+        kill -0 "$S3ENV_PID" 2>/dev/null || break
+        sleep 0.1
+    done
+    grep -q '^S3ENV_READY=1$' "$log/s3env.out" || { tail -n 30 "$log/s3env.err" >&2; die "RGW did not start within 90 s"; }
+    set -a
+    # shellcheck disable=SC1090
+    source <(grep -E '^[A-Z0-9_]+=' "$log/s3env.out")
+    set +a
+    unset AWS_ENDPOINT_URL_S3 AWS_PROFILE AWS_SESSION_TOKEN
+}
+rgw_stop() {
+    [ -n "$S3ENV_PID" ] || return 0
+    if kill -0 "$S3ENV_PID" 2>/dev/null; then
+        kill -TERM "$S3ENV_PID" 2>/dev/null || true
+        local i
+        for i in $(seq 150); do kill -0 "$S3ENV_PID" 2>/dev/null || break; sleep 0.1; done
+        kill -0 "$S3ENV_PID" 2>/dev/null && kill -KILL "$S3ENV_PID" 2>/dev/null
+    fi
+    wait "$S3ENV_PID" 2>/dev/null || true
+    S3ENV_PID=""
+}

@@ -1439,3 +1439,50 @@ class FaultProxy:
             self._close(up.sock)
             ctx["up"] = None
         return keep and not up_close and not final_refused
+
+
+# ---------------------------------------------------------------------------------------
+# command line: one RGW for a shell script (bench/s3_bench.sh, scripts/demo)
+
+def _main(argv):
+    """python3 tests/integration/s3env.py rgw [--block-gib N] [--timeout S]
+
+    Starts one RGW (a new temp folder, removed at the end), creates a bucket, prints the
+    settings as shell assignments (S3ENV_ENDPOINT, S3ENV_BUCKET, S3ENV_DIR, S3ENV_PID and the
+    AWS_* variables of RGW.env()) and a last line "S3ENV_READY=1", then waits. SIGTERM,
+    SIGINT or SIGHUP stop it (daemons killed, folder removed); the daemons also die with
+    this process (PR_SET_PDEATHSIG), even when it is SIGKILLed. Exit status 0, 1 when it could not start."""
+    import argparse
+    import shlex
+    ap = argparse.ArgumentParser(prog="s3env.py", description=_main.__doc__.split("\n\n")[1])
+    ap.add_argument("what", choices=["rgw"])
+    ap.add_argument("--block-gib", type=float, default=16, help="OSD block file (sparse), GiB")
+    ap.add_argument("--timeout", type=float, default=60, help="start-up bound, seconds")
+    a = ap.parse_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    rgw = RGW(timeout=a.timeout, block_size=int(a.block_gib * (1 << 30)))
+    try:
+        rgw.start()
+    except (S3EnvError, OSError) as e:
+        print(f"s3env: RGW did not start: {e}", file=sys.stderr)
+        return 1
+    try:
+        env = rgw.env(base={})
+        env.update(S3ENV_ENDPOINT=rgw.endpoint, S3ENV_BUCKET=rgw.make_bucket("bench"),
+                   S3ENV_DIR=rgw.dir, S3ENV_PID=str(os.getpid()))
+        for k in sorted(env):
+            print(f"{k}={shlex.quote(env[k])}")
+        print("S3ENV_READY=1", flush=True)
+        while not stop.wait(0.5):
+            if not rgw.rgw_running():
+                print("s3env: radosgw exited", file=sys.stderr)
+                return 1
+    finally:
+        rgw.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
