@@ -431,7 +431,7 @@ typedef struct ckpt_entry {
     uint64_t stored_bytes; /* 0 when unknown */
     char name[256];        /* folder name */
     char run_id[64];       /* lineage; empty when unknown */
-    char reason[160];      /* why not committed; empty when committed */
+    char reason[400];      /* why not committed; empty when committed */
     int error;             /* CKPT_STATUS_UNREADABLE: the negative errno; else 0 */
 } ckpt_entry;
 

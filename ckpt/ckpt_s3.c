@@ -400,11 +400,17 @@ int ckpt_s3_retain(objstore *os, unsigned keep_last, const char *run_id, char *w
             have = 1;
         }
     }
+    /* folders without a lineage (incomplete, corrupt) go only when the prefix holds no other
+     * lineage: they may be another run's upload in progress */
+    int others = 0;
+    for (size_t i = 0; run_id && i < n; i++)
+        others |= e[i].status == CKPT_STATUS_COMMITTED && strcmp(e[i].run_id, run_id) != 0;
     int removed = 0;
     for (size_t i = 0; have && i < n && e[i].step < oldest_kept; i++) {
         if (e[i].status == CKPT_STATUS_UNREADABLE || e[i].status == CKPT_STATUS_NEWER) continue;
         if (e[i].status == CKPT_STATUS_COMMITTED && run_id && strcmp(e[i].run_id, run_id) != 0)
             continue; /* another lineage's */
+        if (e[i].status != CKPT_STATUS_COMMITTED && others) continue;
         char w[320] = "";
         int r = remove_step(os, e[i].step, w, sizeof w);
         if (r < 0) {

@@ -71,7 +71,9 @@ int ckpt_list_s3(objstore *os, ckpt_entry **entries, size_t *n, char *why, size_
 
 /* Remote retention: keep the newest keep_last (>= 1) committed snapshots on S3 (numeric step
  * order; of lineage run_id when not NULL, others untouched) and remove every committed,
- * corrupt or incomplete snapshot older than the oldest one kept; never the newest committed
+ * corrupt or incomplete snapshot older than the oldest one kept (corrupt and incomplete ones
+ * only when no other lineage has snapshots under the prefix: they may be its upload in
+ * progress); never the newest committed
  * one, never anything newer than it (an upload in progress). A snapshot is removed manifest
  * first (so it stops existing at once), then its data objects. Returns the number removed or
  * a negative errno (the listing failed; failures of single deletes are logged and counted

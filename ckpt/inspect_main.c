@@ -204,7 +204,8 @@ static const char *upload_of(json_t *doc, uint64_t step, int64_t remote_step)
             return st ? st : "-";
         }
     }
-    return remote_step >= 0 && step <= (uint64_t)remote_step ? "older" : "-";
+    (void)remote_step; /* older than the uploader's history, or never uploaded: unknown */
+    return "-";
 }
 
 static int cmd_list(const char *dir, int json)
@@ -246,6 +247,7 @@ print:
                                   (json_int_t)e[i].raw_bytes, "stored_bytes",
                                   (json_int_t)e[i].stored_bytes);
             if (o && e[i].reason[0]) json_object_set_new(o, "reason", J(e[i].reason));
+            if (o && e[i].run_id[0]) json_object_set_new(o, "run_id", J(e[i].run_id));
             if (o && e[i].error) json_object_set_new(o, "error", J(strerror(-e[i].error)));
             if (o && up) json_object_set_new(o, "upload", J(upload_of(up, e[i].step, remote_step)));
             json_array_append_new(arr, o);

@@ -204,6 +204,7 @@ int train_parse_args(int argc, char **argv, options *o)
         {"s3-attempts", required_argument, 0, O_S3ATTEMPTS},
         {0, 0, 0, 0}};
     int c, v = 0, chunk_mib = 4;
+    const char *s3_flag = NULL; /* an --s3-* option given, for the check that --s3 is */
     while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
         int bad = 0;
         switch (c) {
@@ -289,7 +290,7 @@ int train_parse_args(int argc, char **argv, options *o)
         case O_KEEPEVERY: bad = parse_int("--keep-every", optarg, 0, INT_MAX, &o->keep_every); break;
         case O_OVERLAP: o->overlap = 1; break;
         case O_S3: o->s3 = optarg; break;
-        case O_S3SIG:
+        case O_S3SIG: s3_flag = "--s3-signature";
             if (!strcmp(optarg, "v4")) o->s3_signature = 4;
             else if (!strcmp(optarg, "v2")) o->s3_signature = 2;
             else {
@@ -298,18 +299,22 @@ int train_parse_args(int argc, char **argv, options *o)
             }
             break;
         case O_S3KEEP:
+            s3_flag = "--s3-keep-last";
             bad = parse_int("--s3-keep-last", optarg, 0, INT_MAX, &v);
             o->s3_keep_last = (unsigned)v;
             break;
         case O_S3PART:
+            s3_flag = "--s3-part-mib";
             bad = parse_int("--s3-part-mib", optarg, 1, 4096, &v);
             o->s3_part_bytes = (uint64_t)v << 20;
             break;
         case O_S3ATTEMPTS:
+            s3_flag = "--s3-attempts";
             bad = parse_int("--s3-attempts", optarg, 1, 100, &v);
             o->s3_attempts = (unsigned)v;
             break;
         case O_S3BACKLOG:
+            s3_flag = "--s3-backlog";
             bad = parse_int("--s3-backlog", optarg, 1, 64, &v);
             o->s3_backlog = (unsigned)v;
             break;
@@ -318,6 +323,7 @@ int train_parse_args(int argc, char **argv, options *o)
             const char *flag = c == O_S3TIMEOUT ? "--s3-timeout" : c == O_S3SNAPTIMEOUT ?
                                "--s3-snapshot-timeout" : c == O_S3LAG ? "--s3-lag-warn" :
                                "--s3-drain-timeout";
+            s3_flag = flag;
             bad = parse_float(flag, optarg, c == O_S3DRAIN ? 0 : 0.1, 1e7, &t);
             if (c == O_S3TIMEOUT) o->s3_timeout = t;
             else if (c == O_S3SNAPTIMEOUT) o->s3_snapshot_timeout = t;
@@ -355,6 +361,10 @@ int train_parse_args(int argc, char **argv, options *o)
     }
     if (o->ckpt_every > 0 && !o->ckpt_dir) {
         fprintf(stderr, "train: --ckpt-every needs --ckpt-dir\n");
+        return -1;
+    }
+    if (!o->s3 && s3_flag) {
+        fprintf(stderr, "train: %s needs --s3 s3://BUCKET/PREFIX\n", s3_flag);
         return -1;
     }
     if (o->s3) {

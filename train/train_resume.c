@@ -403,6 +403,30 @@ static int check_no_later_snapshots(state *s)
         break;
     }
     free(e);
+    if (rc || !s->s3_read || s->s3_down || o->ckpt_every <= 0) return rc;
+    /* the same on S3: uploads of this run would replace the later snapshots there (only
+     * complete ones count: a folder without a manifest is what a re-save overwrites, C32) */
+    ckpt_entry *e3 = s->s3_list;
+    size_t n3 = s->s3_nlist;
+    char w[400] = "";
+    if (!e3 && ckpt_list_s3(s->s3_read, &e3, &n3, w, sizeof w) < 0) {
+        LOG_W(TAG, "cannot list %s to check for later snapshots there: %s", o->s3, w);
+        return 0;
+    }
+    for (size_t i = n3; i-- > 0;) {
+        if (e3[i].status != CKPT_STATUS_COMMITTED) continue;
+        if (e3[i].step <= (uint64_t)s->step) break;
+        if (o->run_id && !would_save(s, e3[i].step)) continue;
+        const char *who = e3[i].run_id[0] ? e3[i].run_id : "?";
+        LOG_E(TAG, "refusing to start at step %" PRId64 ": %s already holds %s (run %s), whose "
+              "steps this run would upload again; continue that run with --resume auto%s, %suse "
+              "another --s3 prefix", s->step, o->s3, e3[i].name, who,
+              o->run_id ? " and its --run-id" : "", o->run_id ? "" : "give this run its own "
+              "--run-id, or ");
+        rc = 2;
+        break;
+    }
+    if (e3 != s->s3_list) free(e3);
     return rc;
 }
 
@@ -545,6 +569,10 @@ static int try_s3_entry(state *s, const ckpt_entry *e3, char *line, size_t line_
     }
     LOG_W(TAG, "skipping corrupt snapshot %s: %s", url, why);
     snprintf(line, line_len, "%.600s: corrupt: %.300s", url, why);
+    /* not "later snapshots in the way" (check_no_later_snapshots): a re-save replaces it,
+     * as a corrupt local one is set aside to free its step */
+    for (size_t j = 0; j < s->s3_nlist; j++)
+        if (s->s3_list[j].step == e3->step) s->s3_list[j].status = CKPT_STATUS_CORRUPT;
     return -1;
 }
 
@@ -578,7 +606,10 @@ static int resume_rank0(state *s, int *resumed)
      * now leaves the local ones (normally at least as new: S3 copies them) */
     ckpt_entry *e3 = NULL;
     size_t n3 = 0, k3 = 0;
-    if (s->s3_read) {
+    if (s->s3_read && s->s3_down) {
+        LOG_W(TAG, "not looking for snapshots on %s: the bucket could not be reached at start; "
+              "resuming from %s only", o->s3, o->ckpt_dir);
+    } else if (s->s3_read) {
         char w[400] = "";
         int lr = ckpt_list_s3(s->s3_read, &e3, &n3, w, sizeof w);
         if (lr < 0) {
@@ -587,6 +618,12 @@ static int resume_rank0(state *s, int *resumed)
             e3 = NULL;
             n3 = 0;
         } else {
+            /* kept for check_no_later_snapshots (a copy: the walk below consumes e3) */
+            s->s3_list = malloc((n3 ? n3 : 1) * sizeof *e3);
+            if (s->s3_list) {
+                memcpy(s->s3_list, e3, n3 * sizeof *e3);
+                s->s3_nlist = n3;
+            }
             LOG_I(TAG, "%s holds %zu snapshot folder%s", o->s3, n3, n3 == 1 ? "" : "s");
             for (size_t j = 0; j < n3; j++)
                 if (e3[j].status == CKPT_STATUS_COMMITTED && (int64_t)e3[j].step > s->s3_newest)
@@ -806,6 +843,9 @@ int train_resume(state *s)
             status = 2;
         }
         if (status == 0 && s->o->ckpt_every > 0) status = check_no_later_snapshots(s);
+        free(s->s3_list);
+        s->s3_list = NULL;
+        s->s3_nlist = 0;
         memset(&m, 0, sizeof m);
         m.cmd = CMD_DONE;
         m.status = status;

@@ -247,6 +247,49 @@ class S3(TempDirTest):
         self.assertNotIn(new_secret, logs)
         self.assertEqual(self.s3_steps()[12], "committed")
 
+    def test_a_prefix_holding_later_snapshots_is_refused(self):
+        """A run that would upload steps another run (or its own later history) already holds
+        on S3 exits 2 before the first step, as for a local folder; nothing is overwritten."""
+        ok(self, 1, ["--ckpt-dir", os.path.join(self.tmp, "a"), "--ckpt-every", "3", "--steps", "9",
+                     "--s3", self.url()], self.env)
+        def objects():
+            c = self.rgw.client()
+            return {k: (h["etag"], h.get("last-modified")) for k in self.keys("job/")
+                    for h in [c.head(self.bucket, k)]}
+        before = objects()
+        for args in (["--ckpt-dir", os.path.join(self.tmp, "b"), "--seed", "99"],
+                     ["--ckpt-dir", os.path.join(self.tmp, "c"), "--resume",
+                      self.url() + "/step-000000003"]):
+            ranks, codes, logs = launch(self, 1, args + ["--ckpt-every", "3", "--steps", "9",
+                                                         "--s3", self.url()], self.env)
+            self.assertEqual(codes, [2], logs[-2000:])
+            self.assertIn("refusing to start at step", logs)
+            self.assertIn("step-000000009", logs)
+            self.assertNotIn("step 1/", logs)
+        self.assertEqual(objects(), before)  # not one object replaced
+        # with its own --run-id, a run may share the prefix when its steps do not collide
+        ok(self, 1, ["--ckpt-dir", os.path.join(self.tmp, "d"), "--ckpt-every", "2", "--steps", "2",
+                     "--run-id", "other", "--s3", self.url()], self.env)
+
+    def test_a_bucket_that_does_not_answer_at_start_delays_little(self):
+        """The start-up check has its own short limits: a hanging listing costs seconds, the
+        run trains, and its uploads go through once the server answers."""
+        d = os.path.join(self.tmp, "ck")
+        with s3env.FaultProxy(self.rgw.endpoint) as proxy:
+            e = dict(self.env, AWS_ENDPOINT_URL=proxy.endpoint)
+            rule = proxy.add_rule("hang", method="GET", match="delimiter", count=2)
+            t0 = time.time()
+            got, logs = ok(self, 1, ["--ckpt-dir", d, "--ckpt-every", "3", "--s3", self.url(),
+                                     "--resume", "auto"], e)
+            self.assertEqual(rule.hits, 2)
+        first = re.search(r"^(\d+):(\d+):(\d+\.\d+) .*step 1/6", logs, re.M)
+        start = re.search(r"^(\d+):(\d+):(\d+\.\d+) ", logs, re.M)
+        secs = lambda m: int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3))
+        self.assertLess(secs(first) - secs(start), 30, logs[:3000])
+        self.assertIn("cannot be reached now", logs)
+        self.assertIn("does not look at the bucket this time", logs)
+        self.assertEqual(self.s3_steps(), {3: "committed", 6: "committed"})
+
     # ------------------------------------------------------------------ retention
 
     def test_remote_retention_under_a_partial_newer_upload(self):

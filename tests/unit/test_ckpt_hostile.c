@@ -1010,7 +1010,7 @@ static void list_during_retention(const char *base)
     pthread_t tid;
     T_REQUIRE(pthread_create(&tid, NULL, churn_main, &c) == 0, "thread");
     long lists = 0, seen = 0, corrupt = 0;
-    char first_bad[480] = "";
+    char first_bad[700] = "";
     while (!atomic_load(&c.done)) {
         ckpt_entry *e = NULL;
         size_t n = 0;
