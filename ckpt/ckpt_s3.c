@@ -91,8 +91,9 @@ static int check_objects(ckpt_snapshot *s, uint64_t step, char *why, size_t why_
         objstore_run(s->os, ops, n, 0);
         for (j = 0; j < n; j++) {
             if (ops[j].rc == -ENOENT) {
-                log_why(why, why_len, "data object %s is missing (the manifest object is there)",
-                        keys[j]);
+                log_why(why, why_len, "data object %s is missing (the manifest object is there%s)",
+                        keys[j], s->part_bytes ? "" : " without the x-amz-meta-ckpt-part-bytes "
+                        "metadata: if the files were split into parts, the metadata was lost");
                 rc = -EBADMSG;
                 break;
             }
