@@ -202,7 +202,8 @@ double objstore_backoff_s(unsigned attempt, double base_s, double max_s, double 
 
 /* Parse the shared credentials file text for `profile`: key id, secret and token (empty
  * when absent) into the caller's buffers. 0, -ENOENT (no such profile or no key in it),
- * -EINVAL (key too long). */
+ * -EINVAL (key too long), -EILSEQ (a value with a control character: it would end up in an
+ * HTTP header). */
 int objstore_parse_credentials(const char *text, const char *profile, char *key_id,
                                size_t key_id_len, char *secret, size_t secret_len, char *token,
                                size_t token_len);

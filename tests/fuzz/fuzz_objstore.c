@@ -6,8 +6,8 @@
  *   0: objstore_parse_url - on success the bucket is 3..63 of [a-z0-9.-] and the prefix only
  *      [A-Za-z0-9._/-] with no leading, trailing or doubled slash (objstore.h);
  *   1: objstore_parse_credentials for profile "default" and for a profile named by the
- *      input's first line - outputs NUL-terminated within their buffers, and 0 only with a
- *      key id and a secret;
+ *      input's first line - outputs NUL-terminated within their buffers, 0 only with a key
+ *      id and a secret, and no value with a control character accepted;
  *   2: os_parse_error_doc (libxml2) - code and message NUL-terminated within their fields.
  * Any crash, sanitizer report or leak is a finding, as is a broken promise above (FZ_ASSERT).
  */
@@ -48,11 +48,13 @@ static void check_creds(const char *text, const char *profile)
     memset(token, 'x', sizeof token);
     int rc = objstore_parse_credentials(text, profile, id, sizeof id, secret, sizeof secret,
                                         token, sizeof token);
-    FZ_ASSERT(rc == 0 || rc == -ENOENT || rc == -EINVAL, "rc %d", rc);
+    FZ_ASSERT(rc == 0 || rc == -ENOENT || rc == -EINVAL || rc == -EILSEQ, "rc %d", rc);
     if (rc == 0) {
         FZ_ASSERT(memchr(id, '\0', sizeof id) && memchr(secret, '\0', sizeof secret) &&
                   memchr(token, '\0', sizeof token), "outputs not terminated");
         FZ_ASSERT(id[0] && secret[0], "success without a key id and a secret");
+        for (const char *p = token; *p; p++)
+            FZ_ASSERT((unsigned char)*p >= 0x20 && *p != 0x7f, "a control character in the token");
     }
 }
 

@@ -422,6 +422,27 @@ class S3(TempDirTest):
         self.assertEqual(steps.get(3), "incomplete")
         self.assertEqual(steps.get(6), "committed")
 
+    def test_every_rank_throttled_for_a_while_c33(self):
+        """C33: 503 SlowDown on every upload request of 4 ranks for 6 s: the retries are spread
+        by the jitter (no synchronised bursts), training does not wait, uploads recover."""
+        d = os.path.join(self.tmp, "ck")
+        with s3env.FaultProxy(self.rgw.endpoint) as proxy:
+            e = dict(self.env, AWS_ENDPOINT_URL=proxy.endpoint)
+            rule = proxy.add_rule("status:503:SlowDown", method="PUT", seconds=6)
+            got, logs = ok(self, 4, ["--ckpt-dir", d, "--ckpt-every", "3", "--steps", "9",
+                                     "--s3", self.url(), "--s3-attempts", "12"], e)
+            refused = sorted(ev["time"] for ev in proxy.events if ev["fault"])
+        self.assertGreaterEqual(rule.hits, 8, logs[-3000:])
+        # full jitter: the refused attempts do not come in lockstep; most 100 ms windows hold
+        # at most a few of them
+        windows = {}
+        for t in refused:
+            windows[int(t * 10)] = windows.get(int(t * 10), 0) + 1
+        self.assertLessEqual(max(windows.values()), max(4, len(refused) // 3), refused)
+        self.assertEqual(self.s3_steps().get(9), "committed")
+        times = [float(x) for x in re.findall(r"step \d+/9 loss \S+ lr \S+ grad_norm \S+ (\d+) ms", logs)]
+        self.assertLess(max(times), 5000, "a training step waited for S3")
+
     def test_cut_reset_and_error_documents_c31(self):
         """A body cut short, a reset mid-body, a 200 with an error document: each retried, never
         taken as uploaded or as data; the snapshot verifies and restores."""
