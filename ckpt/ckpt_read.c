@@ -18,6 +18,7 @@
 #include <sys/stat.h>
 #include <xxhash.h>
 #include <zstd.h>
+#include <unistd.h>
 
 #define TAG "ckpt"
 
@@ -40,6 +41,9 @@ void ckpt_snapshot_close(ckpt_snapshot *s)
     for (unsigned t = 0; s->ctx && t < s->threads; t++) rctx_free(&s->ctx[t], s->nfiles);
     free(s->ctx);
     free(s->text);
+    for (size_t i = 0; s->copy_fds && i < s->nfiles; i++)
+        if (s->copy_fds[i] >= 0) close(s->copy_fds[i]);
+    free(s->copy_fds);
     if (s->own_os) objstore_close(s->os);
     free(s);
 }
@@ -611,6 +615,7 @@ check:
                 (unsigned long long)k->stored_bytes);
         return -EBADMSG;
     }
+    if (s->copy_fds) ckpt_s3_copy_chunk(s, k->file, k->file_offset, stored, k->stored_bytes);
     uint8_t *dec = k->filter == CKPT_FILTER_NONE ? out : c->filt;
     if (k->codec_zstd) {
         /* exactly one frame: zstd would also decode concatenated or skippable frames */

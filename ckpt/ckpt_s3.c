@@ -438,7 +438,35 @@ static int cmp_span(const void *a, const void *b)
     return x->off < y->off ? -1 : x->off > y->off;
 }
 
-static int copy_file(ckpt_snapshot *s, uint32_t fi, const char *tmpdir, char *why, size_t why_len)
+int ckpt_s3_copy_begin(ckpt_snapshot *s, const char *tmpdir)
+{
+    if (!s || !s->os || !tmpdir || s->copy_fds) return -EINVAL;
+    if (mkdir(tmpdir, 0755) != 0 && errno != EEXIST) return -errno;
+    int *fds = malloc((s->nfiles ? s->nfiles : 1) * sizeof *fds);
+    if (!fds) return -ENOMEM;
+    for (size_t i = 0; i < s->nfiles; i++) {
+        char path[CKPT_PATH_MAX];
+        fds[i] = ckpt_path_join(path, sizeof path, tmpdir, s->files[i].name) < 0 ? -1
+                 : open(path, O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+    }
+    s->copy_fds = fds;
+    return 0;
+}
+
+void ckpt_s3_copy_chunk(const ckpt_snapshot *s, uint32_t fi, uint64_t off, const uint8_t *p,
+                        uint64_t len)
+{
+    int fd = s->copy_fds[fi];
+    for (uint64_t done = 0; fd >= 0 && done < len;) {
+        ssize_t w = pwrite(fd, p + done, (size_t)(len - done), (off_t)(off + done));
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return; /* the copy pass fetches it again */
+        done += (uint64_t)w;
+    }
+}
+
+static int copy_file(ckpt_snapshot *s, uint32_t fi, const char *tmpdir, uint64_t *fetched_out,
+                     char *why, size_t why_len)
 {
     const file *f = &s->files[fi];
     size_t nk = 0;
@@ -451,12 +479,14 @@ static int copy_file(ckpt_snapshot *s, uint32_t fi, const char *tmpdir, char *wh
     if (!sp || !buf) rc = -ENOMEM;
     int fd = -1;
     if (rc == 0) {
-        fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+        /* the file may hold chunks the restore already fetched (ckpt_s3_copy_begin) */
+        fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
         if (fd < 0) {
             rc = -errno;
             log_why(why, why_len, "cannot create %s: %s", path, strerror(errno));
         }
     }
+    uint64_t reused = 0, fetched = 0;
     size_t k = 0;
     for (size_t b = 0; rc == 0 && b < s->nbuffers; b++)
         for (size_t c = 0; c < s->buffers[b].nchunks; c++) {
@@ -465,6 +495,12 @@ static int copy_file(ckpt_snapshot *s, uint32_t fi, const char *tmpdir, char *wh
         }
     if (rc == 0) qsort(sp, nk, sizeof *sp, cmp_span);
     for (size_t i = 0; rc == 0 && i < nk; i++) {
+        ssize_t got = pread(fd, buf, (size_t)sp[i].len, (off_t)sp[i].off);
+        if (got == (ssize_t)sp[i].len && XXH3_64bits(buf, (size_t)sp[i].len) == sp[i].xxh) {
+            reused += sp[i].len; /* written by a restore read, and still good */
+            continue;
+        }
+        fetched += sp[i].len;
         if ((rc = ckpt_s3_read_stored(s, fi, sp[i].off, sp[i].len, buf, why, why_len)) < 0) break;
         if (XXH3_64bits(buf, (size_t)sp[i].len) != sp[i].xxh) {
             log_why(why, why_len, "%s/%s: the stored bytes at offset %" PRIu64 " do not match "
@@ -484,6 +520,9 @@ static int copy_file(ckpt_snapshot *s, uint32_t fi, const char *tmpdir, char *wh
             done += (uint64_t)w;
         }
     }
+    if (rc == 0) LOG_D(TAG, "local copy of %s/%s: %" PRIu64 " bytes from the restore's reads, %"
+                       PRIu64 " fetched", s->path, f->name, reused, fetched);
+    *fetched_out += fetched;
     if (rc == 0 && ftruncate(fd, (off_t)f->bytes) != 0) rc = -errno;
     if (rc == 0 && fsync(fd) != 0) {
         rc = -errno;
@@ -496,11 +535,14 @@ static int copy_file(ckpt_snapshot *s, uint32_t fi, const char *tmpdir, char *wh
 }
 
 int ckpt_s3_copy_files(ckpt_snapshot *s, const char *tmpdir, uint32_t part, uint32_t nparts,
-                       char *why, size_t why_len)
+                       uint64_t *fetched, char *why, size_t why_len)
 {
+    uint64_t dummy = 0;
+    if (!fetched) fetched = &dummy;
+    *fetched = 0;
     if (!s || !s->os || !tmpdir || nparts == 0 || part >= nparts) return -EINVAL;
     for (size_t f = part; f < s->nfiles; f += nparts) {
-        int rc = copy_file(s, (uint32_t)f, tmpdir, why, why_len);
+        int rc = copy_file(s, (uint32_t)f, tmpdir, fetched, why, why_len);
         if (rc < 0) return rc;
     }
     return 0;

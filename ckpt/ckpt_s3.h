@@ -81,14 +81,23 @@ int ckpt_list_s3(objstore *os, ckpt_entry **entries, size_t *n, char *why, size_
 int ckpt_s3_retain(objstore *os, unsigned keep_last, const char *run_id, char *why,
                    size_t why_len);
 
+/* Before reading a snapshot opened from S3: also write every chunk's stored bytes that a read
+ * fetches and verifies into the same-named data files in tmpdir (created when missing; files
+ * opened without truncation, so several ranks may share the folder), so that
+ * ckpt_s3_copy_files later fetches only what no read did. Errors: -EINVAL (not an S3 handle,
+ * or called twice), -errno of mkdir, -ENOMEM; a file that cannot be opened is skipped. */
+int ckpt_s3_copy_begin(ckpt_snapshot *s, const char *tmpdir);
+
 /* Copy the data files of a snapshot opened with ckpt_snapshot_open_s3 whose index f
  * satisfies f % nparts == part into the folder tmpdir (created by the caller), each chunk
- * range-read and checked against its stored checksum before it is written, then fsynced.
+ * range-read and checked against its stored checksum before it is written, then fsynced; a
+ * chunk already in the file with the right checksum (ckpt_s3_copy_begin) is not fetched.
+ * *fetched (may be NULL) gets the stored bytes that had to be fetched.
  * Used by ranks together (part = rank, nparts = world size) to leave a verified local copy
  * after a restore from S3; ckpt_s3_commit_local then makes it a snapshot.
  * Errors: -EBADMSG (a chunk that does not verify), objstore's, -errno of the writes. */
 int ckpt_s3_copy_files(ckpt_snapshot *s, const char *tmpdir, uint32_t part, uint32_t nparts,
-                       char *why, size_t why_len);
+                       uint64_t *fetched, char *why, size_t why_len);
 
 /* Write the snapshot's manifest into tmpdir, fsync, rename tmpdir to dir/step-%09llu and fsync
  * dir: the commit of a local copy (every data file must be in tmpdir). Errors: -EEXIST (the

@@ -63,6 +63,8 @@ struct ckpt_snapshot {
     uint64_t part_bytes;  /* object size cap the snapshot was uploaded with */
     char *text;           /* the manifest as read (S3 handles only) */
     size_t text_len;
+    int *copy_fds;        /* (nfiles) S3: where verified stored chunks are also written
+                             (ckpt_s3_copy_begin), -1 none; NULL when not copying */
 };
 
 
@@ -75,6 +77,12 @@ int ckpt_snapshot_parse_text(ckpt_snapshot *s, const char *text, size_t len, cha
 /* S3 handles: read len stored bytes of data file `file` at offset off into dst (ckpt_s3.c). */
 int ckpt_s3_read_stored(const ckpt_snapshot *s, uint32_t file, uint64_t off, uint64_t len,
                         uint8_t *dst, char *bad, size_t bad_len);
+
+/* S3 handles with a copy folder (ckpt_s3_copy_begin): write the verified stored bytes of a
+ * chunk of file `file` at off into the local copy; failures are ignored (the copy pass
+ * refetches what is missing). */
+void ckpt_s3_copy_chunk(const ckpt_snapshot *s, uint32_t file, uint64_t off, const uint8_t *p,
+                        uint64_t len);
 
 /* A new handle with the defaults (2 threads) for path; NULL when out of memory. */
 ckpt_snapshot *ckpt_snapshot_alloc(const char *path);

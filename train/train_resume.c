@@ -139,6 +139,15 @@ static int read_ranges(state *s, ckpt_snapshot *snap, size_t plo, size_t phi, fl
     return rc;
 }
 
+/* The temp folder in --ckpt-dir where the local copy of an S3 snapshot is assembled: a temp
+ * name (ckpt_remove_temp removes it after a crash), the same on every rank. */
+static void s3_copy_dir(const state *s, const ckpt_snapshot *snap, char *out, size_t len)
+{
+    char d[32];
+    ckpt_step_dirname(ckpt_snapshot_step(snap), d, sizeof d);
+    snprintf(out, len, "%s/.tmp-%s-s3copy-%s", s->o->ckpt_dir, d, ckpt_snapshot_run_id(snap));
+}
+
 /* Load this rank's part of one snapshot: params [lo, hi) (all at ZeRO stage 0), Adam moments
  * [olo, ohi). Local: no collective. Returns 0, -EBADMSG (corrupt: try an older one), -EINVAL
  * (incompatible: refuse), other -errno. why gets one line. */
@@ -149,6 +158,15 @@ static int load_part(state *s, const char *path, char *why, size_t why_len)
     train_s3_store_opts(s->o, &so);
     int rc = ckpt_snapshot_open_any(&snap, path, &so, why, why_len);
     if (rc < 0) return rc == -EPROTONOSUPPORT ? -EINVAL : rc;
+    if (ckpt_is_s3_url(path) && s->o->ckpt_dir) {
+        /* the chunks this rank fetches also go into the local copy that local_copy completes
+         * (one fetch per chunk, not two); a failure here only costs that */
+        char tmp[CKPT_PATH_MAX];
+        s3_copy_dir(s, snap, tmp, sizeof tmp);
+        int cr = ckpt_s3_copy_begin(snap, tmp);
+        if (cr < 0) LOG_D(TAG, "%s: the restore's reads are not kept for the local copy: %s", tmp,
+                          strerror(-cr));
+    }
     json_error_t jerr;
     json_t *tr = json_loads(ckpt_snapshot_trainer_json(snap), 0, &jerr);
     if (!tr && (json_error_code(&jerr) == json_error_out_of_memory || !jerr.text[0])) {
@@ -569,6 +587,10 @@ static int try_s3_entry(state *s, const ckpt_entry *e3, char *line, size_t line_
     }
     LOG_W(TAG, "skipping corrupt snapshot %s: %s", url, why);
     snprintf(line, line_len, "%.600s: corrupt: %.300s", url, why);
+    char tmp[CKPT_PATH_MAX], d[32];
+    ckpt_step_dirname(e3->step, d, sizeof d);
+    snprintf(tmp, sizeof tmp, "%s/.tmp-%s-s3copy-%s", o->ckpt_dir, d, e3->run_id);
+    store_remove_tree(tmp); /* what the ranks' reads kept of it: every rank is done (agreed) */
     /* not "later snapshots in the way" (check_no_later_snapshots): a re-save replaces it,
      * as a corrupt local one is set aside to free its step */
     for (size_t j = 0; j < s->s3_nlist; j++)
@@ -783,14 +805,15 @@ static int local_copy(state *s, const char *url)
     int rc = ckpt_snapshot_open_any(&snap, url, &so, why, sizeof why);
     if (rc == 0) {
         ckpt_step_dirname(ckpt_snapshot_step(snap), d, sizeof d);
-        snprintf(tmp, sizeof tmp, "%s/.tmp-%s-s3copy-%s", o->ckpt_dir, d, s->run_id);
+        s3_copy_dir(s, snap, tmp, sizeof tmp);
         if (mkdir(tmp, 0755) != 0 && errno != EEXIST) {
             rc = -errno;
             snprintf(why, sizeof why, "cannot create %s: %s", tmp, strerror(errno));
         }
     }
-    if (rc == 0) rc = ckpt_s3_copy_files(snap, tmp, (uint32_t)s->rank, (uint32_t)s->world, why,
-                                         sizeof why);
+    uint64_t fetched = 0;
+    if (rc == 0) rc = ckpt_s3_copy_files(snap, tmp, (uint32_t)s->rank, (uint32_t)s->world,
+                                         &fetched, why, sizeof why);
     if (rc < 0 && s->world > 1) LOG_W(TAG, "local copy of %s: %s", url, why[0] ? why : strerror(-rc));
     int comm_err = 0, who = 0;
     int all = agree(s, rc, &comm_err, &who);
@@ -802,8 +825,9 @@ static int local_copy(state *s, const char *url)
         if (all == 0) {
             all = ckpt_s3_commit_local(snap, tmp, o->ckpt_dir);
             if (all == 0)
-                LOG_I(TAG, "left a verified local copy of %s in %s/%s (%.0f ms): the next restart "
-                      "is local", url, o->ckpt_dir, d, (clock_now_s() - t0) * 1e3);
+                LOG_I(TAG, "left a verified local copy of %s in %s/%s (%.0f ms; rank 0 fetched "
+                      "%" PRIu64 " bytes again, the rest came from the restore's reads): the next "
+                      "restart is local", url, o->ckpt_dir, d, (clock_now_s() - t0) * 1e3, fetched);
             else
                 LOG_W(TAG, "no local copy of %s: the commit in %s failed: %s", url, o->ckpt_dir,
                       strerror(-all));

@@ -976,6 +976,7 @@ typedef struct churn {
     const char *root, *pool, *gone;
     int first, last; /* steps [first, last] wait in the pool */
     atomic_int done;
+    atomic_long lists; /* listings the other thread finished */
 } churn;
 
 /* Commit and retire snapshots as a run with keep-last does, each name once: pool/step-k ->
@@ -993,6 +994,13 @@ static void *churn_main(void *arg)
         snprintf(g, sizeof g, "%s/%s", c->gone, name);
         if (rename(a, b)) break;
         t_sleep_s(200e-6);
+        if (i % 10 == 0) {
+            /* now and then stay until two listings ended (at most 0.2 s): on a slow machine
+             * (a sanitizer, a loaded CI) a listing takes longer than the 200 us above, and the
+             * check that a committed entry was seen in passing would fail by timing alone */
+            long l0 = atomic_load(&c->lists);
+            for (int w = 0; w < 1000 && atomic_load(&c->lists) < l0 + 2; w++) t_sleep_s(200e-6);
+        }
         if (rename(b, t) || rename(t, g)) break;
     }
     atomic_store(&c->done, 1);
@@ -1004,7 +1012,7 @@ static void list_during_retention(const char *base)
     char *root = t_path_in(base, "churn"), *pool = t_path_in(base, "pool");
     char *gone = t_path_in(base, "gone");
     T_REQUIRE(mkdir(root, 0755) == 0 && mkdir(gone, 0755) == 0, "mkdir");
-    churn c = {root, pool, gone, 10, 409, 0};
+    churn c = {root, pool, gone, 10, 409, 0, 0};
     T_REQUIRE(save_small(root, 1) == 0, "a snapshot that stays");
     for (int i = c.first; i <= c.last; i++) T_REQUIRE(save_small(pool, (uint64_t)i) == 0, "save %d", i);
     pthread_t tid;
@@ -1023,6 +1031,7 @@ static void list_during_retention(const char *base)
         }
         free(e);
         lists++;
+        atomic_store(&c.lists, lists);
     }
     pthread_join(tid, NULL);
     printf("listing during retention: %ld lists over %d commits and removals, %ld committed "
