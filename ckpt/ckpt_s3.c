@@ -43,7 +43,7 @@ int ckpt_s3_object_key(const objstore *os, uint64_t step, const char *file, uint
     return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
 }
 
-static void step_url(const objstore *os, uint64_t step, char *out, size_t len)
+void ckpt_s3_step_url(const objstore *os, uint64_t step, char *out, size_t len)
 {
     char d[32];
     ckpt_step_dirname(step, d, sizeof d);
@@ -122,7 +122,7 @@ static int open_s3(ckpt_snapshot **out, objstore *os, uint64_t step, int objects
 {
     *out = NULL;
     char url[CKPT_PATH_MAX], key[1100];
-    step_url(os, step, url, sizeof url);
+    ckpt_s3_step_url(os, step, url, sizeof url);
     ckpt_snapshot *s = ckpt_snapshot_alloc(url);
     if (!s) return -ENOMEM;
     s->os = os;

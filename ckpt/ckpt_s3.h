@@ -194,6 +194,9 @@ void ckpt_uploader_pending(ckpt_uploader *u, char *out, size_t len);
  * finish. Accepts NULL. */
 void ckpt_uploader_destroy(ckpt_uploader *u);
 
+/* "s3://bucket/prefix/step-%09llu" of the store's prefix into out (len bytes). */
+void ckpt_s3_step_url(const objstore *os, uint64_t step, char *out, size_t len);
+
 /* The key of data object `part` of file `file` of `step` (nparts 1: the file's own name). */
 int ckpt_s3_object_key(const objstore *os, uint64_t step, const char *file, uint32_t part,
                        uint32_t nparts, char *out, size_t len);

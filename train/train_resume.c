@@ -141,11 +141,11 @@ static int read_ranges(state *s, ckpt_snapshot *snap, size_t plo, size_t phi, fl
 
 /* The temp folder in --ckpt-dir where the local copy of an S3 snapshot is assembled: a temp
  * name (ckpt_remove_temp removes it after a crash), the same on every rank. */
-static void s3_copy_dir(const state *s, const ckpt_snapshot *snap, char *out, size_t len)
+static void s3_copy_dir(const state *s, uint64_t step, const char *run_id, char *out, size_t len)
 {
     char d[32];
-    ckpt_step_dirname(ckpt_snapshot_step(snap), d, sizeof d);
-    snprintf(out, len, "%s/.tmp-%s-s3copy-%s", s->o->ckpt_dir, d, ckpt_snapshot_run_id(snap));
+    ckpt_step_dirname(step, d, sizeof d);
+    snprintf(out, len, "%s/.tmp-%s-s3copy-%s", s->o->ckpt_dir, d, run_id);
 }
 
 /* Load this rank's part of one snapshot: params [lo, hi) (all at ZeRO stage 0), Adam moments
@@ -162,7 +162,7 @@ static int load_part(state *s, const char *path, char *why, size_t why_len)
         /* the chunks this rank fetches also go into the local copy that local_copy completes
          * (one fetch per chunk, not two); a failure here only costs that */
         char tmp[CKPT_PATH_MAX];
-        s3_copy_dir(s, snap, tmp, sizeof tmp);
+        s3_copy_dir(s, ckpt_snapshot_step(snap), ckpt_snapshot_run_id(snap), tmp, sizeof tmp);
         int cr = ckpt_s3_copy_begin(snap, tmp);
         if (cr < 0) LOG_D(TAG, "%s: the restore's reads are not kept for the local copy: %s", tmp,
                           strerror(-cr));
@@ -540,9 +540,7 @@ static int try_s3_entry(state *s, const ckpt_entry *e3, char *line, size_t line_
 {
     const options *o = s->o;
     char url[CKPT_PATH_MAX], why[600] = "";
-    const char *p = objstore_prefix(s->s3_read);
-    snprintf(url, sizeof url, "s3://%s/%s%s%s", objstore_bucket(s->s3_read), p, *p ? "/" : "",
-             e3->name);
+    ckpt_s3_step_url(s->s3_read, e3->step, url, sizeof url);
     line[0] = '\0';
     switch (e3->status) {
     case CKPT_STATUS_INCOMPLETE:
@@ -587,14 +585,28 @@ static int try_s3_entry(state *s, const ckpt_entry *e3, char *line, size_t line_
     }
     LOG_W(TAG, "skipping corrupt snapshot %s: %s", url, why);
     snprintf(line, line_len, "%.600s: corrupt: %.300s", url, why);
-    char tmp[CKPT_PATH_MAX], d[32];
-    ckpt_step_dirname(e3->step, d, sizeof d);
-    snprintf(tmp, sizeof tmp, "%s/.tmp-%s-s3copy-%s", o->ckpt_dir, d, e3->run_id);
+    char tmp[CKPT_PATH_MAX];
+    s3_copy_dir(s, e3->step, e3->run_id, tmp, sizeof tmp);
     store_remove_tree(tmp); /* what the ranks' reads kept of it: every rank is done (agreed) */
     /* not "later snapshots in the way" (check_no_later_snapshots): a re-save replaces it,
      * as a corrupt local one is set aside to free its step */
     for (size_t j = 0; j < s->s3_nlist; j++)
         if (s->s3_list[j].step == e3->step) s->s3_list[j].status = CKPT_STATUS_CORRUPT;
+    return -1;
+}
+
+/* Rank 0: try the S3 snapshots e3[0, *k3) newest first while their step is over `floor`
+ * (at least `floor` when inclusive; after the local ones newer than a step were tried, that
+ * is exactly the S3 copy of that step). A corrupt one adds its line at lines[*bad + earlier].
+ * Returns the first outcome that stops the walk (as try_s3_entry), or -1. */
+static int try_s3_from(state *s, const ckpt_entry *e3, size_t *k3, uint64_t floor, int inclusive,
+                       char (*lines)[1024], size_t *bad, size_t earlier, int *fatal)
+{
+    while (*k3 > 0 && (inclusive ? e3[*k3 - 1].step >= floor : e3[*k3 - 1].step > floor)) {
+        int r3 = try_s3_entry(s, &e3[--*k3], lines[*bad + earlier], sizeof lines[0], fatal);
+        if (r3 >= 0) return r3;
+        if (lines[*bad + earlier][0]) (*bad)++;
+    }
     return -1;
 }
 
@@ -664,16 +676,12 @@ static int resume_rank0(state *s, int *resumed)
     }
     for (size_t i = n; result < 0 && i-- > 0;) {
         /* S3 snapshots newer than this local one come first */
-        while (result < 0 && k3 > 0 && e3[k3 - 1].step > e[i].step) {
-            int r3 = try_s3_entry(s, &e3[--k3], lines[bad + earlier], sizeof lines[0], &fatal);
-            if (r3 >= 0) {
-                result = r3;
-                *resumed = r3 == 0;
-            } else if (lines[bad + earlier][0]) {
-                bad++;
-            }
+        int r3 = try_s3_from(s, e3, &k3, e[i].step, 0, lines, &bad, earlier, &fatal);
+        if (r3 >= 0) {
+            result = r3;
+            *resumed = r3 == 0;
+            break;
         }
-        if (result >= 0) break;
         char path[CKPT_PATH_MAX];
         snprintf(path, sizeof path, "%s/%s", o->ckpt_dir, e[i].name);
         if (e[i].status == CKPT_STATUS_SET_ASIDE) {
@@ -745,24 +753,18 @@ static int resume_rank0(state *s, int *resumed)
         if (ar == 0) LOG_W(TAG, "set %s aside as %s/%s", path, o->ckpt_dir, aside);
         else LOG_W(TAG, "could not set %s aside: %s", path, strerror(-ar));
         /* the S3 copy of the same step, when there is one (DESIGN I1) */
-        while (result < 0 && k3 > 0 && e3[k3 - 1].step == e[i].step) {
-            int r3 = try_s3_entry(s, &e3[--k3], lines[bad + earlier], sizeof lines[0], &fatal);
-            if (r3 >= 0) {
-                result = r3;
-                *resumed = r3 == 0;
-            } else if (lines[bad + earlier][0]) {
-                bad++;
-            }
-        }
-    }
-    /* S3 snapshots older than every local one */
-    while (result < 0 && k3 > 0) {
-        int r3 = try_s3_entry(s, &e3[--k3], lines[bad + earlier], sizeof lines[0], &fatal);
+        r3 = try_s3_from(s, e3, &k3, e[i].step, 1, lines, &bad, earlier, &fatal);
         if (r3 >= 0) {
             result = r3;
             *resumed = r3 == 0;
-        } else if (lines[bad + earlier][0]) {
-            bad++;
+        }
+    }
+    /* S3 snapshots older than every local one */
+    if (result < 0) {
+        int r3 = try_s3_from(s, e3, &k3, 0, 1, lines, &bad, earlier, &fatal);
+        if (r3 >= 0) {
+            result = r3;
+            *resumed = r3 == 0;
         }
     }
     free(e3);
@@ -805,7 +807,7 @@ static int local_copy(state *s, const char *url)
     int rc = ckpt_snapshot_open_any(&snap, url, &so, why, sizeof why);
     if (rc == 0) {
         ckpt_step_dirname(ckpt_snapshot_step(snap), d, sizeof d);
-        s3_copy_dir(s, snap, tmp, sizeof tmp);
+        s3_copy_dir(s, ckpt_snapshot_step(snap), ckpt_snapshot_run_id(snap), tmp, sizeof tmp);
         if (mkdir(tmp, 0755) != 0 && errno != EEXIST) {
             rc = -errno;
             snprintf(why, sizeof why, "cannot create %s: %s", tmp, strerror(errno));
