@@ -1,0 +1,156 @@
+/* shmseg.h - a shared-memory segment with two slots, for the memory tier (issue 13).
+ *
+ * A segment is one regular file (normally in /dev/shm) that holds a fixed-size header and
+ * SHMSEG_NSLOTS = 2 slots of equal capacity. A writer fills one slot while the other keeps
+ * the previous complete payload, so a crash during a write (SIGKILL, OOM) never loses the
+ * last complete one. This module knows nothing about what a slot holds (ckpt/ckpt_mem.h
+ * defines the payload of the checkpoint engine); it owns the layout, the state words and the
+ * file's safety checks. Used by the trainer (through ckpt/) and by the agent (elastic/).
+ *
+ * Layout (little-endian, every offset and size a multiple of 4096; docs/FORMAT.md, "Memory
+ * tier", is the normative copy):
+ *
+ *   offset 0     segment header, 4096 bytes:
+ *                  magic "CKPTSEG1" (8) | version u32 = 1 | header_bytes u32 = 4096 |
+ *                  slot_bytes u64 (capacity of each slot, a multiple of 4096) |
+ *                  nslots u32 = 2 | pad u32 | zero to 4096.
+ *                The fields are checked for sanity on open (no checksum: they are written
+ *                once, before the magic, which is stored last).
+ *   offset 4096 + i*(4096 + slot_bytes)          slot i's header, 4096 bytes:
+ *                  state u32 (0 empty, 1 writing, 2 complete) | pad u32 |
+ *                  seq u64 (see below) | payload_bytes u64 | payload_xxh3 u64 (XXH3-64 of
+ *                  the payload's first min(payload_bytes, 4096) bytes) | step u64 (a copy
+ *                  from the payload, for listing without parsing) | zero to 4096.
+ *   offset 4096 + i*(4096 + slot_bytes) + 4096   slot i's payload, slot_bytes bytes.
+ *   file size    4096 + 2*(4096 + slot_bytes).
+ *
+ * Consistency: state is written last with a release store and read with an acquire load
+ * (a seqlock): shmseg_begin stores state = writing before any payload byte changes,
+ * shmseg_commit writes seq, payload_bytes, payload_xxh3 and step, then state = complete.
+ * seq is 1 + the largest seq of the segment's slots at commit: of two complete slots the
+ * newer has the larger seq; it changes on every commit of the slot, so a reader that sees
+ * the same (state complete, seq) before and after copying bytes got an untorn copy
+ * (shmseg_copy_out). A slot left writing by a crash is never reported as complete; the next
+ * shmseg_begin may pick it.
+ *
+ * Safety: files are created mode 0600 with O_NOFOLLOW|O_CLOEXEC; a path that is a symbolic
+ * link, not a regular file, or owned by another uid is refused (-EPERM) before it is mapped.
+ *
+ * Thread-safety and processes: one writer per segment at a time (the worker for its own
+ * segment, the agent's receiver for a replica), any number of readers in any process. A
+ * handle is not safe for concurrent begin/commit from two threads; slot_info, newest,
+ * payload and copy_out may be called from any thread while one thread writes.
+ */
+#ifndef COMMON_SHMSEG_H
+#define COMMON_SHMSEG_H
+
+#include <stdint.h>
+
+#define SHMSEG_NSLOTS 2
+#define SHMSEG_PAGE 4096u
+#define SHMSEG_VERSION 1u
+
+/* Slot states (the u32 state word). */
+enum shmseg_state { SHMSEG_EMPTY = 0, SHMSEG_WRITING = 1, SHMSEG_COMPLETE = 2 };
+
+typedef struct shmseg shmseg;
+
+/* One consistent reading of a slot header (shmseg_slot_info). */
+typedef struct shmseg_info {
+    uint32_t state;         /* enum shmseg_state; any other value is reported as is */
+    uint64_t seq;           /* commit sequence number (0 = never committed) */
+    uint64_t payload_bytes; /* bytes of the payload written by the last commit */
+    uint64_t payload_xxh3;  /* XXH3-64 of the payload's first min(payload_bytes, 4096) */
+    uint64_t step;          /* the step the committer passed */
+} shmseg_info;
+
+/* Total file size of a segment whose slots hold slot_bytes each, or 0 when slot_bytes is 0,
+ * not a multiple of 4096, or the size would overflow. */
+uint64_t shmseg_file_bytes(uint64_t slot_bytes);
+
+/* Open or create the segment at path for writing and map it (MAP_SHARED).
+ * - The file is opened O_RDWR|O_CREAT|O_NOFOLLOW|O_CLOEXEC with mode 0600 (an existing
+ *   file of this uid is chmod'ed to 0600).
+ * - An existing segment with a valid header and the same slot_bytes keeps its slots (a
+ *   restarted worker with the same layout finds its previous snapshots).
+ * - A new or empty file is sized in place to shmseg_file_bytes(slot_bytes) (zero pages:
+ *   both slots empty) with the pages reserved (posix_fallocate), and the header's magic is
+ *   stored last.
+ * - Any other content (other slot_bytes, garbage) is replaced: the new layout is built in
+ *   "<path>.new-XXXXXX" (0600) and renamed over path; a valid old layout first gets both
+ *   slots marked empty and its magic cleared, so a process that still maps the old file
+ *   sees empty slots (never a SIGBUS, never stale bytes as complete).
+ * One process creates a given path at a time (the worker for its own segment).
+ * slot_bytes: capacity of each slot in bytes, > 0 and a multiple of 4096.
+ * *out gets the handle (close with shmseg_close); NULL on failure.
+ * Returns 0, or -EINVAL (NULL argument, bad slot_bytes), -EPERM (path is a symbolic link,
+ * a directory or another non-regular file, or owned by another uid), -ENOSPC / -ENOMEM (ftruncate or mmap
+ * refused: the tmpfs is full), or another -errno of open/fstat/ftruncate/mmap. */
+int shmseg_create(const char *path, uint64_t slot_bytes, shmseg **out);
+
+/* Map an existing segment: writable != 0 maps it read-write (for shmseg_begin/commit),
+ * 0 read-only. The same file checks as shmseg_create (O_NOFOLLOW, regular, own uid), then
+ * the header: magic, version 1, header_bytes 4096, nslots 2, slot_bytes a non-zero multiple
+ * of 4096, and the file size equal to shmseg_file_bytes(slot_bytes).
+ * Returns 0, or -EINVAL (NULL argument), -ENOENT (no such file), -EPERM (link, not regular,
+ * other uid), -EBADMSG (bad magic, header fields or size: not a segment, or one being
+ * rebuilt), -EPROTONOSUPPORT (a newer version), or another -errno of open/mmap. */
+int shmseg_open(const char *path, int writable, shmseg **out);
+
+/* Unmap and close; NULL is accepted. The file stays (the agent unlinks it). */
+void shmseg_close(shmseg *seg);
+
+/* Capacity of each slot in bytes (what shmseg_create was given). */
+uint64_t shmseg_slot_bytes(const shmseg *seg);
+
+/* Non-zero when the handle was mapped writable. */
+int shmseg_writable(const shmseg *seg);
+
+/* The path the handle was opened with (owned by the handle). */
+const char *shmseg_path(const shmseg *seg);
+
+/* Pointer to slot i's payload (slot_bytes bytes, 4096-aligned), or NULL when i is out of
+ * range. Writable only when the handle is. The pointer lives until shmseg_close. */
+void *shmseg_payload(shmseg *seg, int slot);
+
+/* A consistent reading of slot i's header: state is loaded with acquire before and after
+ * the other fields, retried until both agree (bounded; -EAGAIN when a writer keeps
+ * changing it). Returns 0, or -EINVAL (NULL, i out of range), -EAGAIN. */
+int shmseg_slot_info(const shmseg *seg, int slot, shmseg_info *info);
+
+/* The complete slot with the largest seq into *slot. Returns 0, -ENOENT when no slot is
+ * complete, -EINVAL, or -EAGAIN (as shmseg_slot_info). */
+int shmseg_newest(const shmseg *seg, int *slot);
+
+/* Choose the slot to write and mark it writing (release store), before any payload byte is
+ * touched. avoid: a slot that must not be written (the one a disk persist is still reading
+ * from), or -1 for none. With avoid in 0..1 the other slot is taken, even if it is the
+ * newest complete (the avoided one then stays complete); with -1 the slot that is not the
+ * newest complete is taken (slot 0 when none is complete). *slot gets the index.
+ * Returns 0, or -EINVAL (NULL, avoid out of range), -EBADF (read-only handle). */
+int shmseg_begin(shmseg *seg, int avoid, int *slot);
+
+/* Finish a write begun with shmseg_begin: seq = 1 + the largest seq of both slots,
+ * payload_bytes, step and payload_xxh3 (computed here over the payload's first
+ * min(payload_bytes, 4096) bytes) are written, then state = complete (release).
+ * payload_bytes: bytes written, <= slot_bytes. step: copied into the slot header.
+ * Returns 0, or -EINVAL (NULL, slot out of range, payload_bytes > slot_bytes, the slot is
+ * not in state writing), -EBADF (read-only handle). */
+int shmseg_commit(shmseg *seg, int slot, uint64_t payload_bytes, uint64_t step);
+
+/* Non-zero when slot i's first min(payload_bytes, 4096) payload bytes hash to the
+ * payload_xxh3 in info (info from shmseg_slot_info of the same slot). Reads the payload:
+ * a concurrent writer can make it fail (check the seq again, as copy_out does). */
+int shmseg_head_ok(const shmseg *seg, int slot, const shmseg_info *info);
+
+/* Copy len bytes at offset off of complete slot i's payload into dst and check that the
+ * slot did not change meanwhile (state and seq loaded with acquire before, and after an
+ * acquire fence). *seq_inout: 0 = any seq; otherwise the seq the slot must still have (to
+ * copy one payload in several pieces); on success it gets the slot's seq.
+ * Returns 0, or -EINVAL (NULL, slot out of range, off + len beyond payload_bytes),
+ * -ENOENT (the slot is not complete), -EAGAIN (torn: the slot's state or seq changed during
+ * the copy, or seq is not *seq_inout; dst holds garbage - try again later). */
+int shmseg_copy_out(const shmseg *seg, int slot, void *dst, uint64_t off, uint64_t len,
+                    uint64_t *seq_inout);
+
+#endif /* COMMON_SHMSEG_H */
