@@ -256,6 +256,23 @@ int ckpt_engine_stage(ckpt_engine *e, uint64_t step, const char *run_id, const c
                       const ckpt_buffer *bufs, size_t nbufs, const char *trainer_json,
                       double *stall_s);
 
+/* Like ckpt_engine_stage, but the bytes are NOT copied: the persist reads bufs[i].data
+ * itself (for the memory tier: the slot ckpt_mem_write just filled, via its staged_out).
+ * Contract: the caller keeps every bufs[i].data byte unchanged and mapped from this call
+ * until the persist has finished (ckpt_engine_busy() == 0, or ckpt_engine_wait returned);
+ * with the memory tier, pass the slot of the persist in flight as avoid_slot to the next
+ * ckpt_mem_write. The bufs array, names, dtypes and trainer_json are copied (they may go
+ * after the call). The files written equal those of ckpt_engine_stage of the same bytes;
+ * `overlap` does not apply (there is no copy to follow). The policy (wait / skip) applies
+ * as for a stage: with a persist in flight it waits for it or skips.
+ * Returns 0 when the persist started, 1 when skipped by CKPT_POLICY_SKIP. *stall_s (may be
+ * NULL) gets the time the call took (the wait for a persist in flight, if any).
+ * Errors: as ckpt_engine_stage (-EINVAL, -ETIMEDOUT, -ENOMEM); a buffer with bytes > 0 and
+ * data NULL is -EINVAL. */
+int ckpt_engine_persist_staged(ckpt_engine *e, uint64_t step, const char *run_id,
+                               const char *config_hash, const ckpt_buffer *bufs, size_t nbufs,
+                               const char *trainer_json, double *stall_s);
+
 /* Wait until no persist is in flight, at most timeout_s seconds. Returns the result of the
  * last persist (0 or its negative errno, which may itself be -ETIMEDOUT, e.g. a group vote
  * that timed out; 0 if none ran), or -EINPROGRESS when a persist is still in flight at the
