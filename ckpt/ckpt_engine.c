@@ -7,6 +7,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -92,6 +93,10 @@ static double since(const struct timespec *a)
 static int ready_hook(void *ctx, const void *end)
 {
     ckpt_engine *e = ctx;
+    pthread_mutex_lock(&e->mu);
+    int no_copy = e->staged_upto == SIZE_MAX; /* ckpt_engine_persist_staged: nothing to follow */
+    pthread_mutex_unlock(&e->mu);
+    if (no_copy) return 0;
     size_t need = (size_t)((const uint8_t *)end - e->stage.base);
     struct timespec ts;
     ckpt_deadline(&ts, 600.0);
@@ -218,15 +223,19 @@ static int wait_idle_locked(ckpt_engine *e, double timeout_s)
     return 0;
 }
 
-int ckpt_engine_stage(ckpt_engine *e, uint64_t step, const char *run_id, const char *config_hash,
-                      const ckpt_buffer *bufs, size_t nbufs, const char *trainer_json,
-                      double *stall_s)
+/* copy != 0: ckpt_engine_stage (copy into the staging area); 0: ckpt_engine_persist_staged
+ * (the persist reads the caller's bytes, which the caller keeps until it finishes). */
+static int stage_job(ckpt_engine *e, uint64_t step, const char *run_id, const char *config_hash,
+                     const ckpt_buffer *bufs, size_t nbufs, const char *trainer_json,
+                     double *stall_s, int copy)
 {
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    if (!e || nbufs > MAX_BUFFERS) return -EINVAL;
+    if (!e || nbufs > MAX_BUFFERS || (nbufs && !bufs)) return -EINVAL;
     int rc = ckpt_check_save_group(&e->o.save, run_id, config_hash, bufs, nbufs, e->o.group);
     if (rc < 0) return rc;
+    for (size_t i = 0; !copy && i < nbufs; i++)
+        if (bufs[i].bytes && !bufs[i].data) return -EINVAL;
     char *json_copy = strdup(trainer_json ? trainer_json : "{}");
     if (!json_copy) return -ENOMEM;
 
@@ -255,7 +264,7 @@ int ckpt_engine_stage(ckpt_engine *e, uint64_t step, const char *run_id, const c
     pthread_mutex_unlock(&e->mu);
     size_t total = 0;
     for (size_t i = 0; i < nbufs; i++) total += (size_t)bufs[i].bytes;
-    if ((rc = staging_reserve(&e->stage, total)) < 0) {
+    if (copy && (rc = staging_reserve(&e->stage, total)) < 0) {
         free(json_copy);
         return rc;
     }
@@ -268,7 +277,7 @@ int ckpt_engine_stage(ckpt_engine *e, uint64_t step, const char *run_id, const c
         e->bufs[i] = bufs[i];
         e->bufs[i].name = e->names[i];
         e->bufs[i].dtype = e->dtypes[i];
-        e->bufs[i].data = e->stage.base + off;
+        e->bufs[i].data = copy ? e->stage.base + off : bufs[i].data;
         off += (size_t)bufs[i].bytes;
     }
     e->nbufs = nbufs;
@@ -280,7 +289,8 @@ int ckpt_engine_stage(ckpt_engine *e, uint64_t step, const char *run_id, const c
     clock_gettime(CLOCK_MONOTONIC, &e->staged_at);
 
     const size_t piece = 8u << 20;
-    if (!e->o.overlap) { /* copy first, then start the persist */
+    const int overlap = copy && e->o.overlap;
+    if (copy && !overlap) { /* copy first, then start the persist */
         off = 0;
         for (size_t i = 0; i < nbufs; i++) {
             if (bufs[i].bytes) memcpy(e->stage.base + off, bufs[i].data, (size_t)bufs[i].bytes);
@@ -288,15 +298,17 @@ int ckpt_engine_stage(ckpt_engine *e, uint64_t step, const char *run_id, const c
         }
     }
     pthread_mutex_lock(&e->mu);
-    e->staged_upto = e->o.overlap ? 0 : total;
+    /* without a copy the ready hook has nothing to wait for: staged_upto = total, and the
+     * pool's hook compares against stage.base, so the whole range counts as ready */
+    e->staged_upto = overlap ? 0 : copy ? total : SIZE_MAX;
     e->staged_total = total;
-    e->stage_done = !e->o.overlap;
-    if (!e->o.overlap) e->stage_seconds = since(&t0);
+    e->stage_done = !overlap;
+    if (!overlap) e->stage_seconds = since(&t0);
     e->pending = 1;
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->mu);
 
-    if (e->o.overlap) { /* the persist's workers follow this copy chunk by chunk */
+    if (overlap) { /* the persist's workers follow this copy chunk by chunk */
         off = 0;
         for (size_t i = 0; i < nbufs; i++) {
             const uint8_t *src = bufs[i].data;
@@ -319,6 +331,20 @@ int ckpt_engine_stage(ckpt_engine *e, uint64_t step, const char *run_id, const c
     }
     if (stall_s) *stall_s = since(&t0);
     return 0;
+}
+
+int ckpt_engine_stage(ckpt_engine *e, uint64_t step, const char *run_id, const char *config_hash,
+                      const ckpt_buffer *bufs, size_t nbufs, const char *trainer_json,
+                      double *stall_s)
+{
+    return stage_job(e, step, run_id, config_hash, bufs, nbufs, trainer_json, stall_s, 1);
+}
+
+int ckpt_engine_persist_staged(ckpt_engine *e, uint64_t step, const char *run_id,
+                               const char *config_hash, const ckpt_buffer *bufs, size_t nbufs,
+                               const char *trainer_json, double *stall_s)
+{
+    return stage_job(e, step, run_id, config_hash, bufs, nbufs, trainer_json, stall_s, 0);
 }
 
 int ckpt_engine_wait(ckpt_engine *e, double timeout_s)
