@@ -576,7 +576,7 @@ int ckpt_mem_list(const char *path_prefix, ckpt_mem_entry **out, size_t *n)
         e->source = e->ranks_replica ? CKPT_MEM_SRC_REPLICA : CKPT_MEM_SRC_OWN;
         i = j;
     }
-    memcpy(v + cnt, sc.bad, sc.nbad * sizeof *v);
+    for (size_t i = 0; i < sc.nbad; i++) v[cnt + i] = sc.bad[i];
     cnt += sc.nbad;
     scan_free(&sc);
     qsort(v, cnt, sizeof *v, cmp_entry);

@@ -424,6 +424,9 @@ static void test_flush(void)
                                           .queue_depth = 4},
                         77, "other", "cfg1", &ob, 1, "{}", NULL) == 0,
               "save other run");
+    uint8_t *keep = malloc(4096);
+    memcpy(keep, whole[0], 4096);
+    ob.data = keep;
     make_whole(20);
     T_CHECK(ckpt_mem_flush(prefix, disk, &o, "nope", why, sizeof why) == 0, "no memory snapshot of run nope");
     int64_t st = ckpt_mem_flush(prefix, disk, &o, NULL, why, sizeof why);
@@ -465,6 +468,7 @@ static void test_flush(void)
     T_CHECK(st != 50, "the corrupt one is not written");
     snprintf(p, sizeof p, "%s/step-000000050", disk);
     T_CHECK(!t_exists(p), "no step 50 on disk");
+    free(keep);
     free(disk);
 }
 
