@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <xxhash.h>
 
 #define W 4
 #define NB 3
@@ -487,6 +488,111 @@ static void test_stale(void)
     ckpt_snapshot_close(s);
 }
 
+/* Hostile headers: every header byte of a one-rank slot changed (and the header checksum
+ * and the slot's head checksum resealed, so the field checks are what stands), and other
+ * payload sizes: listing never crashes, a slot that passes opens, and every read returns 0 or
+ * a documented error (ASan/UBSan builds check the bounds). */
+static void test_hostile_headers(void)
+{
+    char prefix2[4200]; /* a prefix of its own: only this segment is listed */
+    snprintf(prefix2, sizeof prefix2, "%s/ckptmem-hostile", dir);
+    char *p = t_path_in(dir, "ckptmem-hostile.own-0");
+    make_whole(5);
+    ckpt_buffer bufs[NB];
+    for (int b = 0; b < NB; b++)
+        bufs[b] = (ckpt_buffer){names[b], dtypes[b], elems[b], b == 0 ? 8192 : 100, 0, b == 0 ? 8192 : 100, whole[b]};
+    uint64_t need = ckpt_mem_need(bufs, NB, 64, 4096);
+    shmseg *seg;
+    T_REQUIRE(shmseg_create(p, need, &seg) == 0, "create");
+    int slot;
+    T_REQUIRE(ckpt_mem_write(seg, -1, 5, "runH", "cfgH", "tagH", 1, 0, bufs, NB, "{\"a\":1}", 4096, &slot, NULL) == 0,
+              "write");
+    shmseg_info in;
+    T_REQUIRE(shmseg_slot_info(seg, slot, &in) == 0, "info");
+    uint8_t *pay = shmseg_payload(seg, slot);
+    uint8_t good[4096];
+    memcpy(good, pay, sizeof good);
+    int opened = 0, refused = 0, bad_rc = 0, wrong = 0;
+    for (int off = 0; off < 2200; off++) {
+        for (int v = 0; v < 3; v++) {
+            memcpy(pay, good, sizeof good);
+            pay[off] = v == 0 ? (uint8_t)(good[off] ^ 0x01) : v == 1 ? (uint8_t)(good[off] ^ 0x80) : 0xff;
+            uint64_t sum = XXH3_64bits(pay, 2200);
+            memcpy(pay + 2200, &sum, 8);
+            int j;
+            if (shmseg_begin(seg, 1 - slot, &j) != 0 || j != slot || shmseg_commit(seg, slot, in.payload_bytes, 5) != 0) {
+                fprintf(stderr, "byte %d value %d: reseal failed\n", off, v);
+                bad_rc++;
+            }
+            ckpt_mem_entry *e;
+            size_t n;
+            if (ckpt_mem_list(prefix2, &e, &n) != 0) {
+                fprintf(stderr, "byte %d value %d: list failed\n", off, v);
+                bad_rc++;
+                continue;
+            }
+            for (size_t i = 0; i < n; i++) {
+                if (e[i].status != CKPT_MEM_COMPLETE) {
+                    refused++;
+                    continue;
+                }
+                ckpt_snapshot *s;
+                char w2[300] = "";
+                int rc = ckpt_mem_snapshot_open(&s, prefix2, e[i].id, w2, sizeof w2);
+                if (rc == -EBADMSG || rc == -ENOENT) {
+                    refused++;
+                    continue;
+                }
+                if (rc != 0) {
+                    fprintf(stderr, "byte %d value %d: open gave %d\n", off, v, rc);
+                    bad_rc++;
+                    continue;
+                }
+                opened++;
+                for (size_t b = 0; b < ckpt_snapshot_nbuffers(s); b++) {
+                    ckpt_buffer_info bi;
+                    ckpt_snapshot_buffer_info(s, b, &bi);
+                    uint8_t *dst = malloc(bi.total_bytes + 1);
+                    rc = ckpt_snapshot_read(s, bi.name, 0, bi.total_bytes, dst, NULL, 0);
+                    /* what comes out with 0 is the bytes that were written, or nothing */
+                    if (rc == 0 && (b >= NB || bi.total_bytes != bufs[b].bytes ||
+                                    memcmp(dst, bufs[b].data, bi.total_bytes) != 0)) {
+                        fprintf(stderr, "byte %d value %d: buffer %zu read wrong bytes\n", off, v, b);
+                        wrong++;
+                    }
+                    if (rc != 0 && rc != -EBADMSG) {
+                        fprintf(stderr, "byte %d value %d: read gave %d\n", off, v, rc);
+                        bad_rc++;
+                    }
+                    free(dst);
+                }
+                ckpt_snapshot_close(s);
+            }
+            free(e);
+        }
+    }
+    printf("hostile headers: %d opened, %d refused\n", opened, refused);
+    T_CHECK(bad_rc == 0, "%d undocumented results", bad_rc);
+    T_CHECK(wrong == 0, "%d changed headers gave other bytes with success", wrong);
+    T_CHECK(refused > 300, "changes of the fields refused (%d)", refused);
+    T_CHECK(opened > 0, "changes in unused bytes (name padding, unused entries, created) still open (%d)", opened);
+    /* other payload sizes in the slot header: refused (the layout fixes payload_bytes) */
+    memcpy(pay, good, sizeof good);
+    for (int d = -1; d <= 1; d += 2) {
+        int j;
+        T_REQUIRE(shmseg_begin(seg, 1 - slot, &j) == 0, "begin");
+        T_REQUIRE(shmseg_commit(seg, slot, in.payload_bytes + (uint64_t)(int64_t)(8 * d), 5) == 0, "commit");
+        ckpt_mem_entry *e;
+        size_t n;
+        T_REQUIRE(ckpt_mem_list(prefix2, &e, &n) == 0, "list");
+        T_CHECK(n == 1 && e[0].status == CKPT_MEM_CORRUPT, "payload_bytes %+d refused", 8 * d);
+        free(e);
+    }
+    shmseg_close(seg);
+    unlink(p);
+    free(p);
+}
+
 int main(void)
 {
     /* only the child of test_crash_mid_copy writes step 999 (the value is read once) */
@@ -502,6 +608,7 @@ int main(void)
     test_corrupt_header_and_replica();
     test_flush();
     test_stale();
+    test_hostile_headers();
     for (int r = 0; r < W; r++) shmseg_close(segs[r]);
     for (int b = 0; b < NB; b++) free(whole[b]);
     free(lease);
