@@ -413,3 +413,17 @@ int shmseg_copy_out(const shmseg *seg, int slot, void *dst, uint64_t off, uint64
     *seq_inout = a.seq;
     return 0;
 }
+
+int shmseg_own_path(char *out, size_t len, const char *prefix, unsigned local_rank)
+{
+    if (!out || !prefix) return -EINVAL;
+    int n = snprintf(out, len, "%s.own-%u", prefix, local_rank);
+    return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
+}
+
+int shmseg_rep_path(char *out, size_t len, const char *prefix, unsigned node_rank, unsigned local_rank)
+{
+    if (!out || !prefix) return -EINVAL;
+    int n = snprintf(out, len, "%s.rep-%u-%u", prefix, node_rank, local_rank);
+    return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
+}

@@ -44,6 +44,7 @@
 #ifndef COMMON_SHMSEG_H
 #define COMMON_SHMSEG_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #define SHMSEG_NSLOTS 2
@@ -154,5 +155,15 @@ int shmseg_head_ok(const shmseg *seg, int slot, const shmseg_info *info);
  * the copy, or seq is not *seq_inout; dst holds garbage - try again later). */
 int shmseg_copy_out(const shmseg *seg, int slot, void *dst, uint64_t off, uint64_t len,
                     uint64_t *seq_inout);
+
+/* Names of the memory tier's segments under a path prefix P (memtier-design.md; the prefix
+ * is CKPT_MEM_PATH, e.g. "/dev/shm/ckptmem-<jobhash16>-<rand16>"):
+ *   shmseg_own_path:  "P.own-<local_rank>"          (written by that worker)
+ *   shmseg_rep_path:  "P.rep-<node_rank>-<local_rank>" (a peer's replica, written by the agent)
+ * into out (len bytes with the NUL). Return 0, or -EINVAL (NULL), -ENAMETOOLONG (does not
+ * fit). ckpt_mem_list reads exactly these names (digits only, no sign, no padding).
+ * Thread-safe. */
+int shmseg_own_path(char *out, size_t len, const char *prefix, unsigned local_rank);
+int shmseg_rep_path(char *out, size_t len, const char *prefix, unsigned node_rank, unsigned local_rank);
 
 #endif /* COMMON_SHMSEG_H */
