@@ -8,6 +8,7 @@
 
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/stat.h>
@@ -202,7 +203,7 @@ static void test_crash_mid_write(const char *dir)
 
 struct churn {
     shmseg *seg;
-    volatile int stop;
+    atomic_int stop;
     uint64_t commits;
 };
 
@@ -211,7 +212,7 @@ static void *churn_main(void *arg)
 {
     struct churn *c = arg;
     unsigned char v = 1;
-    while (!c->stop) {
+    while (!atomic_load(&c->stop)) {
         int i;
         if (shmseg_begin(c->seg, 1, &i) != 0) break;
         memset(shmseg_payload(c->seg, i), v, shmseg_slot_bytes(c->seg));
@@ -254,7 +255,7 @@ static void test_torn_copy(const char *dir)
             bad++;
         }
     }
-    c.stop = 1;
+    atomic_store(&c.stop, 1);
     pthread_join(th, NULL);
     printf("torn copy: %ld whole, %ld torn, %ld writing, %llu commits\n", ok, torn, busy,
            (unsigned long long)c.commits);
