@@ -116,6 +116,14 @@ const char *shmseg_path(const shmseg *seg);
  * range. Writable only when the handle is. The pointer lives until shmseg_close. */
 void *shmseg_payload(shmseg *seg, int slot);
 
+/* Fill the page tables of slot i's payload (its first `bytes` bytes, all when bytes is 0
+ * or larger than slot_bytes) now, in one batch (madvise MADV_POPULATE_READ, or _WRITE on a
+ * writable handle), so that a reader that then copies the whole slot (a restore) does not
+ * take a page fault per page. Reads no data; the slot may change meanwhile.
+ * Returns 0, or -EINVAL (NULL, slot out of range), -EOPNOTSUPP (a kernel before 5.14: the
+ * pages are faulted in by the copy instead), or madvise's -errno (-ENOMEM, -EFAULT). */
+int shmseg_prefault(shmseg *seg, int slot, uint64_t bytes);
+
 /* A consistent reading of slot i's header: state is loaded with acquire before and after
  * the other fields, retried until both agree (bounded; -EAGAIN when a writer keeps
  * changing it). Returns 0, or -EINVAL (NULL, i out of range), -EAGAIN. */

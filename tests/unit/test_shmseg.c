@@ -110,6 +110,12 @@ static void test_layout_alternation(const char *dir)
     T_CHECK(!shmseg_writable(r) && shmseg_slot_bytes(r) == sb, "ro handle");
     T_CHECK(shmseg_newest(r, &i) == 0 && i == 0, "ro newest");
     T_CHECK(shmseg_begin(r, -1, &i) == -EBADF, "ro begin");
+    int pf = shmseg_prefault(r, 0, 100);
+    T_CHECK(pf == 0 || pf == -EOPNOTSUPP, "prefault ro: %d", pf);
+    pf = shmseg_prefault(s, 1, 0);
+    T_CHECK(pf == 0 || pf == -EOPNOTSUPP, "prefault rw: %d", pf);
+    T_CHECK(shmseg_prefault(r, 2, 0) == -EINVAL, "prefault slot out of range");
+    T_CHECK(uniform(shmseg_payload(s, 1), 6000, 0x22), "prefault changes no byte");
     unsigned char buf[100];
     uint64_t seq = 0;
     T_CHECK(shmseg_copy_out(r, 0, buf, 0, 100, &seq) == 0 && uniform(buf, 100, 0x55) && seq == 5,
