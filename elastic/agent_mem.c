@@ -151,6 +151,7 @@ static void remove_set(int dfd, const char *hash, const char *r, stale_sum *sum,
 {
     DIR *d = fdopendir(dup(dfd));
     if (!d) return;
+    rewinddir(d); /* the dup shares its offset with dfd, which an earlier listing moved */
     char want[PREFIX_LEN + 2];
     snprintf(want, sizeof want, NAME_PREFIX "%s-%s.", hash, r);
     struct dirent *e;
@@ -173,6 +174,7 @@ static void remove_set(int dfd, const char *hash, const char *r, stale_sum *sum,
 static void clean_stale(elastic_mem *m, int dfd)
 {
     DIR *d = fdopendir(dup(dfd));
+    if (d) rewinddir(d);
     if (!d) {
         LOG_W(MEM_TAG, "memory tier: cannot list %s for stale segments: %s", m->dir,
               strerror(errno));
