@@ -815,6 +815,7 @@ int elastic_agent_run(const elastic_agent_opts *o, char *const argv[])
           o->nproc_per_node, o->min_nodes, o->max_nodes, o->max_restarts, hang);
     status = run_job(&a);
 out:
+    elastic_mem_close(a.mem); /* every worker and the flush are gone by now */
     if (a.metrics) {
         double now = clock_now_s();
         elastic_metrics_end(a.metrics, now);
@@ -822,7 +823,6 @@ out:
     }
     elastic_sink_finish(&a.out);
     elastic_sink_finish(&a.err);
-    elastic_mem_close(a.mem); /* every worker and the flush are gone by now */
     elastic_rdzv_close(a.rdzv);
     elastic_store_server_stop(a.srv);
     explicit_bzero(a.token, sizeof a.token);

@@ -336,8 +336,8 @@ void elastic_mem_close(elastic_mem *m)
             LOG_W(MEM_TAG, "memory tier: cannot remove the lease %s/%s: %s", m->dir, lease,
                   strerror(errno));
         close(dfd);
-        LOG_I(MEM_TAG, "memory tier: removed this agent's %lu segment file(s) (%llu bytes) and "
-              "its lease", sum.files, sum.bytes);
+        log_msg(sum.files ? LOG_INFO : LOG_DEBUG, MEM_TAG, "memory tier: removed this agent's "
+                "%lu segment file(s) (%llu bytes) and its lease", sum.files, sum.bytes);
     } else {
         LOG_W(MEM_TAG, "memory tier: cannot open %s to remove this agent's files: %s", m->dir,
               strerror(errno));
