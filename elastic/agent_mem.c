@@ -95,8 +95,11 @@ struct elastic_mem {
     int send_fd;               /* the sender's connection, -1 none (shut down by close) */
 
     /* sender-thread data */
-    uint64_t *sent_seq;        /* per local slot: the seq the current peer has */
-    unsigned *sent_serial;     /* ... as of round serial */
+    uint64_t *sent_seq;        /* per local slot: the seq the peer sent_to has */
+    uint64_t *sent_to;         /* ... XXH3 of "<peer> <our node rank>" (a new peer or a new
+                                  node rank of ours, i.e. another rep file name: send again) */
+    double retry_at;           /* after a failed connection or a refusal: not before */
+    unsigned retry_serial;     /* the round retry_at belongs to (a new round tries at once) */
     unsigned *torn;            /* torn transfers in a row */
     unsigned warned_serial;    /* the round whose unreachable peer was logged (+1) */
     unsigned logged_serial;    /* the round whose first transfer was logged (+1) */
@@ -345,7 +348,7 @@ void elastic_mem_close(elastic_mem *m)
     if (m->lease_fd >= 0) close(m->lease_fd);
     free(m->token);
     free(m->sent_seq);
-    free(m->sent_serial);
+    free(m->sent_to);
     free(m->torn);
     free(m->seen);
     pthread_mutex_destroy(&m->mu);
@@ -496,6 +499,7 @@ typedef struct round_view {
     int gen, node_rank, nnodes;
     char peer[96];
     unsigned serial;
+    uint64_t to;               /* XXH3 of "<peer> <node_rank>" */
 } round_view;
 
 static const char *answer_text(int a)
@@ -590,7 +594,7 @@ static void poll_one(elastic_mem *m, const round_view *rv, int L, unsigned char 
     shmseg_info info;
     if (shmseg_newest(seg, &slot) < 0 || shmseg_slot_info(seg, slot, &info) < 0 ||
         info.state != SHMSEG_COMPLETE ||
-        (m->sent_serial[L] == rv->serial && m->sent_seq[L] == info.seq)) {
+        (m->sent_to[L] == rv->to && m->sent_seq[L] == info.seq)) {
         shmseg_close(seg);
         return;
     }
@@ -601,7 +605,7 @@ static void poll_one(elastic_mem *m, const round_view *rv, int L, unsigned char 
     int dst = (rv->node_rank + 1) % rv->nnodes;
     if (rc == 0) {
         m->sent_seq[L] = info.seq;
-        m->sent_serial[L] = rv->serial;
+        m->sent_to[L] = rv->to;
         m->torn[L] = 0;
         if (m->metrics) elastic_metrics_mem_replica(m->metrics, info.payload_bytes, info.step);
         log_msg(m->logged_serial == rv->serial + 1 ? LOG_DEBUG : LOG_INFO, MEM_TAG,
@@ -615,6 +619,8 @@ static void poll_one(elastic_mem *m, const round_view *rv, int L, unsigned char 
         return;
     }
     if (rc == -ECANCELED) return;
+    if (rc != -EAGAIN) m->retry_at = clock_now_s() + 1.0; /* no connection per 0.1 s to a peer
+                                                            that is gone or refuses */
     if (rc == -EAGAIN) {
         if (++m->torn[L] == TORN_WARN)
             LOG_W(MEM_TAG, "memory tier: local slot %d changed during each of the last %d "
@@ -649,7 +655,14 @@ static void *sender_main(void *arg)
         memcpy(rv.peer, m->peer, sizeof rv.peer);
         rv.serial = m->serial;
         pthread_mutex_unlock(&m->mu);
-        if (rv.peer[0] && rv.nnodes > 1)
+        char key[128];
+        int kl = snprintf(key, sizeof key, "%s %d", rv.peer, rv.node_rank);
+        rv.to = XXH3_64bits(key, (size_t)kl);
+        if (rv.serial != m->retry_serial) {
+            m->retry_serial = rv.serial;
+            m->retry_at = 0;
+        }
+        if (rv.peer[0] && rv.nnodes > 1 && clock_now_s() >= m->retry_at)
             for (int L = 0; L < m->nproc && !quitting(m); L++) poll_one(m, &rv, L, buf);
         struct timespec ts = {0, (long)(POLL_S * 1e9)};
         nanosleep(&ts, NULL);
@@ -807,10 +820,10 @@ int elastic_mem_replica_start(elastic_mem *m, const char *bind_host, const char 
     m->metrics = metrics;
     m->listen_fd = fd;
     m->sent_seq = calloc((size_t)m->nproc, sizeof *m->sent_seq);
-    m->sent_serial = calloc((size_t)m->nproc, sizeof *m->sent_serial);
+    m->sent_to = calloc((size_t)m->nproc, sizeof *m->sent_to);
     m->torn = calloc((size_t)m->nproc, sizeof *m->torn);
     m->seen = calloc(SEEN_MAX, sizeof *m->seen);
-    if ((token && *token && !m->token) || !m->sent_seq || !m->sent_serial || !m->torn ||
+    if ((token && *token && !m->token) || !m->sent_seq || !m->sent_to || !m->torn ||
         !m->seen) {
         rc = -ENOMEM;
         goto fail;
