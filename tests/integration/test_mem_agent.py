@@ -168,6 +168,16 @@ class MemAgent(ElasticTest):
         self.assertEqual(b.wait(), 0, b.err())
         self.assertEqual(len(harness.read(marker).splitlines()), 1)
         self.assertNotIn("flush", b.err())
+        # the budget spent: one flush per failed round, none more at the exit
+        marker2 = os.path.join(self.tmp, "flushed2")
+        c = self.agent(["--nproc-per-node", "1", "--mem-dir", self.shm, "--max-restarts", "1"],
+                       self.stub("--beats", "3", "--mem-touch", "--fail", "0:*:1:1",
+                                 "--flush-marker", marker2), name="budget")
+        self.assertEqual(c.wait(), 1, c.err())
+        self.assertEqual([l.split()[-2] for l in harness.read(marker2).splitlines()],
+                         ["gen=0", "gen=1"])
+        self.assertEqual(len(re.findall(r"flush finished", c.err())), 2, c.err())
+        self.assertEqual(self.files(), [])
 
     def test_flush_on_preemption_and_second_signal(self):
         """SIGTERM to the agent: the workers stop, the flush runs, then the files go and the
