@@ -100,7 +100,8 @@
  *    the store key rdzv/<id>/mem/<gen>/<node_rank> each round; the main thread looks up the
  *    next node's ((node_rank + 1) % nnodes) and hands it to a sender thread, which looks at the
  *    own segments every 0.1 s and sends each newly completed slot (a seq the peer does not
- *    have; all again to a new peer) at most mem_replica_mbps MB/s, with the job token. The
+ *    have; all again to a new peer) at most mem_replica_mbps MB/s, with the job token (the
+ *    store's; a job without a token accepts any sender, as its store does). The
  *    receiver keeps it in <its prefix>.rep-<src node>-<L> through shmseg (begin, the bytes,
  *    commit): a transfer cut short, or a slot that changed at the source meanwhile, commits
  *    nothing. The protocol is in agent_mem.c. A peer that cannot be reached or refuses is
