@@ -2,7 +2,8 @@
  * prefix and its lease, stale clean-up (an unheld lease and a set without a lease removed; a
  * held lease and another job kept), has_own, removal at close; the replica between two
  * elastic_mem objects on loopback (same bytes, complete, the bandwidth cap holds, a wrong
- * token commits nothing).
+ * token commits nothing and is logged once on each side, a peer that is gone is logged once
+ * per round).
  */
 #include "agent_internal.h"
 #include "shmseg.h"
@@ -179,6 +180,11 @@ static void test_replica(const char *dir_a, const char *dir_b)
     T_CHECK(shmseg_slot_bytes(r) == sb, "same slot size");
     shmseg_close(r);
 
+    /* the log of what follows goes to a file, to count lines */
+    char *logp = t_path_in(dir_a, "log");
+    int saved = dup(2), lfd = open(logp, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    T_REQUIRE(saved >= 0 && lfd >= 0 && dup2(lfd, 2) == 2, "log to a file");
+
     /* a third agent with another token: refused, nothing committed */
     T_REQUIRE(elastic_mem_open(&c, dir_b, "rep2", 1) == 0, "open c");
     char ca[96];
@@ -188,6 +194,26 @@ static void test_replica(const char *dir_a, const char *dir_b)
     snprintf(rep, sizeof rep, "%s.rep-0-0", elastic_mem_path(c));
     T_CHECK(wait_rep(rep, &in, 1.0) == -ETIMEDOUT, "a wrong token commits nothing");
     T_CHECK(!t_exists(rep), "no replica file for a wrong token");
+
+    /* a peer that is gone: retried once a second, logged once for the round */
+    elastic_mem_round(a, 5, 0, 2, "127.0.0.1:1");
+    struct timespec ts = {2, 500 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+    dup2(saved, 2);
+    close(saved);
+    close(lfd);
+    unsigned char *log = NULL;
+    T_REQUIRE(t_slurp(logp, &log) >= 0, "read the log");
+    int unreach = 0, refused_tok = 0, refused_srv = 0;
+    for (const char *q = (const char *)log; (q = strstr(q, "is unreachable")); q++) unreach++;
+    for (const char *q = (const char *)log; (q = strstr(q, "refused our job token")); q++)
+        refused_tok++;
+    for (const char *q = (const char *)log; (q = strstr(q, "wrong job token")); q++) refused_srv++;
+    T_CHECK(unreach == 1, "a gone peer logged %d times in 2.5 s:\n%s", unreach, log);
+    T_CHECK(refused_tok == 1 && refused_srv == 1, "refusal logged %d / %d times:\n%s",
+            refused_tok, refused_srv, log);
+    free(log);
+    free(logp);
 
     shmseg_close(s);
     elastic_mem_close(c);
