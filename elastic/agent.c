@@ -380,6 +380,9 @@ static void mem_flush(agent *a, const elastic_round *rd, const char *when, int p
         return;
     }
     int why_kill = 0; /* 1 timed out, 2 a signal */
+    int warned = 0;
+    /* elastic_wg_wait turns escalate 1 into 2 at the next SIGTERM/SIGINT: a preemption's flush
+     * is armed from the start, a failure's after its first signal */
     wg.escalate = preempt ? 1 : 0;
     while (elastic_wg_running(&wg)) {
         double left = t0 + limit - clock_now_s();
@@ -388,15 +391,16 @@ static void mem_flush(agent *a, const elastic_round *rd, const char *when, int p
             break;
         }
         elastic_wg_wait(&wg, NULL, 0, left < 0.1 ? left : 0.1);
-        if (wg.term_signal && !a->term_signal) {
-            a->term_signal = wg.term_signal;
-            LOG_W(EA_TAG, "flush: %s received: letting the flush finish, then exiting (a second "
-                  "signal kills it)", strsignal(wg.term_signal));
-            wg.escalate = 1;
-        }
         if (wg.escalate == 2) {
             why_kill = 2;
             break;
+        }
+        if (wg.term_signal && !warned) {
+            warned = 1;
+            if (!a->term_signal) a->term_signal = wg.term_signal;
+            LOG_W(EA_TAG, "flush: %s received: letting the flush finish, then exiting (a second "
+                  "signal kills it)", strsignal(wg.term_signal));
+            wg.escalate = 1;
         }
     }
     wg.escalate = 0;

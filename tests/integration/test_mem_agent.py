@@ -179,6 +179,23 @@ class MemAgent(ElasticTest):
         self.assertEqual(len(re.findall(r"flush finished", c.err())), 2, c.err())
         self.assertEqual(self.files(), [])
 
+    def test_sigterm_during_a_failure_flush_lets_it_finish(self):
+        """A SIGTERM while the flush after a failure runs: the flush finishes (no second
+        flush), then the agent exits 143 instead of restarting."""
+        marker = os.path.join(self.tmp, "flushed")
+        a = self.agent(["--nproc-per-node", "1", "--mem-dir", self.shm],
+                       self.stub("--beats", "3", "--mem-touch", "--fail", "0:0:1:1",
+                                 "--flush-marker", marker, "--flush-sleep", str(1.5 * T)))
+        a.wait_for(r"\[flush\] flushing", stream="out")
+        a.p.send_signal(signal.SIGTERM)
+        self.assertEqual(a.wait(), 143, a.err())
+        err = a.err()
+        self.assertRegex(err, r"flush: Terminated received: letting the flush finish(.|\n)*"
+                         r"flush finished: exited with status 0")
+        self.assertEqual(self.rounds(err), [0])
+        self.assertEqual(len(harness.read(marker).splitlines()), 1)
+        self.assertEqual(self.files(), [])
+
     def test_flush_on_preemption_and_second_signal(self):
         """SIGTERM to the agent: the workers stop, the flush runs, then the files go and the
         agent exits 143. A flush that hangs is killed by a second signal."""

@@ -30,8 +30,9 @@ Memory tier (elastic --mem-dir; test_mem_agent.py):
                         at start and print "seg rank=.. <the tool's line>"
   --flush-marker FILE   with CKPT_MEM_FLUSH=1 (the agent's flush command): append
                         "flush rank=.. world=.. local=.. path=.. gen=.." to FILE (a missing
-                        variable is "none"), print "flushing", then exit --flush-exit (default
-                        0) or, with --flush-hang, sleep until killed
+                        variable is "none"), print "flushing", sleep --flush-sleep seconds
+                        (default 0), then exit --flush-exit (default 0) or, with --flush-hang,
+                        sleep until killed
 Lines on stdout: "start rank=.. gen=.. pid=.. world=.. local=.. group=.. groups=.. addr=.. ...
 mem=.. mflush=.." (CKPT_MEM_PATH and CKPT_MEM_FLUSH, "None" when unset),
 "term rank=.." on SIGTERM (then exit 143), "done rank=.." at a clean end; "err rank=.." and a
@@ -109,6 +110,7 @@ def main():
     ap.add_argument("--flush-marker")
     ap.add_argument("--flush-exit", type=int, default=0)
     ap.add_argument("--flush-hang", action="store_true")
+    ap.add_argument("--flush-sleep", type=float, default=0)
     a = ap.parse_args()
 
     if os.environ.get("CKPT_MEM_FLUSH") == "1":
@@ -119,6 +121,7 @@ def main():
                                   ("path", "CKPT_MEM_PATH"), ("gen", "ELASTIC_RESTART_COUNT"),
                                   ("token", "ELASTIC_STORE_TOKEN")]) + "\n")
         print("flushing", flush=True)
+        time.sleep(a.flush_sleep)
         if a.flush_hang:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             while True:
