@@ -109,7 +109,8 @@ int train_mem_plan(state *s)
         const uint64_t tmax = trainer_len_max(s);
         const uint64_t slot_max = ckpt_mem_need(mx, 3, tmax, s->mem_chunk);
         s->mem_slot_bytes = ckpt_mem_need(own, 3, tmax, s->mem_chunk);
-        int local_world = env_int("LOCAL_WORLD_SIZE", 1);
+        /* torchrun-style launchers set both; by hand, every rank counts as one node's */
+        int local_world = env_int("LOCAL_WORLD_SIZE", getenv("LOCAL_RANK") ? 1 : s->world);
         if (local_world < 1) local_world = 1;
         const int nodes = env_int("GROUP_WORLD_SIZE", 1);
         const uint64_t need = (uint64_t)local_world * segment_bytes(slot_max) * (nodes > 1 ? 2u : 1u);
@@ -127,7 +128,7 @@ int train_mem_plan(state *s)
         human_bytes(budget, bb, sizeof bb);
         human_bytes(segment_bytes(slot_max), sb, sizeof sb);
         /* the budget is the node's: its first local rank says why, once per node */
-        const int speaks = env_int("LOCAL_RANK", 0) == 0;
+        const int speaks = env_int("LOCAL_RANK", s->rank) == 0;
         if (o->mem_budget && need > budget) {
             if (speaks) LOG_E(TAG, "rank %d: --mem-budget %" PRIu64 " (%s) is too small for the memory tier: "
                   "it needs %" PRIu64 " bytes (%s) per node = %d local rank%s x %s (2 slots of the "
@@ -183,7 +184,10 @@ int train_mem_plan(state *s)
 int train_mem_open(state *s)
 {
     if (s->mem_every <= 0) return 0;
-    snprintf(s->mem_own, sizeof s->mem_own, "%s.own-%d", s->mem_path, env_int("LOCAL_RANK", 0));
+    /* LOCAL_RANK from the launcher; without it (ranks started by hand on one machine) the
+     * rank itself, so that no two ranks share a segment */
+    snprintf(s->mem_own, sizeof s->mem_own, "%s.own-%d", s->mem_path,
+             env_int("LOCAL_RANK", s->rank));
     int rc = shmseg_create(s->mem_own, s->mem_slot_bytes, &s->mem_seg);
     if (rc < 0) {
         /* this rank keeps taking part in the snapshots' collectives (mem_every stays): only

@@ -238,9 +238,10 @@ int train_take_snapshot(state *s, int last)
     double stall = 0;
     int slot = -1;
     if (s->mem_every > 0 && train_mem_write(s, bufs, text, t0, staged, &slot) == 0) {
+        /* the copy's stall is the memory snapshot's (reported as such); this one is only the
+         * hand-over (and the wait for a persist in flight), so that the two add up */
         rc = ckpt_engine_persist_staged(s->engine, (uint64_t)s->step, s->run_id, s->config_hash,
-                                        staged, 3, text, NULL);
-        stall = clock_now_s() - t0;
+                                        staged, 3, text, &stall);
         if (rc == 0) s->mem_persist_slot = slot; /* untouched until the persist is done */
     } else {
         rc = ckpt_engine_stage(s->engine, (uint64_t)s->step, s->run_id, s->config_hash, bufs, 3,
@@ -254,9 +255,11 @@ int train_take_snapshot(state *s, int last)
         return 0;
     }
     if (rc == 0) {
-        LOG_I(TAG, "snapshot step %" PRId64 " staged%s: stall %.1f ms for %.2f MiB; rss %.1f MiB",
-              s->step, slot >= 0 ? " from memory slot" : "", stall * 1e3,
-              3.0 * (double)sb / 1048576.0, (double)rss_kib() / 1024.0);
+        char from[48] = "";
+        if (slot >= 0) snprintf(from, sizeof from, " (persisted from memory slot %d)", slot);
+        LOG_I(TAG, "snapshot step %" PRId64 " staged: stall %.1f ms for %.2f MiB%s; rss %.1f MiB",
+              s->step, stall * 1e3, 3.0 * (double)sb / 1048576.0, from,
+              (double)rss_kib() / 1024.0);
         train_report_snapshot_staged(s->report, s->step, stall, 3 * (uint64_t)sb);
     } else {
         train_report_snapshot_skipped(s->report, s->step); /* refused by the engine's policy */
