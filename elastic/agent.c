@@ -66,6 +66,12 @@ typedef struct agent {
     elastic_guard guard;
     elastic_metrics *metrics;   /* NULL only when it could not be created */
     elastic_metrics_http *http; /* NULL = no --metrics-port */
+    elastic_mem *mem;           /* NULL = no memory tier */
+    int mem_replica;            /* the replica threads run */
+    char mem_addr[96];          /* this agent's replica server, "host:port" */
+    int mem_peer_pending;       /* the peer's address is still to be looked up */
+    elastic_round mem_round;    /* the round it is looked up for */
+    double mem_peer_tried;      /* monotonic time of the last look-up */
 } agent;
 
 /* ------------------------------------------------------------------ checks and set-up */
@@ -109,6 +115,9 @@ static int check_opts(const elastic_agent_opts *o, char *const argv[])
     else if (o->metrics_port < 0 || o->metrics_port > 65535)
         bad = "--metrics-port outside [0, 65535]";
     else if (o->metrics_addr && !*o->metrics_addr) bad = "--metrics-addr is empty";
+    else if (o->mem_dir && !*o->mem_dir) bad = "--mem-dir is empty";
+    else if (o->mem_replica_mbps < 0 || o->mem_replica_mbps > 1000000)
+        bad = "--mem-replica-mbps outside [0, 1000000]";
     else if (o->max_nodes > 1 && (!o->rdzv_host || !*o->rdzv_host || o->rdzv_port < 1))
         bad = "several nodes need --rdzv-endpoint HOST:PORT with a port";
     else if (o->max_nodes > 1 && !o->rdzv_id)
@@ -304,6 +313,109 @@ static int take_signals(agent *a)
 
 static int interrupted(void *arg) { return take_signals(arg) != 0; }
 
+/* ------------------------------------------------------------------ memory tier */
+
+/* A new round: publish this node's replica server and hand the sender no peer until the next
+ * node's address is known (looked up from serve, without waiting). */
+static void mem_round(agent *a, const elastic_round *rd)
+{
+    a->mem_peer_pending = 0;
+    if (!a->mem_replica) return;
+    elastic_mem_round(a->mem, rd->gen, rd->node_rank, rd->nnodes, NULL);
+    if (rd->nnodes < 2) return;
+    char k[64];
+    snprintf(k, sizeof k, "mem/%d/%d", rd->gen, rd->node_rank);
+    if (elastic_rdzv_set(a->rdzv, k, a->mem_addr) < 0) return; /* the store is lost: serve sees it */
+    a->mem_round = *rd;
+    a->mem_peer_pending = 1;
+    a->mem_peer_tried = 0;
+}
+
+static void mem_peer_lookup(agent *a)
+{
+    double now = clock_now_s();
+    if (!a->mem_peer_pending || now - a->mem_peer_tried < 0.2) return;
+    a->mem_peer_tried = now;
+    const elastic_round *rd = &a->mem_round;
+    char k[64], *v = NULL;
+    int peer = (rd->node_rank + 1) % rd->nnodes;
+    snprintf(k, sizeof k, "mem/%d/%d", rd->gen, peer);
+    int rc = elastic_rdzv_get(a->rdzv, k, &v);
+    if (rc < 0) {
+        a->mem_peer_pending = 0;
+        return;
+    }
+    if (rc == 0) return;
+    LOG_D(EA_TAG, "memory tier: round %d: replicas go to node %d at %s", rd->gen, peer, v);
+    elastic_mem_round(a->mem, rd->gen, rd->node_rank, rd->nnodes, v);
+    free(v);
+    a->mem_peer_pending = 0;
+}
+
+/* Run the worker command in flush mode (agent.h "Memory tier") when a worker of this node made
+ * a memory segment. preempt: a preemption (a further signal kills the flush at once). */
+static void mem_flush(agent *a, const elastic_round *rd, const char *when, int preempt)
+{
+    const elastic_agent_opts *o = a->o;
+    if (!a->mem || !elastic_mem_has_own(a->mem)) return;
+    double limit = 6 * o->stop_grace_s < 60 ? 60 : 6 * o->stop_grace_s;
+    elastic_wg_spec spec = {a->path, a->argv, 1, rd->node_rank, rd->nnodes, rd->gen,
+                            o->max_restarts, a->master_addr, a->master_port, NULL,
+                            o->rdzv_id ? o->rdzv_id : "none", &a->guard, NULL,
+                            elastic_mem_path(a->mem), 1};
+    LOG_I(EA_TAG, "flush %s: the newest memory snapshot goes to disk if it is newer (at most "
+          "%g s)", when, limit);
+    elastic_wg wg;
+    int exec_errno = 0;
+    double t0 = clock_now_s();
+    int rc = elastic_wg_start(&wg, &spec, a->sigfd, &a->out, &a->err, &exec_errno);
+    if (rc < 0) {
+        LOG_E(EA_TAG, "flush failed: cannot start the worker command: %s",
+              strerror(rc == -ENOEXEC ? exec_errno : -rc));
+        if (wg.n) elastic_wg_stop(&wg, SIGKILL, 0, 0, "flush not started");
+        elastic_wg_free(&wg);
+        return;
+    }
+    int why_kill = 0; /* 1 timed out, 2 a signal */
+    wg.escalate = preempt ? 1 : 0;
+    while (elastic_wg_running(&wg)) {
+        double left = t0 + limit - clock_now_s();
+        if (left <= 0) {
+            why_kill = 1;
+            break;
+        }
+        elastic_wg_wait(&wg, NULL, 0, left < 0.1 ? left : 0.1);
+        if (wg.term_signal && !a->term_signal) {
+            a->term_signal = wg.term_signal;
+            LOG_W(EA_TAG, "flush: %s received: letting the flush finish, then exiting (a second "
+                  "signal kills it)", strsignal(wg.term_signal));
+            wg.escalate = 1;
+        }
+        if (wg.escalate == 2) {
+            why_kill = 2;
+            break;
+        }
+    }
+    wg.escalate = 0;
+    elastic_wg_stop(&wg, why_kill ? SIGKILL : SIGTERM, why_kill ? 0 : o->stop_grace_s, 0,
+                    "flush");
+    const elastic_worker *w = &wg.w[0];
+    char how[96];
+    elastic_wg_exit_text(w, how, sizeof how);
+    double took = clock_now_s() - t0;
+    if (why_kill == 1)
+        LOG_E(EA_TAG, "flush timed out after %.1f s (limit max(60, 6 x --stop-grace)): killed",
+              took);
+    else if (why_kill == 2)
+        LOG_E(EA_TAG, "flush killed after %.1f s by a second signal", took);
+    else if (WIFEXITED(w->wstatus) && WEXITSTATUS(w->wstatus) == 0)
+        LOG_I(EA_TAG, "flush finished: %s after %.3f s", how, took);
+    else
+        LOG_E(EA_TAG, "flush failed: %s after %.3f s", how, took);
+    if (wg.term_signal && !a->term_signal) a->term_signal = wg.term_signal;
+    elastic_wg_free(&wg);
+}
+
 /* ------------------------------------------------------------------ one round */
 
 static int serve(agent *a, elastic_wg *wg, char *why, size_t len)
@@ -316,7 +428,9 @@ static int serve(agent *a, elastic_wg *wg, char *why, size_t len)
         nex = 1;
     }
     for (;;) {
-        elastic_wg_wait(wg, ex, nex, o->monitor_interval_s);
+        elastic_wg_wait(wg, ex, nex, a->mem_peer_pending && o->monitor_interval_s > 0.2
+                                         ? 0.2 : o->monitor_interval_s);
+        mem_peer_lookup(a);
         if (wg->term_signal) {
             a->term_signal = wg->term_signal;
             snprintf(why, len, "%s received", strsignal(wg->term_signal));
@@ -425,6 +539,7 @@ static int run_job(agent *a)
             }
             if (rc < 0) return lost_exit(a);
             elastic_rdzv_watch(a->rdzv, &rd, 0);
+            mem_round(a, &rd);
         }
         int world = rd.nnodes * o->nproc_per_node;
         if (a->multi)
@@ -433,7 +548,8 @@ static int run_job(agent *a)
                   (rd.node_rank + 1) * o->nproc_per_node - 1, world);
         elastic_wg_spec spec = {a->path, a->argv, o->nproc_per_node, rd.node_rank, rd.nnodes,
                                 rd.gen, o->max_restarts, a->master_addr, a->master_port, a->tok,
-                                o->rdzv_id ? o->rdzv_id : "none", &a->guard, a->metrics};
+                                o->rdzv_id ? o->rdzv_id : "none", &a->guard, a->metrics,
+                                a->mem ? elastic_mem_path(a->mem) : NULL, 0};
         elastic_wg wg;
         int exec_errno = 0, outcome;
         if (a->metrics &&
@@ -460,7 +576,7 @@ static int run_job(agent *a)
             elastic_metrics_interrupt(a->metrics, f && f->exited < t ? f->exited : t);
         }
         char kind = 0; /* multi: the kind of the round's stop in force */
-        int exit_now = -1;
+        int exit_now = -1, flushed = 0;
         switch (outcome) {
         case OUT_SUCCESS:
             elastic_wg_stop(&wg, SIGTERM, o->stop_grace_s, 0, "left over after success");
@@ -496,6 +612,8 @@ static int run_job(agent *a)
             }
             elastic_wg_stop(&wg, SIGTERM, o->stop_grace_s, 0,
                             outcome == OUT_HANG ? "hang" : "a worker failed");
+            mem_flush(a, &rd, outcome == OUT_HANG ? "after the hang" : "after the failure", 0);
+            flushed = 1;
             break;
         case OUT_USAGE:
             LOG_E(EA_TAG, "round %d: %s: a usage or configuration error, not restarting", rd.gen,
@@ -517,6 +635,8 @@ static int run_job(agent *a)
             }
             elastic_wg_stop(&wg, SIGTERM, o->preempt_grace_s, 1, "preemption");
             warn_lost_snapshots(&wg);
+            mem_flush(a, &rd, "on preemption", 1);
+            flushed = 1;
             exit_now = ELASTIC_EXIT_PREEMPTED;
             break;
         case OUT_REMOTE_STOP:
@@ -555,6 +675,7 @@ static int run_job(agent *a)
         if (exit_now < 0 && (wg.term_signal || a->term_signal)) {
             if (!a->term_signal) a->term_signal = wg.term_signal;
             LOG_W(EA_TAG, "preempted while stopping the workers: exiting");
+            if (!flushed) mem_flush(a, &rd, "on preemption", 1);
             if (a->multi)
                 elastic_rdzv_stop_round(a->rdzv, rd.gen, 'P', "a node was preempted", NULL, NULL,
                                         0);
@@ -632,6 +753,18 @@ int elastic_agent_run(const elastic_agent_opts *o, char *const argv[])
         LOG_W(EA_TAG, "cannot become a child subreaper (%s): grandchildren of workers that "
               "outlive them are reaped by init", strerror(errno));
 
+    /* the memory tier before any worker: its lease, the stale clean-up */
+    {
+        int rc = elastic_mem_open(&a.mem, o->mem_dir ? o->mem_dir : "/dev/shm",
+                                  o->rdzv_id ? o->rdzv_id : "none", o->nproc_per_node);
+        if (rc < 0 && o->mem_dir) {
+            status = ELASTIC_EXIT_USAGE; /* logged: the folder given is unusable */
+            goto out;
+        }
+        if (rc < 0)
+            LOG_W(EA_TAG, "memory tier off: /dev/shm is unusable (give --mem-dir)");
+    }
+
     /* metrics before the store: a port that cannot be served fails before this agent joins
      * anything; they also feed the goodput report, with or without a server */
     if (elastic_metrics_create(&a.metrics, clock_now_s()) < 0)
@@ -659,6 +792,15 @@ int elastic_agent_run(const elastic_agent_opts *o, char *const argv[])
         /* refused by the job (other settings) or the store serves another job (logged) */
         if (rc == -EINVAL || rc == -EBUSY) status = ELASTIC_EXIT_USAGE;
         if (rc < 0) goto out;
+        char host[80];
+        if (a.mem && o->mem_replica_mbps > 0) {
+            if ((rc = elastic_rdzv_local_addr(a.rdzv, host, sizeof host)) < 0)
+                LOG_W(EA_TAG, "memory tier: no local address of the store connection (%s): no "
+                      "peer replica", strerror(-rc));
+            else if (elastic_mem_replica_start(a.mem, host, a.tok, o->mem_replica_mbps,
+                                               a.metrics, a.mem_addr, sizeof a.mem_addr) == 0)
+                a.mem_replica = 1;
+        }
     } else {
         if (random_token(a.token, sizeof a.token) < 0) {
             LOG_E(EA_TAG, "cannot draw a random store token");
@@ -680,6 +822,7 @@ out:
     }
     elastic_sink_finish(&a.out);
     elastic_sink_finish(&a.err);
+    elastic_mem_close(a.mem); /* every worker and the flush are gone by now */
     elastic_rdzv_close(a.rdzv);
     elastic_store_server_stop(a.srv);
     explicit_bzero(a.token, sizeof a.token);

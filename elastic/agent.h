@@ -63,6 +63,50 @@
  * sends SIGKILL at once. Each rank that ended otherwise than by exit 0 or 143 (128 + SIGTERM)
  * gets a WARN line: its final snapshot may be missing.
  *
+ * Memory tier (issue 13; the design of the whole tier is docs/FORMAT.md "Memory tier" and
+ * common/shmseg.h): the agent keeps the workers' memory snapshots in files of a segment folder
+ * (mem_dir, default /dev/shm) that outlive a worker, sends them to a peer node, has them
+ * flushed to disk after a failure, and removes them at the end of the job.
+ *  - Names: at start the agent picks prefix = "ckptmem-<jobhash16>-<rand16>", jobhash16 the
+ *    16 hex digits of XXH3-64 over the uid (u32 little-endian) followed by the bytes of the
+ *    rdzv id ("none" on one node without --rdzv-id), rand16 from getrandom. Files, all
+ *    0600 and created O_EXCL|O_NOFOLLOW (the segments by common/shmseg.c): <prefix>.lease
+ *    (flock LOCK_EX held for the agent's life; its text "pid=<pid> run=<id>" is for people),
+ *    <prefix>.own-<L> (written by the worker of local rank L, never by the agent),
+ *    <prefix>.rep-<N>-<L> (the replica of node N's local slot L, written by this agent).
+ *  - Stale clean-up at start: every other prefix of the same job hash in the folder whose
+ *    lease nobody holds (flock LOCK_EX|LOCK_NB succeeds: its agent is dead), or that has no
+ *    lease left (a removal cut short), loses all its files of this uid, the lease last; one
+ *    INFO line with the count and the bytes. Other job hashes are never touched.
+ *  - Workers get CKPT_MEM_PATH=<folder>/<prefix> (absolute). An inherited CKPT_MEM_PATH or
+ *    CKPT_MEM_FLUSH is never passed on; with the tier off, workers get neither.
+ *  - Flush: after a round that failed on this node (a worker exited non-zero or by a signal,
+ *    or hung) and on preemption, when some <prefix>.own-* exists, the agent runs the worker
+ *    command once more (same argv, its process group and guardian listing) with the agent's
+ *    environment plus CKPT_MEM_FLUSH=1, CKPT_MEM_PATH, ELASTIC_RESTART_COUNT, ELASTIC_RUN_ID,
+ *    TORCHELASTIC_RUN_ID and ELASTIC_HEARTBEAT_FD - no RANK, LOCAL_RANK, WORLD_SIZE, GROUP_*,
+ *    MASTER_* or store token. Output is relayed with the prefix "[flush] ". It gets
+ *    max(60, 6 x stop_grace_s) seconds, then SIGKILL; the result is one log line ("flush
+ *    finished: exited with status 0", "flush failed: ...", "flush timed out ..."). A SIGTERM
+ *    during a flush after a failure lets it finish and then exits as preempted (no second
+ *    flush); a signal during the flush of a preemption kills it at once. Then the agent goes
+ *    on as without a flush (restart, give up, exit).
+ *  - Peer replica (several nodes, mem_replica_mbps > 0): a server thread listens on the local
+ *    address of the agent's store connection, port 0, and the agent publishes "host:port" under
+ *    the store key rdzv/<id>/mem/<gen>/<node_rank> each round; the main thread looks up the
+ *    next node's ((node_rank + 1) % nnodes) and hands it to a sender thread, which looks at the
+ *    own segments every 0.1 s and sends each newly completed slot (a seq the peer does not
+ *    have; all again to a new peer) at most mem_replica_mbps MB/s, with the job token. The
+ *    receiver keeps it in <its prefix>.rep-<src node>-<L> through shmseg (begin, the bytes,
+ *    commit): a transfer cut short, or a slot that changed at the source meanwhile, commits
+ *    nothing. The protocol is in agent_mem.c. A peer that cannot be reached or refuses is
+ *    logged once per round. Metrics: ckpt_mem_replica_bytes_total, ckpt_mem_replica_step.
+ *    A slot that changes faster than it can be sent (two memory snapshots during one transfer)
+ *    is never replicated: one warning after 8 such transfers in a row.
+ *  - Removal: at the end of the job (success, failure, preemption; after the flush) every
+ *    <prefix>.* file is unlinked, the lease last. An agent killed with SIGKILL leaves them
+ *    to the next agent of the same job.
+ *
  * Thread-safety: elastic_agent_run is meant to be the one thing a process does: it blocks
  * SIGCHLD/SIGTERM/SIGINT (and leaves them blocked on return, so that a late signal cannot turn
  * the exit status into a signal death), ignores SIGPIPE and makes the process a child
@@ -122,10 +166,16 @@ typedef struct elastic_agent_opts {
                                    that cannot be bound fails the start (exit 1, one line) */
     const char *metrics_addr;   /* the address to serve it on; NULL = "127.0.0.1" (this machine
                                    only); "0.0.0.0" or "::" for every interface; must resolve */
+    const char *mem_dir;        /* the memory tier's segment folder (see "Memory tier"); NULL =
+                                   "/dev/shm", and the tier is then off (a warning) when that
+                                   folder is unusable; a given folder that is unusable fails the
+                                   start (ELASTIC_EXIT_USAGE, one line) */
+    int mem_replica_mbps;       /* cap of the peer replica sender, MB/s (10^6 bytes/s),
+                                   [0, 1000000]; default 1000; 0 = no replica */
 } elastic_agent_opts;
 
 #define ELASTIC_AGENT_OPTS_INIT                                                                \
-    {1, 1, 1, 3, NULL, 0, NULL, 0.1, 0.0, 60.0, 10.0, 5.0, 2.0, 600.0, 0, NULL}
+    {1, 1, 1, 3, NULL, 0, NULL, 0.1, 0.0, 60.0, 10.0, 5.0, 2.0, 600.0, 0, NULL, NULL, 1000}
 
 /* Run the job: rendezvous, start argv (argv[0] searched in PATH when it has no '/'; argv is
  * NULL-terminated, argv[0] non-empty) nproc_per_node times per round, watch, restart, until the

@@ -103,6 +103,10 @@ typedef struct elastic_wg_spec {
     const char *run_id;
     elastic_guard *guard;       /* NULL = none: groups are listed with it while they exist */
     elastic_metrics *metrics;   /* NULL = none: gets every progress line and the ranks' up/down */
+    const char *mem_path;       /* NULL = no memory tier; else CKPT_MEM_PATH of every worker */
+    int flush;                  /* 1: the memory-tier flush command (agent.h "Memory tier"):
+                                   nproc must be 1; no rank variables, CKPT_MEM_FLUSH=1, output
+                                   prefixed "[flush] " */
 } elastic_wg_spec;
 
 typedef struct elastic_wg {
@@ -118,6 +122,7 @@ typedef struct elastic_wg {
     elastic_sink *out, *err;
     elastic_guard *guard;       /* from the spec; NULL = none */
     elastic_metrics *metrics;   /* from the spec; NULL = none */
+    int flush;                  /* from the spec: the flush command, not ranks */
     struct pollfd *pfd;         /* 3 n + 1 + ELASTIC_WG_EXTRA_MAX entries */
 } elastic_wg;
 
@@ -254,10 +259,63 @@ int elastic_rdzv_end_code(elastic_rdzv *r, char *why, size_t why_len);
 /* The errno (negative) that made the store count as lost, 0 while healthy. */
 int elastic_rdzv_lost(const elastic_rdzv *r);
 
+/* Main thread: set key P<name> (P = "rdzv/<run id>/") to the text value. Used by the memory
+ * tier (P mem/<gen>/<node>). Errors: store errors (the store then counts as lost). */
+int elastic_rdzv_set(elastic_rdzv *r, const char *name, const char *value);
+
+/* Main thread: read key P<name> without waiting. Returns 1 (*value malloc'ed, NUL-terminated;
+ * free it), 0 missing. Errors: store errors (the store then counts as lost). */
+int elastic_rdzv_get(elastic_rdzv *r, const char *name, char **value);
+
+/* The local address of the main store connection (elastic_store_local_addr). */
+int elastic_rdzv_local_addr(const elastic_rdzv *r, char *host, size_t host_len);
+
 /* Leave: say goodbye in the store (unless it is lost), stop the watcher, close the
  * connections. The hosting agent first waits (at most heartbeat_timeout_s + 1 s) until every
  * other registered agent said goodbye or has a stale heartbeat, so that nobody loses the store
  * while reading the end of the job. Accepts NULL. */
 void elastic_rdzv_close(elastic_rdzv *r);
+
+/* ------------------------------------------------------------------ memory tier */
+
+/* The agent's side of the memory tier (agent_mem.c; agent.h "Memory tier"): the segment
+ * folder, the prefix and its lease, stale clean-up, the replica server and sender threads,
+ * removal at the end. Called from the main thread; the two threads are internal. */
+typedef struct elastic_mem elastic_mem;
+
+/* Pick the prefix "ckptmem-<jobhash16>-<rand16>" in dir (jobhash16: elastic_mem_jobhash),
+ * create and flock its lease, remove the files of dead agents of the same job (one INFO line
+ * with the count and bytes when there were any). dir: an existing folder (made absolute with
+ * realpath). nproc: local workers (their segments are <prefix>.own-0 .. own-<nproc-1>).
+ * Errors (each logged in one line naming dir): -ENOENT/-ENOTDIR/-EACCES/... dir unusable,
+ * -EEXIST no free name in 8 tries, -ENOMEM. */
+int elastic_mem_open(elastic_mem **out, const char *dir, const char *run_id, int nproc);
+
+/* XXH3-64 of uid (u32 little-endian) followed by the bytes of run_id, as 16 lowercase hex
+ * digits into out (17 bytes). */
+void elastic_mem_jobhash(unsigned uid, const char *run_id, char out[17]);
+
+/* "<dir>/<prefix>": CKPT_MEM_PATH of the workers. */
+const char *elastic_mem_path(const elastic_mem *m);
+
+/* 1 when some <prefix>.own-* file exists (a worker that is train made a segment), else 0. */
+int elastic_mem_has_own(const elastic_mem *m);
+
+/* Start the replica (several nodes, mbps > 0): the server thread on bind_host, port 0, and
+ * the sender thread capped at mbps x 10^6 bytes/s. token: the job token (NULL = none; copied,
+ * never logged). metrics: may be NULL; gets ckpt_mem_replica_*. The address to publish goes
+ * to addr ("host:port", addr_len >= 80). Errors (logged): -errno of socket/bind/listen or the
+ * thread start; the job then runs without a replica. */
+int elastic_mem_replica_start(elastic_mem *m, const char *bind_host, const char *token,
+                              int mbps, elastic_metrics *metrics, char *addr, size_t addr_len);
+
+/* A new round: this node is node_rank of nnodes in round gen; peer = "host:port" of node
+ * (node_rank + 1) % nnodes's replica server, NULL while not known (nothing is sent). Every
+ * slot is sent again to a new peer. No-op without a replica. */
+void elastic_mem_round(elastic_mem *m, int gen, int node_rank, int nnodes, const char *peer);
+
+/* Stop the threads (bounded by the socket timeouts) and unlink every <prefix>.* file, the
+ * lease last; then free. Accepts NULL. */
+void elastic_mem_close(elastic_mem *m);
 
 #endif /* ELASTIC_AGENT_INTERNAL_H */

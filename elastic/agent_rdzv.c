@@ -24,6 +24,8 @@
  *   P end               "<code> <reason>": the job is over (0 every node of the last round
  *                       finished, 1 failure, 2 usage error of a worker); set once
  *   P bye/<aid>         the agent has read the end and leaves
+ *   P mem/<g>/<node>    "host:port" of the memory-tier replica server of node <node> in round
+ *                       g (agent_mem.c), set by that node's agent when the round starts
  *
  * Rounds: an agent joins round g (P gen, or the round after its last one) with ADD on
  * r/<g>/n. The round closes when max_nodes joined, or last_call_s after min_nodes had joined
@@ -616,6 +618,27 @@ static int main_lost(elastic_rdzv *r, int rc)
 {
     if (rc < 0 && rc != -ENOMEM && rc != -EINVAL && rc != -EMSGSIZE) set_lost(r, rc);
     return rc;
+}
+
+int elastic_rdzv_set(elastic_rdzv *r, const char *name, const char *value)
+{
+    char k[KEY_MAX];
+    key(r, k, "%s", name);
+    int rc = elastic_store_set(r->c, k, value, strlen(value));
+    return rc < 0 ? main_lost(r, rc) : 0;
+}
+
+int elastic_rdzv_get(elastic_rdzv *r, const char *name, char **value)
+{
+    char k[KEY_MAX];
+    key(r, k, "%s", name);
+    int rc = get_opt(r->c, k, value, 0);
+    return rc < 0 ? main_lost(r, rc) : rc;
+}
+
+int elastic_rdzv_local_addr(const elastic_rdzv *r, char *host, size_t host_len)
+{
+    return elastic_store_local_addr(r->c, host, host_len);
 }
 
 int elastic_rdzv_join(elastic_rdzv *r, int from_gen, elastic_round *out,

@@ -290,7 +290,7 @@ static const char *const managed[] = {
     "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ELASTIC_STORE_HOSTED",
     "ELASTIC_STORE_TOKEN", "ELASTIC_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT",
     "ELASTIC_RUN_ID", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_MAX_RESTARTS",
-    "ELASTIC_HEARTBEAT_FD", NULL};
+    "ELASTIC_HEARTBEAT_FD", "CKPT_MEM_PATH", "CKPT_MEM_FLUSH", NULL};
 
 static int is_managed(const char *kv)
 {
@@ -313,6 +313,24 @@ static char **build_env(const elastic_wg_spec *s, int local_rank)
         if (!is_managed(*e) && !(env[k++] = strdup(*e))) goto fail;
     int world = s->nnodes * s->nproc;
     int rank = s->node_rank * s->nproc + local_rank;
+    if (s->mem_path && !s->flush && asprintf(&env[k++], "CKPT_MEM_PATH=%s", s->mem_path) < 0) {
+        env[--k] = NULL;
+        goto fail;
+    }
+    if (s->flush) {
+        /* the flush command (agent.h "Memory tier"): no rank, no world, no store */
+        if (asprintf(&env[k++], "CKPT_MEM_PATH=%s", s->mem_path ? s->mem_path : "") < 0 ||
+            asprintf(&env[k++], "CKPT_MEM_FLUSH=1") < 0 ||
+            asprintf(&env[k++], "ELASTIC_RESTART_COUNT=%d", s->gen) < 0 ||
+            asprintf(&env[k++], "ELASTIC_RUN_ID=%s", s->run_id) < 0 ||
+            asprintf(&env[k++], "TORCHELASTIC_RUN_ID=%s", s->run_id) < 0 ||
+            asprintf(&env[k++], "ELASTIC_HEARTBEAT_FD=%d", HB_FD) < 0) {
+            env[--k] = NULL;
+            goto fail;
+        }
+        env[k] = NULL;
+        return env;
+    }
 #define ADD(...)                                                                               \
     do {                                                                                       \
         if (asprintf(&env[k], __VA_ARGS__) < 0) {                                              \
@@ -488,6 +506,7 @@ int elastic_wg_start(elastic_wg *wg, const elastic_wg_spec *s, int sigfd, elasti
     wg->err = err;
     wg->guard = s->guard;
     wg->metrics = s->metrics;
+    wg->flush = s->flush;
     wg->started = clock_now_s();
     wg->w = calloc((size_t)s->nproc, sizeof *wg->w);
     wg->pfd = calloc(3 * (size_t)s->nproc + 1 + ELASTIC_WG_EXTRA_MAX, sizeof *wg->pfd);
@@ -506,7 +525,8 @@ int elastic_wg_start(elastic_wg *wg, const elastic_wg_spec *s, int sigfd, elasti
         w->out.fd = w->err.fd = w->hb_fd = -1;
         w->last_step = -1;
         w->gone = 1; /* until started */
-        w->prefix_len = (size_t)snprintf(w->prefix, sizeof w->prefix, "[rank %d] ", w->rank);
+        w->prefix_len = (size_t)snprintf(w->prefix, sizeof w->prefix,
+                                         s->flush ? "[flush] " : "[rank %d] ", w->rank);
     }
     int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (devnull < 0) {
@@ -520,7 +540,10 @@ int elastic_wg_start(elastic_wg *wg, const elastic_wg_spec *s, int sigfd, elasti
         if (wg->w[i].pid > 0) wg->w[i].gone = 0;
     }
     close(devnull);
-    if (rc == 0) {
+    if (rc == 0 && s->flush) {
+        LOG_I(EA_TAG, "flush: started the worker command with CKPT_MEM_FLUSH=1 (pid %d)",
+              (int)wg->w[0].pid);
+    } else if (rc == 0) {
         char pids[256];
         size_t off = 0;
         for (int i = 0; i < wg->n && off < sizeof pids - 16; i++)
@@ -651,8 +674,12 @@ static void reap(elastic_wg *wg)
         elastic_wg_exit_text(w, how, sizeof how);
         int ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
         ok |= wg->stopping; /* expected while the group is being stopped */
-        log_msg(ok ? LOG_INFO : LOG_WARN, EA_TAG, "rank %d (pid %d) %s after %.3f s", w->rank,
-                (int)p, how, w->exited - w->started);
+        if (wg->flush)
+            LOG_D(EA_TAG, "flush command (pid %d) %s after %.3f s", (int)p, how,
+                  w->exited - w->started);
+        else
+            log_msg(ok ? LOG_INFO : LOG_WARN, EA_TAG, "rank %d (pid %d) %s after %.3f s", w->rank,
+                    (int)p, how, w->exited - w->started);
     }
 }
 

@@ -47,6 +47,11 @@ static const char usage_text[] =
     "                          Default 0 = off; a port that cannot be bound exits 1\n"
     "  --metrics-addr A        the address for --metrics-port (default 127.0.0.1: this machine\n"
     "                          only; 0.0.0.0 or :: for every interface)\n"
+    "  --mem-dir DIR           the memory tier's segment folder (default /dev/shm): workers\n"
+    "                          get CKPT_MEM_PATH=DIR/ckptmem-<job>-<random>; stale segments of\n"
+    "                          this job's dead agents are removed at start, this agent's at end\n"
+    "  --mem-replica-mbps N    several nodes: send each memory snapshot to the next node at\n"
+    "                          most N MB/s (default 1000; 0 = no replica)\n"
     "  -h, --help              this text\n";
 
 /* the rest of --help (two strings: C99 compilers need only take 4095 bytes in one) */
@@ -62,6 +67,10 @@ static const char usage_more[] =
     "At exit (whatever the cause) the agent logs a goodput report: wall time, productive step\n"
     "time, recomputed steps, time lost to restarts, snapshot stall, and goodput = productive /\n"
     "wall (docs/OPERATIONS.md, \"Metrics\").\n"
+    "Memory tier: workers also get CKPT_MEM_PATH (a path prefix in --mem-dir); after a failed\n"
+    "round and on preemption, when a worker made a segment there, COMMAND runs once more with\n"
+    "CKPT_MEM_FLUSH=1 (no RANK etc.) to write the newest memory snapshot to disk (output\n"
+    "\"[flush] \"; at most max(60, 6 x --stop-grace) s).\n"
     "A restart runs COMMAND again from the start: give train `--resume auto` (with --ckpt-dir)\n"
     "so that it continues from the newest snapshot, re-sharded to the new world size.\n"
     "Store token: one node, a random secret per job; several nodes, ELASTIC_STORE_TOKEN of the\n"
@@ -156,7 +165,7 @@ int main(int argc, char **argv)
 {
     enum {
         O_NNODES = 256, O_NPROC, O_MAXR, O_EP, O_ID, O_MON, O_HANG, O_PREEMPT, O_STOP, O_HB,
-        O_LAST, O_JOIN, O_MPORT, O_MADDR
+        O_LAST, O_JOIN, O_MPORT, O_MADDR, O_MEMDIR, O_MEMMBPS
     };
     static const struct option lo[] = {
         {"nnodes", required_argument, 0, O_NNODES},
@@ -173,6 +182,8 @@ int main(int argc, char **argv)
         {"join-timeout", required_argument, 0, O_JOIN},
         {"metrics-port", required_argument, 0, O_MPORT},
         {"metrics-addr", required_argument, 0, O_MADDR},
+        {"mem-dir", required_argument, 0, O_MEMDIR},
+        {"mem-replica-mbps", required_argument, 0, O_MEMMBPS},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     elastic_agent_opts o = ELASTIC_AGENT_OPTS_INIT;
@@ -202,6 +213,13 @@ int main(int argc, char **argv)
         case O_MADDR:
             if (!*optarg) rc = bad("--metrics-addr", optarg, "an address or host name");
             o.metrics_addr = optarg;
+            break;
+        case O_MEMDIR:
+            if (!*optarg) rc = bad("--mem-dir", optarg, "a folder");
+            o.mem_dir = optarg;
+            break;
+        case O_MEMMBPS:
+            rc = parse_int("--mem-replica-mbps", optarg, 0, 1000000, &o.mem_replica_mbps);
             break;
         case 'h':
             fputs(usage_text, stdout);

@@ -33,6 +33,8 @@ struct elastic_metrics {
     uint64_t restarts, committed, fail_stage, fail_persist, skipped, persist_bytes;
     uint64_t uploads_done, uploads_failed, uploads_skipped, upload_bytes;
     uint64_t lines_ok, lines_unknown, lines_malformed;
+    uint64_t mem_replica_bytes;
+    gauge mem_replica_step;
     /* gauges */
     gauge step, loss, lr, grad_norm, tps, samples, val_loss;
     gauge last_committed, last_commit_time;
@@ -281,6 +283,17 @@ void elastic_metrics_end(elastic_metrics *m, double now)
     pthread_mutex_unlock(&m->mu);
 }
 
+void elastic_metrics_mem_replica(elastic_metrics *m, uint64_t bytes, uint64_t step)
+{
+    pthread_mutex_lock(&m->mu);
+    m->mem_replica_bytes = add_sat(m->mem_replica_bytes, bytes);
+    if (!m->mem_replica_step.set || (double)step > m->mem_replica_step.v) {
+        m->mem_replica_step.set = 1;
+        m->mem_replica_step.v = (double)step;
+    }
+    pthread_mutex_unlock(&m->mu);
+}
+
 /* ------------------------------------------------------------------ rendering */
 
 static void gauge_out(elastic_expo *e, const char *name, const char *help, const gauge *g,
@@ -410,6 +423,12 @@ int elastic_metrics_render(elastic_metrics *m, double now, char **text, size_t *
               &m->upload_lag_seconds, labels);
     gauge_out(&e, "ckpt_last_uploaded_step", "Step of the newest snapshot complete on S3 seen "
               "(rank 0; never decreases).", &m->last_uploaded, labels);
+    counter_out(&e, "ckpt_mem_replica_bytes_total", "Bytes of memory snapshot slots this agent "
+                "sent to its peer node and the peer committed (the memory tier's replica).",
+                m->mem_replica_bytes);
+    gauge_out(&e, "ckpt_mem_replica_step", "Newest step of a memory snapshot slot of this node "
+              "that the peer node holds as a replica (never decreases).", &m->mem_replica_step,
+              labels);
     pthread_mutex_unlock(&m->mu);
     return elastic_expo_finish(&e, text, len);
 }

@@ -302,6 +302,11 @@ void elastic_metrics_interrupt(elastic_metrics *m, double now);
 /* A restart counted against --max-restarts. */
 void elastic_metrics_restart(elastic_metrics *m);
 
+/* The memory tier's replica sender (agent_mem.c, any thread): a slot of bytes payload bytes
+ * of step was sent to the peer node and committed there: ckpt_mem_replica_bytes_total grows
+ * by bytes, ckpt_mem_replica_step becomes step when larger (the newest step the peer holds). */
+void elastic_metrics_mem_replica(elastic_metrics *m, uint64_t bytes, uint64_t step);
+
 /* The job ended at now (the goodput's wall time stops). */
 void elastic_metrics_end(elastic_metrics *m, double now);
 

@@ -246,6 +246,13 @@ int elastic_store_delete(elastic_store_client *c, const char *key);
 /* Close the connection and free the handle. Accepts NULL. */
 void elastic_store_close(elastic_store_client *c);
 
+/* The local address of the connection (getsockname), numeric ("10.0.0.5", "::1"), into host
+ * (host_len bytes with the NUL; 64 is enough): the address this machine uses to reach the
+ * store, so the one its peers can reach it on (the agent's memory-tier replica server binds
+ * it). Errors: -EINVAL (NULL argument, host_len 0), -ENOTCONN the connection was dropped,
+ * -ENAMETOOLONG host_len too small, other -errno of getsockname/getnameinfo. */
+int elastic_store_local_addr(const elastic_store_client *c, char *host, size_t host_len);
+
 /* Shut the connection down (shutdown(2), both directions) without freeing anything: a call in
  * progress on another thread returns -ECONNRESET/-EPIPE at once, and every later call fails.
  * The one function that may be called while another thread uses the handle (to unblock it when

@@ -483,6 +483,21 @@ int elastic_store_delete(elastic_store_client *c, const char *key)
     return existed;
 }
 
+int elastic_store_local_addr(const elastic_store_client *c, char *host, size_t host_len)
+{
+    if (!c || !host || host_len == 0) return -EINVAL;
+    if (c->fd < 0) return -ENOTCONN;
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    if (getsockname(c->fd, (struct sockaddr *)&ss, &sl) != 0) return -errno;
+    char buf[NI_MAXHOST];
+    int g = getnameinfo((struct sockaddr *)&ss, sl, buf, sizeof buf, NULL, 0, NI_NUMERICHOST);
+    if (g != 0) return g == EAI_SYSTEM ? -errno : -EINVAL;
+    if (strlen(buf) >= host_len) return -ENAMETOOLONG;
+    memcpy(host, buf, strlen(buf) + 1);
+    return 0;
+}
+
 void elastic_store_interrupt(elastic_store_client *c)
 {
     if (c && c->fd >= 0) shutdown(c->fd, SHUT_RDWR);

@@ -1,0 +1,864 @@
+/* agent_mem.c - the agent's side of the memory tier (issue 13; agent.h "Memory tier"): the
+ * segment folder and the prefix, the lease, stale clean-up, the peer replica (a server thread
+ * and a sender thread), and the removal of every file of the prefix at the end.
+ *
+ * Why a lease file with flock rather than a pid in a file: a pid can be reused, a lock dies
+ * with its process (SIGKILL, OOM, a crash of the machine's agent), so "nobody holds the
+ * lease" is exactly "its agent is dead", without guessing.
+ *
+ * Why the sender copies each piece with shmseg_copy_out instead of sending from the mapping:
+ * the worker may overwrite the slot while it is being sent (the slot after next); copy_out
+ * checks the slot's seq around each piece against the seq of the first, so a payload that
+ * changed is never committed on the peer (the connection is closed before the last byte; the
+ * receiver's slot stays "writing", its other slot keeps the previous replica).
+ *
+ * Replica protocol (version 1, little-endian, one transfer per TCP connection):
+ *   sender -> receiver   magic "CKMR" | version u32 = 1 | token_len u32 (<= 1024) |
+ *                        token[token_len] | src_node u32 | slot u32 (local rank L) |
+ *                        slot_bytes u64 | payload_bytes u64 | step u64 | seq u64
+ *   receiver -> sender   1 byte: 0 go on, or an answer code below (then it closes)
+ *   sender -> receiver   payload_bytes bytes (closing early = abandoned: nothing committed)
+ *   receiver -> sender   1 byte: 0 committed into <its prefix>.rep-<src_node>-<slot>, or a code
+ * Answer codes: 0 OK, 1 DENIED (token), 2 BAD (magic, version, fields out of range),
+ * 3 LOCAL (the receiver cannot keep it: no space, I/O error). The token is compared in
+ * constant time and never logged. Every socket wait is bounded by IO_TIMEOUT_S without
+ * progress; a connection is served at a time.
+ */
+#include "clock.h"
+#include "agent_internal.h"
+
+#include "log.h"
+#include "shmseg.h"
+#include "thread.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#define MEM_TAG "elastic"
+#define NAME_PREFIX "ckptmem-"
+#define HASH_HEX 16
+#define RAND_HEX 16
+/* "ckptmem-" + 16 + "-" + 16 */
+#define PREFIX_LEN (8 + HASH_HEX + 1 + RAND_HEX)
+#define IO_TIMEOUT_S 10.0      /* every socket wait without progress */
+#define CONNECT_TIMEOUT_S 3.0
+#define POLL_S 0.1             /* the sender's look at the own segments */
+#define CHUNK (256u * 1024u)   /* the sender's piece: copy_out, then send; the bucket's depth */
+#define TOKEN_MAX 1024u
+#define MAX_SLOT_BYTES (1ull << 40)
+#define SEEN_MAX 64
+#define TORN_WARN 8            /* torn transfers in a row of one slot before a warning */
+
+enum { ANS_OK = 0, ANS_DENIED = 1, ANS_BAD = 2, ANS_LOCAL = 3 };
+
+struct elastic_mem {
+    char dir[PATH_MAX];
+    char prefix[PREFIX_LEN + 1];
+    char path[PATH_MAX + PREFIX_LEN + 2]; /* dir/prefix */
+    char hash[HASH_HEX + 1];
+    int lease_fd;
+    int nproc;
+
+    /* replica */
+    int replica;               /* the threads run */
+    int listen_fd;
+    char *token;               /* NULL = none */
+    size_t token_len;
+    double rate;               /* bytes per second */
+    elastic_metrics *metrics;
+    pthread_t srv_th, snd_th;
+    int srv_started, snd_started;
+
+    pthread_mutex_t mu;        /* guards everything below */
+    int quit;
+    int gen, node_rank, nnodes;
+    char peer[96];             /* "" = none */
+    unsigned serial;           /* bumped by every elastic_mem_round */
+    int send_fd;               /* the sender's connection, -1 none (shut down by close) */
+
+    /* sender-thread data */
+    uint64_t *sent_seq;        /* per local slot: the seq the current peer has */
+    unsigned *sent_serial;     /* ... as of round serial */
+    unsigned *torn;            /* torn transfers in a row */
+    unsigned warned_serial;    /* the round whose unreachable peer was logged (+1) */
+    unsigned logged_serial;    /* the round whose first transfer was logged (+1) */
+
+    /* server-thread data */
+    double refused_logged;     /* when a refusal was last logged */
+    unsigned *seen;            /* SEEN_MAX (src, slot) pairs + 1 logged at INFO once */
+};
+
+/* ------------------------------------------------------------------ names */
+
+void elastic_mem_jobhash(unsigned uid, const char *run_id, char out[17])
+{
+    size_t n = strlen(run_id);
+    unsigned char buf[4 + 64];
+    if (n > 64) n = 64; /* run ids are at most 64 bytes (agent.h) */
+    for (int i = 0; i < 4; i++) buf[i] = (unsigned char)(uid >> (8 * i));
+    memcpy(buf + 4, run_id, n);
+    snprintf(out, 17, "%016" PRIx64, (uint64_t)XXH3_64bits(buf, 4 + n));
+}
+
+static int is_hex(const char *s, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f'))) return 0;
+    return 1;
+}
+
+/* name = "ckptmem-<hash>-<rand16>.<rest>": 1 and rand into r (17 bytes), else 0. */
+static int name_of_job(const char *name, const char *hash, char r[RAND_HEX + 1])
+{
+    if (strncmp(name, NAME_PREFIX, 8) != 0 || strncmp(name + 8, hash, HASH_HEX) != 0) return 0;
+    const char *p = name + 8 + HASH_HEX;
+    if (p[0] != '-' || strlen(p) < 1 + RAND_HEX + 1 || p[1 + RAND_HEX] != '.') return 0;
+    if (!is_hex(p + 1, RAND_HEX)) return 0;
+    memcpy(r, p + 1, RAND_HEX);
+    r[RAND_HEX] = '\0';
+    return 1;
+}
+
+const char *elastic_mem_path(const elastic_mem *m) { return m->path; }
+
+/* ------------------------------------------------------------------ stale clean-up */
+
+typedef struct stale_sum {
+    unsigned long files, agents;
+    unsigned long long bytes;
+} stale_sum;
+
+/* Unlink every "ckptmem-<hash>-<r>.*" of this uid in dir but the lease; add to sum. */
+static void remove_set(int dfd, const char *hash, const char *r, stale_sum *sum, int count)
+{
+    DIR *d = fdopendir(dup(dfd));
+    if (!d) return;
+    char want[PREFIX_LEN + 2];
+    snprintf(want, sizeof want, NAME_PREFIX "%s-%s.", hash, r);
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (strncmp(e->d_name, want, PREFIX_LEN + 1) != 0) continue;
+        if (!strcmp(e->d_name + PREFIX_LEN + 1, "lease")) continue;
+        struct stat st;
+        if (fstatat(dfd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_uid != getuid())
+            continue;
+        if (unlinkat(dfd, e->d_name, 0) == 0 && count) {
+            sum->files++;
+            sum->bytes += (unsigned long long)st.st_size;
+        }
+    }
+    closedir(d);
+}
+
+/* Every other prefix of this job in dir whose lease nobody holds (or that has no lease: what
+ * a removal cut short leaves; a live agent creates its lease before any other file). */
+static void clean_stale(elastic_mem *m, int dfd)
+{
+    DIR *d = fdopendir(dup(dfd));
+    if (!d) {
+        LOG_W(MEM_TAG, "memory tier: cannot list %s for stale segments: %s", m->dir,
+              strerror(errno));
+        return;
+    }
+    char (*seen)[RAND_HEX + 1] = NULL;
+    size_t n = 0, cap = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        char r[RAND_HEX + 1];
+        if (!name_of_job(e->d_name, m->hash, r)) continue;
+        if (!strcmp(r, m->prefix + 8 + HASH_HEX + 1)) continue;
+        size_t k = 0;
+        while (k < n && strcmp(seen[k], r)) k++;
+        if (k < n) continue;
+        if (n == cap) {
+            size_t nc = cap ? 2 * cap : 16;
+            void *p = realloc(seen, nc * sizeof *seen);
+            if (!p) break;
+            seen = p;
+            cap = nc;
+        }
+        memcpy(seen[n++], r, RAND_HEX + 1);
+    }
+    closedir(d);
+    stale_sum sum = {0, 0, 0};
+    for (size_t k = 0; k < n; k++) {
+        char lease[PREFIX_LEN + 8];
+        snprintf(lease, sizeof lease, NAME_PREFIX "%s-%s.lease", m->hash, seen[k]);
+        int fd = openat(dfd, lease, O_RDWR | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+        struct stat st;
+        if (fd < 0 && errno != ENOENT) continue; /* not ours to judge */
+        if (fd >= 0) {
+            if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != getuid() ||
+                flock(fd, LOCK_EX | LOCK_NB) != 0) {
+                close(fd); /* held: its agent lives */
+                continue;
+            }
+        }
+        remove_set(dfd, m->hash, seen[k], &sum, 1);
+        if (fd >= 0) {
+            if (unlinkat(dfd, lease, 0) == 0) {
+                sum.files++;
+                sum.bytes += (unsigned long long)st.st_size;
+            }
+            close(fd);
+        }
+        sum.agents++;
+    }
+    free(seen);
+    if (sum.agents)
+        LOG_I(MEM_TAG, "memory tier: removed %lu stale file(s) (%llu bytes) of %lu dead agent(s) "
+              "of this job in %s", sum.files, sum.bytes, sum.agents, m->dir);
+}
+
+/* ------------------------------------------------------------------ open, close */
+
+static int make_lease(elastic_mem *m, int dfd, const char *run_id)
+{
+    for (int tries = 0; tries < 8; tries++) {
+        uint64_t r;
+        if (getrandom(&r, sizeof r, 0) != (ssize_t)sizeof r) return -EIO;
+        snprintf(m->prefix, sizeof m->prefix, NAME_PREFIX "%s-%016" PRIx64, m->hash, r);
+        char lease[PREFIX_LEN + 8];
+        snprintf(lease, sizeof lease, "%s.lease", m->prefix);
+        int fd = openat(dfd, lease, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        if (fd < 0) {
+            if (errno == EEXIST) continue;
+            return -errno;
+        }
+        struct stat a, b;
+        /* a cleaner of another agent may have taken it between create and lock: then it is
+         * (being) unlinked, and we draw another name */
+        if (flock(fd, LOCK_EX | LOCK_NB) != 0 || fstat(fd, &a) != 0 ||
+            fstatat(dfd, lease, &b, AT_SYMLINK_NOFOLLOW) != 0 || a.st_ino != b.st_ino ||
+            a.st_dev != b.st_dev) {
+            close(fd);
+            continue;
+        }
+        char info[160];
+        int il = snprintf(info, sizeof info, "pid=%d run=%s\n", (int)getpid(), run_id);
+        if (write(fd, info, (size_t)il) != il) {
+            /* the lease is the lock, not its text */
+        }
+        m->lease_fd = fd;
+        return 0;
+    }
+    return -EEXIST;
+}
+
+int elastic_mem_open(elastic_mem **out, const char *dir, const char *run_id, int nproc)
+{
+    *out = NULL;
+    elastic_mem *m = calloc(1, sizeof *m);
+    if (!m) return -ENOMEM;
+    m->lease_fd = m->listen_fd = m->send_fd = -1;
+    m->nproc = nproc;
+    pthread_mutex_init(&m->mu, NULL);
+    int rc = 0, dfd = -1;
+    struct stat st;
+    if (!realpath(dir, m->dir)) {
+        rc = -errno;
+        goto fail;
+    }
+    dfd = open(m->dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0 || fstat(dfd, &st) != 0) {
+        rc = -errno;
+        goto fail;
+    }
+    if (access(m->dir, W_OK | X_OK) != 0) {
+        rc = -errno;
+        goto fail;
+    }
+    elastic_mem_jobhash((unsigned)getuid(), run_id, m->hash);
+    if ((rc = make_lease(m, dfd, run_id)) < 0) goto fail;
+    snprintf(m->path, sizeof m->path, "%s/%s", m->dir, m->prefix);
+    clean_stale(m, dfd);
+    close(dfd);
+    LOG_I(MEM_TAG, "memory tier: segments in %s, prefix %s (lease held)", m->dir, m->prefix);
+    *out = m;
+    return 0;
+fail:
+    LOG_E(MEM_TAG, "memory tier: cannot use the segment folder %s: %s", dir, strerror(-rc));
+    if (dfd >= 0) close(dfd);
+    pthread_mutex_destroy(&m->mu);
+    free(m);
+    return rc;
+}
+
+int elastic_mem_has_own(const elastic_mem *m)
+{
+    DIR *d = opendir(m->dir);
+    if (!d) return 0;
+    char want[PREFIX_LEN + 8];
+    int n = snprintf(want, sizeof want, "%s.own-", m->prefix);
+    int found = 0;
+    struct dirent *e;
+    while (!found && (e = readdir(d)))
+        found = !strncmp(e->d_name, want, (size_t)n) && e->d_name[n] >= '0' && e->d_name[n] <= '9';
+    closedir(d);
+    return found;
+}
+
+static void replica_stop(elastic_mem *m);
+
+void elastic_mem_close(elastic_mem *m)
+{
+    if (!m) return;
+    replica_stop(m);
+    int dfd = open(m->dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+        stale_sum sum = {0, 0, 0};
+        char r[RAND_HEX + 1];
+        memcpy(r, m->prefix + 8 + HASH_HEX + 1, RAND_HEX + 1);
+        remove_set(dfd, m->hash, r, &sum, 1);
+        char lease[PREFIX_LEN + 8];
+        snprintf(lease, sizeof lease, "%s.lease", m->prefix);
+        if (unlinkat(dfd, lease, 0) != 0)
+            LOG_W(MEM_TAG, "memory tier: cannot remove the lease %s/%s: %s", m->dir, lease,
+                  strerror(errno));
+        close(dfd);
+        LOG_I(MEM_TAG, "memory tier: removed this agent's %lu segment file(s) (%llu bytes) and "
+              "its lease", sum.files, sum.bytes);
+    } else {
+        LOG_W(MEM_TAG, "memory tier: cannot open %s to remove this agent's files: %s", m->dir,
+              strerror(errno));
+    }
+    if (m->lease_fd >= 0) close(m->lease_fd);
+    free(m->token);
+    free(m->sent_seq);
+    free(m->sent_serial);
+    free(m->torn);
+    free(m->seen);
+    pthread_mutex_destroy(&m->mu);
+    free(m);
+}
+
+/* ------------------------------------------------------------------ socket helpers */
+
+static int quitting(elastic_mem *m)
+{
+    pthread_mutex_lock(&m->mu);
+    int q = m->quit;
+    pthread_mutex_unlock(&m->mu);
+    return q;
+}
+
+/* Wait for ev on fd: at most IO_TIMEOUT_S (or timeout_s when > 0), in pieces of 0.2 s that
+ * look at the quit flag. 0, -ETIMEDOUT, -ECANCELED (closing), -errno. */
+static int wait_io(elastic_mem *m, int fd, short ev, double timeout_s)
+{
+    double deadline = clock_now_s() + (timeout_s > 0 ? timeout_s : IO_TIMEOUT_S);
+    for (;;) {
+        if (quitting(m)) return -ECANCELED;
+        double left = deadline - clock_now_s();
+        if (left <= 0) return -ETIMEDOUT;
+        struct pollfd p = {fd, ev, 0};
+        int r = poll(&p, 1, left > 0.2 ? 200 : (int)(left * 1000) + 1);
+        if (r > 0) {
+            if (p.revents & (POLLERR | POLLNVAL)) return -ECONNRESET;
+            return 0;
+        }
+        if (r < 0 && errno != EINTR) return -errno;
+    }
+}
+
+static int send_all(elastic_mem *m, int fd, const void *buf, size_t n)
+{
+    const char *p = buf;
+    while (n) {
+        ssize_t w = send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w > 0) {
+            p += w;
+            n -= (size_t)w;
+            continue;
+        }
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0 && errno != EAGAIN) return errno == EPIPE ? -EPIPE : -ECONNRESET;
+        int rc = wait_io(m, fd, POLLOUT, 0);
+        if (rc < 0) return rc;
+    }
+    return 0;
+}
+
+/* Read exactly n bytes; -ECONNRESET at an early end of the stream. */
+static int recv_all(elastic_mem *m, int fd, void *buf, size_t n)
+{
+    char *p = buf;
+    while (n) {
+        ssize_t r = recv(fd, p, n, MSG_DONTWAIT);
+        if (r > 0) {
+            p += r;
+            n -= (size_t)r;
+            continue;
+        }
+        if (r == 0) return -ECONNRESET;
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN) return errno == EFAULT ? -EFAULT : -ECONNRESET;
+        int rc = wait_io(m, fd, POLLIN, 0);
+        if (rc < 0) return rc;
+    }
+    return 0;
+}
+
+static void put32(unsigned char *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static void put64(unsigned char *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static uint32_t get32(const unsigned char *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static uint64_t get64(const unsigned char *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
+    return v;
+}
+
+/* Equal lengths and bytes, in time that depends on neither (both at most TOKEN_MAX). */
+static int token_equal(const unsigned char *a, size_t alen, const unsigned char *b, size_t blen)
+{
+    volatile unsigned char diff = (unsigned char)(alen != blen);
+    for (size_t i = 0; i < TOKEN_MAX; i++) {
+        unsigned char x = i < alen ? a[i] : 0, y = i < blen ? b[i] : 0;
+        diff |= (unsigned char)(x ^ y);
+    }
+    return diff == 0;
+}
+
+/* "host:port" or "[v6]:port" -> a connected socket, within CONNECT_TIMEOUT_S. */
+static int connect_peer(elastic_mem *m, const char *hostport)
+{
+    char host[80];
+    const char *colon = strrchr(hostport, ':');
+    if (!colon || colon == hostport) return -EINVAL;
+    size_t hl = (size_t)(colon - hostport);
+    const char *h = hostport;
+    if (h[0] == '[' && hl >= 2 && h[hl - 1] == ']') {
+        h++;
+        hl -= 2;
+    }
+    if (hl >= sizeof host) return -EINVAL;
+    memcpy(host, h, hl);
+    host[hl] = '\0';
+    struct addrinfo hints = {0}, *res = NULL;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
+    if (getaddrinfo(host, colon + 1, &hints, &res) != 0 || !res) return -EINVAL;
+    int fd = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    int rc = fd < 0 ? -errno : 0;
+    if (rc == 0 && connect(fd, res->ai_addr, res->ai_addrlen) != 0) {
+        rc = errno == EINPROGRESS ? 0 : -errno;
+        if (rc == 0 && (rc = wait_io(m, fd, POLLOUT, CONNECT_TIMEOUT_S)) == 0) {
+            int e = 0;
+            socklen_t el = sizeof e;
+            if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &el) != 0) e = errno;
+            rc = -e;
+        }
+    }
+    freeaddrinfo(res);
+    if (rc < 0) {
+        if (fd >= 0) close(fd);
+        return rc;
+    }
+    return fd;
+}
+
+/* ------------------------------------------------------------------ sender */
+
+typedef struct round_view {
+    int gen, node_rank, nnodes;
+    char peer[96];
+    unsigned serial;
+} round_view;
+
+static const char *answer_text(int a)
+{
+    switch (a) {
+    case ANS_DENIED: return "refused our job token";
+    case ANS_BAD: return "refused the frame (another version?)";
+    case ANS_LOCAL: return "cannot keep it (no space or an I/O error there)";
+    default: return "answered an unknown code";
+    }
+}
+
+/* Send slot `slot` of seg (info: its complete header) to the peer. 0 sent and committed,
+ * -EAGAIN torn (try later), -ECONNREFUSED & co: the peer is unreachable (*answer -1) or
+ * answered a refusal (*answer > 0). */
+static int send_slot(elastic_mem *m, const round_view *rv, int local, shmseg *seg, int slot,
+                     const shmseg_info *info, int *answer, unsigned char *buf)
+{
+    *answer = -1;
+    int fd = connect_peer(m, rv->peer);
+    if (fd < 0) return fd;
+    pthread_mutex_lock(&m->mu);
+    m->send_fd = fd;
+    pthread_mutex_unlock(&m->mu);
+    unsigned char hdr[12 + TOKEN_MAX + 40];
+    size_t k = 0;
+    memcpy(hdr, "CKMR", 4);
+    put32(hdr + 4, 1);
+    put32(hdr + 8, (uint32_t)m->token_len);
+    k = 12;
+    if (m->token_len) memcpy(hdr + k, m->token, m->token_len);
+    k += m->token_len;
+    put32(hdr + k, (uint32_t)rv->node_rank);
+    put32(hdr + k + 4, (uint32_t)local);
+    put64(hdr + k + 8, shmseg_slot_bytes(seg));
+    put64(hdr + k + 16, info->payload_bytes);
+    put64(hdr + k + 24, info->step);
+    put64(hdr + k + 32, info->seq);
+    k += 40;
+    unsigned char a = 0;
+    int rc = send_all(m, fd, hdr, k);
+    explicit_bzero(hdr, sizeof hdr);
+    if (rc == 0) rc = recv_all(m, fd, &a, 1);
+    if (rc == 0 && a != ANS_OK) {
+        *answer = a;
+        rc = -EACCES;
+    }
+    double next = clock_now_s();
+    uint64_t seq = info->seq;
+    for (uint64_t off = 0; rc == 0 && off < info->payload_bytes;) {
+        size_t len = info->payload_bytes - off < CHUNK ? (size_t)(info->payload_bytes - off) : CHUNK;
+        /* token bucket of one CHUNK: a piece goes when its bytes are earned at m->rate */
+        for (double now = clock_now_s(); now < next && rc == 0; now = clock_now_s()) {
+            double s = next - now > 0.1 ? 0.1 : next - now;
+            struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+            nanosleep(&ts, NULL);
+            if (quitting(m)) rc = -ECANCELED;
+        }
+        if (rc < 0) break;
+        if ((rc = shmseg_copy_out(seg, slot, buf, off, len, &seq)) < 0) {
+            rc = -EAGAIN; /* torn (or no longer complete): close early, nothing commits */
+            break;
+        }
+        if ((rc = send_all(m, fd, buf, len)) < 0) break;
+        off += len;
+        double now = clock_now_s();
+        next = (next > now ? next : now) + (double)len / m->rate;
+    }
+    if (rc == 0) rc = recv_all(m, fd, &a, 1);
+    if (rc == 0 && a != ANS_OK) {
+        *answer = a;
+        rc = -EIO;
+    }
+    pthread_mutex_lock(&m->mu);
+    m->send_fd = -1;
+    pthread_mutex_unlock(&m->mu);
+    close(fd);
+    if (rc == -EAGAIN) return rc;
+    if (rc < 0 && *answer < 0 && rc != -ECANCELED) rc = rc == -ETIMEDOUT ? rc : -ECONNRESET;
+    return rc;
+}
+
+/* One look at local slot L's own segment: send its newest complete slot when the current
+ * peer does not have it. */
+static void poll_one(elastic_mem *m, const round_view *rv, int L, unsigned char *buf)
+{
+    char path[sizeof m->path + 24];
+    snprintf(path, sizeof path, "%s.own-%d", m->path, L);
+    shmseg *seg = NULL;
+    if (shmseg_open(path, 0, &seg) < 0) return; /* none yet, or being rebuilt */
+    int slot;
+    shmseg_info info;
+    if (shmseg_newest(seg, &slot) < 0 || shmseg_slot_info(seg, slot, &info) < 0 ||
+        info.state != SHMSEG_COMPLETE ||
+        (m->sent_serial[L] == rv->serial && m->sent_seq[L] == info.seq)) {
+        shmseg_close(seg);
+        return;
+    }
+    int answer;
+    double t0 = clock_now_s();
+    int rc = send_slot(m, rv, L, seg, slot, &info, &answer, buf);
+    shmseg_close(seg);
+    int dst = (rv->node_rank + 1) % rv->nnodes;
+    if (rc == 0) {
+        m->sent_seq[L] = info.seq;
+        m->sent_serial[L] = rv->serial;
+        m->torn[L] = 0;
+        if (m->metrics) elastic_metrics_mem_replica(m->metrics, info.payload_bytes, info.step);
+        log_msg(m->logged_serial == rv->serial + 1 ? LOG_DEBUG : LOG_INFO, MEM_TAG,
+                "memory tier: replica of local slot %d (step %" PRIu64 ", %" PRIu64 " bytes) sent "
+                "to node %d in %.3f s", L, info.step, info.payload_bytes, dst, clock_now_s() - t0);
+        m->logged_serial = rv->serial + 1;
+        if (m->warned_serial == rv->serial + 1) {
+            LOG_I(MEM_TAG, "memory tier: peer node %d at %s reachable again", dst, rv->peer);
+            m->warned_serial = 0;
+        }
+        return;
+    }
+    if (rc == -ECANCELED) return;
+    if (rc == -EAGAIN) {
+        if (++m->torn[L] == TORN_WARN)
+            LOG_W(MEM_TAG, "memory tier: local slot %d changed during each of the last %d "
+                  "transfers to node %d: the replica cannot keep up (raise --mem-replica-mbps or "
+                  "snapshot to memory less often)", L, TORN_WARN, dst);
+        return;
+    }
+    if (m->warned_serial == rv->serial + 1) return; /* once per round */
+    m->warned_serial = rv->serial + 1;
+    if (answer > 0)
+        LOG_W(MEM_TAG, "memory tier: peer node %d at %s %s; no replica this round", dst, rv->peer,
+              answer_text(answer));
+    else
+        LOG_W(MEM_TAG, "memory tier: peer node %d at %s is unreachable (%s); retrying quietly "
+              "this round", dst, rv->peer, strerror(-rc));
+}
+
+static void *sender_main(void *arg)
+{
+    elastic_mem *m = arg;
+    unsigned char *buf = malloc(CHUNK);
+    if (!buf) {
+        LOG_E(MEM_TAG, "memory tier: out of memory for the replica sender: no replica");
+        return NULL;
+    }
+    while (!quitting(m)) {
+        round_view rv;
+        pthread_mutex_lock(&m->mu);
+        rv.gen = m->gen;
+        rv.node_rank = m->node_rank;
+        rv.nnodes = m->nnodes;
+        memcpy(rv.peer, m->peer, sizeof rv.peer);
+        rv.serial = m->serial;
+        pthread_mutex_unlock(&m->mu);
+        if (rv.peer[0] && rv.nnodes > 1)
+            for (int L = 0; L < m->nproc && !quitting(m); L++) poll_one(m, &rv, L, buf);
+        struct timespec ts = {0, (long)(POLL_S * 1e9)};
+        nanosleep(&ts, NULL);
+    }
+    free(buf);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ server */
+
+static void refused(elastic_mem *m, const char *from, const char *why)
+{
+    double now = clock_now_s();
+    if (m->refused_logged > 0 && now - m->refused_logged < 10.0) return; /* a flood: 1 per 10 s */
+    m->refused_logged = now;
+    LOG_W(MEM_TAG, "memory tier: refused a replica connection from %s: %s", from, why);
+}
+
+/* Does dir have room for a segment of slot_bytes at path (an existing file's size counts)? */
+static int room_for(const elastic_mem *m, const char *path, uint64_t slot_bytes)
+{
+    struct statvfs sv;
+    if (statvfs(m->dir, &sv) != 0) return 1; /* cannot tell: let the create say */
+    uint64_t need = shmseg_file_bytes(slot_bytes), have = (uint64_t)sv.f_bavail * sv.f_frsize;
+    struct stat st;
+    if (stat(path, &st) == 0 && (uint64_t)st.st_size == need) return 1; /* reused in place */
+    return need != 0 && need <= have;
+}
+
+static void serve_conn(elastic_mem *m, int fd, const char *from)
+{
+    unsigned char h[12], tok[TOKEN_MAX], f[40];
+    unsigned char ans = ANS_BAD;
+    shmseg *seg = NULL;
+    if (recv_all(m, fd, h, sizeof h) < 0) return;
+    uint32_t tl = get32(h + 8);
+    if (memcmp(h, "CKMR", 4) != 0 || get32(h + 4) != 1 || tl > TOKEN_MAX) {
+        refused(m, from, "not a replica frame of version 1");
+        goto answer;
+    }
+    if (recv_all(m, fd, tok, tl) < 0 || recv_all(m, fd, f, sizeof f) < 0) goto out;
+    int ok = token_equal(tok, tl, (const unsigned char *)(m->token ? m->token : ""),
+                         m->token_len);
+    explicit_bzero(tok, sizeof tok);
+    if (!ok) {
+        ans = ANS_DENIED;
+        refused(m, from, "wrong job token");
+        goto answer;
+    }
+    uint32_t src = get32(f), L = get32(f + 4);
+    uint64_t slot_bytes = get64(f + 8), payload = get64(f + 16), step = get64(f + 24);
+    if (src >= 4096 || L >= 4096 || slot_bytes == 0 || slot_bytes % SHMSEG_PAGE ||
+        slot_bytes > MAX_SLOT_BYTES || payload > slot_bytes) {
+        refused(m, from, "fields out of range");
+        goto answer;
+    }
+    char path[sizeof m->path + 32];
+    snprintf(path, sizeof path, "%s.rep-%u-%u", m->path, src, L);
+    ans = ANS_LOCAL;
+    int rc, slot;
+    if (!room_for(m, path, slot_bytes)) {
+        refused(m, from, "no room in the segment folder for the replica");
+        goto answer;
+    }
+    if ((rc = shmseg_create(path, slot_bytes, &seg)) < 0 ||
+        (rc = shmseg_begin(seg, -1, &slot)) < 0) {
+        LOG_W(MEM_TAG, "memory tier: cannot keep the replica of node %u slot %u in %s: %s", src, L,
+              path, strerror(-rc));
+        goto answer;
+    }
+    ans = ANS_OK;
+    if (send_all(m, fd, &ans, 1) < 0) goto out;
+    double t0 = clock_now_s();
+    /* straight into the slot: recv() of a page the tmpfs cannot back fails with EFAULT */
+    if ((rc = recv_all(m, fd, shmseg_payload(seg, slot), (size_t)payload)) < 0) {
+        if (rc == -EFAULT)
+            LOG_W(MEM_TAG, "memory tier: the segment folder is full: replica of node %u slot %u "
+                  "dropped", src, L);
+        else
+            LOG_D(MEM_TAG, "memory tier: replica of node %u slot %u from %s abandoned (%s)", src, L,
+                  from, strerror(-rc));
+        goto out; /* the slot stays writing: never used; the other keeps the previous one */
+    }
+    ans = ANS_LOCAL;
+    if ((rc = shmseg_commit(seg, slot, payload, step)) == 0) ans = ANS_OK;
+    unsigned key = src * 4096u + L + 1;
+    int first = 1;
+    for (size_t i = 0; i < SEEN_MAX; i++)
+        if (m->seen[i] == key) first = 0;
+    for (size_t i = 0; first && i < SEEN_MAX; i++)
+        if (m->seen[i] == 0) {
+            m->seen[i] = key;
+            break;
+        }
+    log_msg(first ? LOG_INFO : LOG_DEBUG, MEM_TAG, "memory tier: replica of node %u local slot %u "
+            "(step %" PRIu64 ", %" PRIu64 " bytes) received in %.3f s into %s", src, L, step,
+            payload, clock_now_s() - t0, path);
+answer:
+    send_all(m, fd, &ans, 1);
+out:
+    shmseg_close(seg);
+}
+
+static void *server_main(void *arg)
+{
+    elastic_mem *m = arg;
+    while (!quitting(m)) {
+        struct pollfd p = {m->listen_fd, POLLIN, 0};
+        if (poll(&p, 1, 200) <= 0) continue;
+        struct sockaddr_storage ss;
+        socklen_t sl = sizeof ss;
+        int fd = accept4(m->listen_fd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) continue;
+        char host[NI_MAXHOST] = "?", port[NI_MAXSERV] = "?", from[NI_MAXHOST + NI_MAXSERV + 4];
+        getnameinfo((struct sockaddr *)&ss, sl, host, sizeof host, port, sizeof port,
+                    NI_NUMERICHOST | NI_NUMERICSERV);
+        snprintf(from, sizeof from, "%s:%s", host, port);
+        serve_conn(m, fd, from);
+        close(fd);
+    }
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ replica start/stop */
+
+int elastic_mem_replica_start(elastic_mem *m, const char *bind_host, const char *token,
+                              int mbps, elastic_metrics *metrics, char *addr, size_t addr_len)
+{
+    struct addrinfo hints = {0}, *res = NULL;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICHOST | AI_PASSIVE;
+    int rc = 0, fd = -1;
+    if (getaddrinfo(bind_host, "0", &hints, &res) != 0 || !res) {
+        rc = -EINVAL;
+        goto fail;
+    }
+    fd = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0 || bind(fd, res->ai_addr, res->ai_addrlen) != 0 || listen(fd, 16) != 0) {
+        rc = -errno;
+        goto fail;
+    }
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    char port[NI_MAXSERV];
+    if (getsockname(fd, (struct sockaddr *)&ss, &sl) != 0 ||
+        getnameinfo((struct sockaddr *)&ss, sl, NULL, 0, port, sizeof port, NI_NUMERICSERV) != 0) {
+        rc = -EIO;
+        goto fail;
+    }
+    snprintf(addr, addr_len, strchr(bind_host, ':') ? "[%s]:%s" : "%s:%s", bind_host, port);
+    m->token = token && *token ? strdup(token) : NULL;
+    m->token_len = m->token ? strlen(m->token) : 0;
+    if (m->token_len > TOKEN_MAX) m->token_len = TOKEN_MAX;
+    m->rate = (double)mbps * 1e6;
+    m->metrics = metrics;
+    m->listen_fd = fd;
+    m->sent_seq = calloc((size_t)m->nproc, sizeof *m->sent_seq);
+    m->sent_serial = calloc((size_t)m->nproc, sizeof *m->sent_serial);
+    m->torn = calloc((size_t)m->nproc, sizeof *m->torn);
+    m->seen = calloc(SEEN_MAX, sizeof *m->seen);
+    if ((token && *token && !m->token) || !m->sent_seq || !m->sent_serial || !m->torn ||
+        !m->seen) {
+        rc = -ENOMEM;
+        goto fail;
+    }
+    if ((rc = common_thread_start(&m->srv_th, server_main, m)) < 0) goto fail;
+    m->srv_started = 1;
+    if ((rc = common_thread_start(&m->snd_th, sender_main, m)) < 0) goto fail;
+    m->snd_started = 1;
+    m->replica = 1;
+    freeaddrinfo(res);
+    LOG_I(MEM_TAG, "memory tier: replica server on %s, sending to the next node at most %d MB/s",
+          addr, mbps);
+    return 0;
+fail:
+    LOG_W(MEM_TAG, "memory tier: cannot start the peer replica on %s: %s; running without it",
+          bind_host, strerror(-rc));
+    if (res) freeaddrinfo(res);
+    if (m->srv_started || m->snd_started) {
+        m->listen_fd = fd;
+        replica_stop(m);
+    } else if (fd >= 0) {
+        close(fd);
+    }
+    m->listen_fd = -1;
+    return rc;
+}
+
+void elastic_mem_round(elastic_mem *m, int gen, int node_rank, int nnodes, const char *peer)
+{
+    if (!m || !m->replica) return;
+    pthread_mutex_lock(&m->mu);
+    m->gen = gen;
+    m->node_rank = node_rank;
+    m->nnodes = nnodes;
+    snprintf(m->peer, sizeof m->peer, "%s", peer ? peer : "");
+    m->serial++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+static void replica_stop(elastic_mem *m)
+{
+    pthread_mutex_lock(&m->mu);
+    m->quit = 1;
+    if (m->send_fd >= 0) shutdown(m->send_fd, SHUT_RDWR);
+    pthread_mutex_unlock(&m->mu);
+    if (m->snd_started) pthread_join(m->snd_th, NULL);
+    if (m->srv_started) pthread_join(m->srv_th, NULL);
+    m->snd_started = m->srv_started = 0;
+    m->replica = 0;
+    if (m->listen_fd >= 0) close(m->listen_fd);
+    m->listen_fd = -1;
+    if (m->token) explicit_bzero(m->token, strlen(m->token));
+}
