@@ -45,6 +45,7 @@ void ckpt_snapshot_close(ckpt_snapshot *s)
         if (s->copy_fds[i] >= 0) close(s->copy_fds[i]);
     free(s->copy_fds);
     if (s->own_os) objstore_close(s->os);
+    if (s->src_close) s->src_close(s->src_ctx);
     free(s);
 }
 
@@ -576,8 +577,14 @@ static int load_chunk(const ckpt_snapshot *s, rctx *c, const buffer *b, const ch
     const file *f = &s->files[k->file];
     char p[CKPT_PATH_MAX];
     int rc;
-    if (ckpt_path_join(p, sizeof p, s->path, f->name) < 0) return -ENAMETOOLONG;
+    if (s->src_read) snprintf(p, sizeof p, "%s", f->name); /* names its place itself */
+    else if (ckpt_path_join(p, sizeof p, s->path, f->name) < 0) return -ENAMETOOLONG;
     uint8_t *stored = (!k->codec_zstd && k->filter == CKPT_FILTER_NONE) ? out : c->stored;
+    if (s->src_read) {
+        rc = s->src_read(s->src_ctx, k->file, k->file_offset, k->stored_bytes, stored, bad, bad_len);
+        if (rc < 0) return rc;
+        goto check;
+    }
     if (s->os) {
         rc = ckpt_s3_read_stored(s, k->file, k->file_offset, k->stored_bytes, stored, bad, bad_len);
         if (rc < 0) return rc;

@@ -1,6 +1,7 @@
 /* The S3 tier of snapshots (ckpt_s3.h): open and read a snapshot from objects, list, remote
  * retention, a verified local copy. The uploader is in ckpt_upload.c. */
 #include "ckpt_s3.h"
+#include "ckpt_mem.h"
 #include "ckpt_internal.h"
 #include "ckpt_snap.h"
 #include "log.h"
@@ -184,6 +185,14 @@ int ckpt_snapshot_open_any(ckpt_snapshot **out, const char *path, const objstore
 {
     if (!out || !path) return -EINVAL;
     *out = NULL;
+    if (ckpt_mem_is_id(path)) {
+        const char *prefix = getenv(CKPT_MEM_PATH_ENV);
+        if (!prefix || !*prefix) {
+            log_why(why, why_len, "%s: no memory tier here (%s is not set)", path, CKPT_MEM_PATH_ENV);
+            return -ENOENT;
+        }
+        return ckpt_mem_snapshot_open(out, prefix, path, why, why_len);
+    }
     if (!ckpt_is_s3_url(path)) return ckpt_snapshot_open(out, path, why, why_len);
     char url[CKPT_PATH_MAX];
     snprintf(url, sizeof url, "%s", path);

@@ -51,10 +51,14 @@ int ckpt_is_s3_url(const char *path);
 int ckpt_snapshot_open_s3(ckpt_snapshot **out, objstore *os, uint64_t step, char *why,
                           size_t why_len);
 
-/* Open a snapshot named by a local path or by "s3://bucket[/prefix]/step-%09llu": for a URL
+/* Open a snapshot named by a local path, by "s3://bucket[/prefix]/step-%09llu", or by a
+ * memory snapshot id "mem:<run_id>/<tag>/<step>/<world_size>" (ckpt_mem.h): for a URL
  * an objstore is opened from the environment with sopts (NULL = defaults; its url is
- * ignored) and owned by the handle. Errors: those of ckpt_snapshot_open / _open_s3 /
- * objstore_open; -EINVAL for a URL whose last component is not a step folder name. */
+ * ignored) and owned by the handle; a "mem:" id is opened with ckpt_mem_snapshot_open under
+ * the path prefix in the environment variable CKPT_MEM_PATH (sopts unused).
+ * Errors: those of ckpt_snapshot_open / _open_s3 / objstore_open / ckpt_mem_snapshot_open;
+ * -EINVAL for a URL whose last component is not a step folder name; -ENOENT for a "mem:" id
+ * when CKPT_MEM_PATH is unset or empty (no memory tier in this process). */
 int ckpt_snapshot_open_any(ckpt_snapshot **out, const char *path, const objstore_opts *sopts,
                            char *why, size_t why_len);
 

@@ -65,7 +65,23 @@ struct ckpt_snapshot {
     size_t text_len;
     int *copy_fds;        /* (nfiles) S3: where verified stored chunks are also written
                              (ckpt_s3_copy_begin), -1 none; NULL when not copying */
+    /* A source of stored bytes other than local files and S3 (the memory tier,
+     * ckpt_mem.c); NULL src_read = none. When set, the reading threads call
+     * src_read(src_ctx, file, off, len, dst, bad, bad_len) instead of io_uring to get len
+     * stored bytes of "data file" `file` at offset off; it returns 0, or a negative errno
+     * with a one-line reason in bad (which names the place), and must be safe to call from
+     * several reading threads at once. The checksums are checked by the reader as for files;
+     * messages name files[i].name as it is (the source sets it to something a human can
+     * find, e.g. a segment path and slot). src_close(src_ctx) runs in ckpt_snapshot_close
+     * (may be NULL). src_kind tells the sources apart (CKPT_SRC_*). */
+    int (*src_read)(void *src_ctx, uint32_t file, uint64_t off, uint64_t len, uint8_t *dst,
+                    char *bad, size_t bad_len);
+    void (*src_close)(void *src_ctx);
+    void *src_ctx;
+    int src_kind;
 };
+
+enum { CKPT_SRC_FILES = 0, CKPT_SRC_MEM = 1 };
 
 
 
