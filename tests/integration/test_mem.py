@@ -161,9 +161,9 @@ class MemTest(TempDirTest):
               file=sys.stderr)
 
     def test_flipped_byte_in_newest_slot_is_detected(self):
-        """Stop the ranks, flip one payload byte of the newest complete slot of rank 0's
-        segment, kill rank 1: the restore finds it corrupt by checksum and uses an older memory
-        snapshot or a disk one; same digest."""
+        """Stop both ranks, flip one payload byte (in rank 0's params shard) of the newest
+        memory snapshot both segments hold, kill both: the flush and the restore find it
+        corrupt by checksum and use an older memory snapshot or a disk one; same digest."""
         ref = self.reference()
         a = self.agent(["--nproc-per-node", "2", "--max-restarts", "2"],
                        self.train_cmd(["--ckpt-every", "5", "--mem-snapshot-every", "1"]))
@@ -171,20 +171,22 @@ class MemTest(TempDirTest):
         pids = a.pids(0)
         for p in pids:
             os.kill(p, signal.SIGSTOP)
-        own0 = [os.path.join(self.mem, s) for s in self.segments() if s.endswith(".own-0")]
-        self.assertEqual(len(own0), 1, self.segments())
-        complete = [s for s in slots_of(own0[0]) if s[1] == 2]
-        self.assertTrue(complete, slots_of(own0[0]))
-        newest = max(complete, key=lambda s: s[2])
-        _, _, _, pbytes, bad_step, poff = newest
+        segs = {L: os.path.join(self.mem, s) for s in self.segments() for L in (0, 1)
+                if s.endswith(f".own-{L}")}
+        self.assertEqual(sorted(segs), [0, 1], self.segments())
+        complete = {L: {s[4]: s for s in slots_of(segs[L]) if s[1] == 2} for L in (0, 1)}
+        both = set(complete[0]) & set(complete[1])
+        self.assertTrue(both, complete)
+        bad_step = max(both)  # the newest memory snapshot complete on the node
+        _, _, _, pbytes, _, poff = complete[0][bad_step]
         self.assertGreater(pbytes, 3 * 4096)
-        with open(own0[0], "r+b") as f:
+        with open(segs[0], "r+b") as f:
             f.seek(poff + 4096 + 123)  # in the first buffer's shard, past the payload header
             b = f.read(1)
             f.seek(poff + 4096 + 123)
             f.write(bytes([b[0] ^ 0x5A]))
-        os.kill(pids[1], signal.SIGKILL)
-        os.kill(pids[0], signal.SIGCONT)
+        for p in reversed(pids):  # frozen: neither finishes a copy in progress
+            os.kill(p, signal.SIGKILL)
         self.assertEqual(a.wait(180), 0, a.err()[-4000:])
         err = a.err()
         self.assertRegex(err, rf"memory snapshot mem:\S+/{bad_step}/2 not restored: "
@@ -196,6 +198,10 @@ class MemTest(TempDirTest):
         self.assertLess(got, bad_step, err[-3000:])
         self.assertEqual(self.final(a), (30, ref))
         self.assertEqual(self.segments(), [])
+        # the flush did not write the corrupt step to disk either (unless the run saved it
+        # itself later, on its 5-step grid)
+        if bad_step % 5:
+            self.assertNotIn(bad_step, [s["step"] for s in self.listing()])
         print(f"\n  flipped a byte of step {bad_step}'s slot: restored step {got} from "
               f"{'memory' if m else 'disk'}", file=sys.stderr)
 
