@@ -9,9 +9,11 @@ private segment folder under /dev/shm:
   restore falls back to an older memory snapshot or to disk, digest still equal.
 - A kill during a memory copy (CKPT_FAULT_POINT=mid-mem-copy@S on one rank of the first
   round only): the half-written slot is never used, the other slot (step S-1) is.
+- Node loss (two agents on loopback, one killed with its worker): the survivor restores the
+  lost node's shard from the peer replica, re-sharded to W=1, same digest.
 - An explicit --mem-budget too small: exit 2 with one line naming the need and the budget,
   not retried; a bad --mem-budget value is a usage error; without CKPT_MEM_PATH there is no
-  tier (one info line).
+  tier (one info line); the flush mode's exit statuses.
 
 Synchronisation is by log lines, never by sleeping.
 """
@@ -239,6 +241,60 @@ class MemTest(TempDirTest):
         self.assertGreaterEqual(resumed, killed_at - 4)
         self.assertEqual(self.final(a), (30, ref))
 
+    def test_node_loss_restores_from_the_peer_replica(self):
+        """Two agents on loopback (--nnodes 1:2, one rank each, their own segment folders);
+        SIGKILL of agent B and its worker: A goes on alone (W=1) and restores B's shard from the
+        replica B sent it (memory (replica), saved by 2 ranks, re-sharded); the digest is the
+        uninterrupted run's (24 sequences per step: W=2 and W=1 give the same bits)."""
+        ref = self.reference()
+        mem_b = tempfile.mkdtemp(prefix="ckpttest-", dir="/dev/shm")
+        self.addCleanup(shutil.rmtree, mem_b, True)
+        port = harness.free_port()
+
+        def node(mem, name):
+            args = ["--mem-dir", mem, "--nnodes", "1:2", "--nproc-per-node", "1",
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "memjob",
+                    "--heartbeat-timeout", "2", "--last-call", "3", "--stop-grace", "3"]
+            # memory snapshots every 4 steps: the replica (polled every 100 ms) keeps up
+            x = Agent(self.tmp, args, self.train_cmd(["--ckpt-every", "25",
+                                                      "--mem-snapshot-every", "4"]), name=name)
+            self.agents.append(x)
+            return x
+
+        a = node(self.mem, "A")
+        a.wait_for(r"hosting the rendezvous store")
+        b = node(mem_b, "B")
+        for x in (a, b):
+            x.wait_for(r"round 0: node \d of 2", timeout=60)
+        deadline = time.time() + 120
+        rep = []
+        while time.time() < deadline:
+            rep = [os.path.join(self.mem, s) for s in self.segments() if ".rep-" in s]
+            steps = [sl[4] for sl in slots_of(rep[0]) if sl[1] == 2] if rep else []
+            if steps and max(steps) >= 8:
+                break
+            time.sleep(0.05)
+        self.assertTrue(rep, f"no replica in A's folder: {self.segments()}\n{a.err()[-2000:]}")
+        wpid = b.pids(0)
+        b.p.kill()  # the node: its agent and its worker
+        b.p.wait()
+        for p in wpid:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        self.assertEqual(a.wait(180), 0, a.err()[-4000:])
+        err = a.err()
+        m = RESUMED_MEM_RE.search(err)
+        self.assertIsNotNone(m, err[-4000:])
+        self.assertEqual(m.group(1), "replica", m.group(0))
+        self.assertRegex(m.group(0), r"saved by 2 ranks")
+        self.assertRegex(err, r"re-sharding: the snapshot was saved by 2 ranks, this run has 1")
+        self.assertEqual(self.final(a), (30, ref))
+        self.assertEqual(self.segments(), [])
+        print(f"\n  node lost: restored step {m.group(2)} from the peer replica in {m.group(3)} ms",
+              file=sys.stderr)
+
     def test_explicit_budget_too_small(self):
         """--mem-budget 64K cannot hold two slots of the state: exit 2 before the first step,
         one line per node naming the need and the budget, not retried; nothing left."""
@@ -269,6 +325,25 @@ class MemTest(TempDirTest):
         self.assertEqual(p.stderr.count("no memory tier: CKPT_MEM_PATH is not set"), 1, p.stderr)
         self.assertIsNotNone(harness.FINAL_RE.search(p.stdout))
 
+
+    def test_flush_mode_exit_statuses(self):
+        """CKPT_MEM_FLUSH=1 (what the agent runs): one line and 2 without CKPT_MEM_PATH, 0 when
+        there is nothing to flush, 1 when the flush fails (a --ckpt-dir that is a file)."""
+        base = [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS
+        f = {"CKPT_MEM_FLUSH": "1"}
+        p = harness.run(base + ["--ckpt-dir", self.ckpt], extra_env=dict(f, CKPT_MEM_PATH=""))
+        self.assertEqual((p.returncode, len(p.stderr.strip().splitlines())), (2, 1), p.stderr)
+        self.assertIn("CKPT_MEM_PATH is not set", p.stderr)
+        mp = os.path.join(self.mem, "p")
+        p = harness.run(base + ["--ckpt-dir", self.ckpt], extra_env=dict(f, CKPT_MEM_PATH=mp))
+        self.assertEqual((p.returncode, len(p.stderr.strip().splitlines())), (0, 1), p.stderr)
+        self.assertIn("nothing to do", p.stderr)
+        self.assertEqual(harness.snapshot_dirs(self.ckpt), [])
+        file = os.path.join(self.tmp, "file")
+        open(file, "w").close()
+        p = harness.run(base + ["--ckpt-dir", file], extra_env=dict(f, CKPT_MEM_PATH=mp))
+        self.assertEqual((p.returncode, len(p.stderr.strip().splitlines())), (1, 1), p.stderr)
+        self.assertRegex(p.stderr, r"flush of \S+ into \S+ failed: .*Not a directory")
 
 if __name__ == "__main__":
     harness.main()
