@@ -411,7 +411,8 @@ int ckpt_snapshot_set_threads(ckpt_snapshot *s, unsigned threads);
  * order is reported. On -EBADMSG, *bad (if not NULL) receives a one-line description
  * naming the file and chunk (at most bad_len bytes).
  * Errors: -ENOENT (no such buffer), -EINVAL (range outside the buffer), -EBADMSG (checksum
- * mismatch, undecodable frame, short file), -EIO, -ENOMEM. */
+ * mismatch, undecodable frame, short file), -EIO, -ENOMEM; for a memory handle
+ * (ckpt_mem_snapshot_open) also -ESTALE (a slot was rewritten since the open). */
 int ckpt_snapshot_read(ckpt_snapshot *s, const char *name, uint64_t offset, uint64_t len,
                        void *dst, char *bad, size_t bad_len);
 
@@ -422,7 +423,7 @@ typedef int (*ckpt_progress_fn)(void *ctx, uint64_t done_bytes, uint64_t total_b
 
 /* Read and check every chunk of every shard, on the snapshot's reading threads. On -EBADMSG
  * *bad names the first bad file and chunk. progress may be NULL.
- * Errors: -EBADMSG, -ECANCELED, -EIO, -ENOMEM. */
+ * Errors: -EBADMSG, -ECANCELED, -EIO, -ENOMEM; -ESTALE as for ckpt_snapshot_read. */
 int ckpt_snapshot_verify(ckpt_snapshot *s, char *bad, size_t bad_len, ckpt_progress_fn progress,
                          void *ctx);
 

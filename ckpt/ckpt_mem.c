@@ -536,7 +536,7 @@ int ckpt_mem_list(const char *path_prefix, ckpt_mem_entry **out, size_t *n)
     scan sc;
     int rc = scan_run(path_prefix, &sc);
     if (rc < 0) return rc;
-    qsort(sc.recs, sc.nrecs, sizeof *sc.recs, cmp_rec);
+    if (sc.nrecs) qsort(sc.recs, sc.nrecs, sizeof *sc.recs, cmp_rec);
     ckpt_mem_entry *v = calloc(sc.nrecs + sc.nbad + 1, sizeof *v);
     if (!v) {
         scan_free(&sc);
@@ -576,7 +576,7 @@ int ckpt_mem_list(const char *path_prefix, ckpt_mem_entry **out, size_t *n)
         e->source = e->ranks_replica ? CKPT_MEM_SRC_REPLICA : CKPT_MEM_SRC_OWN;
         i = j;
     }
-    memcpy(v + cnt, sc.bad, sc.nbad * sizeof *v);
+    for (size_t i = 0; i < sc.nbad; i++) v[cnt + i] = sc.bad[i];
     cnt += sc.nbad;
     scan_free(&sc);
     qsort(v, cnt, sizeof *v, cmp_entry);
@@ -676,12 +676,13 @@ static int parse_id(const char *id, char *run_id, char *tag, uint64_t *step, uin
     memcpy(tag, s1 + 1, (size_t)(s2 - s1 - 1));
     tag[s2 - s1 - 1] = '\0';
     const char *s3 = strchr(s2 + 1, '/');
-    if (!s3 || s3 == s2 + 1 || s3 - s2 - 1 > 19) return -EINVAL;
+    if (!s3 || s3 == s2 + 1 || s3 - s2 - 1 > 20) return -EINVAL;
     uint64_t st = 0;
     for (const char *c = s2 + 1; c < s3; c++) {
         if (*c < '0' || *c > '9') return -EINVAL;
-        if (st > (UINT64_MAX - 9) / 10) return -EINVAL;
-        st = st * 10 + (uint64_t)(*c - '0');
+        uint64_t d = (uint64_t)(*c - '0');
+        if (st > UINT64_MAX / 10 || st * 10 > UINT64_MAX - d) return -EINVAL;
+        st = st * 10 + d;
     }
     if (parse_u32(s3 + 1, strlen(s3 + 1), world) < 0 || *world < 1 || *world > CKPT_MAX_WORLD_SIZE)
         return -EINVAL;
@@ -862,7 +863,7 @@ int ckpt_mem_snapshot_open(ckpt_snapshot **out, const char *path_prefix, const c
         goto out;
     }
     m->world = W;
-    qsort(sc.recs, sc.nrecs, sizeof *sc.recs, cmp_rec); /* own before replica per rank */
+    if (sc.nrecs) qsort(sc.recs, sc.nrecs, sizeof *sc.recs, cmp_rec); /* own before replica per rank */
     for (size_t i = 0; i < sc.nrecs; i++) {
         slot_rec *r = &sc.recs[i];
         if (r->h.step == step && r->h.world == W && !strcmp(r->h.run_id, run_id) && !strcmp(r->h.tag, tag) &&

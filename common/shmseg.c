@@ -197,7 +197,10 @@ int shmseg_create(const char *path, uint64_t slot_bytes, shmseg **out)
         fd = nfd;
     }
 
-    base = mmap(NULL, want, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    /* MAP_POPULATE: the writer's page tables are filled here, once, and not by faults during
+     * the first copy into each slot (measured: the first write of a 256 MiB slot ran at a
+     * quarter of the speed of later ones) */
+    base = mmap(NULL, want, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     if (base == MAP_FAILED) {
         rc = -errno;
         goto out;

@@ -80,6 +80,8 @@ uint64_t shmseg_file_bytes(uint64_t slot_bytes);
  *   "<path>.new-XXXXXX" (0600) and renamed over path; a valid old layout first gets both
  *   slots marked empty and its magic cleared, so a process that still maps the old file
  *   sees empty slots (never a SIGBUS, never stale bytes as complete).
+ * The mapping is populated (MAP_POPULATE): the call costs about what touching every page
+ * costs, so the first write into a slot runs as fast as later ones.
  * One process creates a given path at a time (the worker for its own segment).
  * slot_bytes: capacity of each slot in bytes, > 0 and a multiple of 4096.
  * *out gets the handle (close with shmseg_close); NULL on failure.
