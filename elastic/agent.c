@@ -72,6 +72,7 @@ typedef struct agent {
     int mem_peer_pending;       /* the peer's address is still to be looked up */
     elastic_round mem_round;    /* the round it is looked up for */
     double mem_peer_tried;      /* monotonic time of the last look-up */
+    int mem_dirty;              /* workers ran since the last flush (or success) */
 } agent;
 
 /* ------------------------------------------------------------------ checks and set-up */
@@ -357,6 +358,8 @@ static void mem_peer_lookup(agent *a)
 static void mem_flush(agent *a, const elastic_round *rd, const char *when, int preempt)
 {
     const elastic_agent_opts *o = a->o;
+    if (!a->mem_dirty) return; /* flushed already, or the workers succeeded */
+    a->mem_dirty = 0;
     if (!a->mem || !elastic_mem_has_own(a->mem)) return;
     double limit = 6 * o->stop_grace_s < 60 ? 60 : 6 * o->stop_grace_s;
     elastic_wg_spec spec = {a->path, a->argv, 1, rd->node_rank, rd->nnodes, rd->gen,
@@ -377,6 +380,9 @@ static void mem_flush(agent *a, const elastic_round *rd, const char *when, int p
         return;
     }
     int why_kill = 0; /* 1 timed out, 2 a signal */
+    int warned = 0;
+    /* elastic_wg_wait turns escalate 1 into 2 at the next SIGTERM/SIGINT: a preemption's flush
+     * is armed from the start, a failure's after its first signal */
     wg.escalate = preempt ? 1 : 0;
     while (elastic_wg_running(&wg)) {
         double left = t0 + limit - clock_now_s();
@@ -385,15 +391,16 @@ static void mem_flush(agent *a, const elastic_round *rd, const char *when, int p
             break;
         }
         elastic_wg_wait(&wg, NULL, 0, left < 0.1 ? left : 0.1);
-        if (wg.term_signal && !a->term_signal) {
-            a->term_signal = wg.term_signal;
-            LOG_W(EA_TAG, "flush: %s received: letting the flush finish, then exiting (a second "
-                  "signal kills it)", strsignal(wg.term_signal));
-            wg.escalate = 1;
-        }
         if (wg.escalate == 2) {
             why_kill = 2;
             break;
+        }
+        if (wg.term_signal && !warned) {
+            warned = 1;
+            if (!a->term_signal) a->term_signal = wg.term_signal;
+            LOG_W(EA_TAG, "flush: %s received: letting the flush finish, then exiting (a second "
+                  "signal kills it)", strsignal(wg.term_signal));
+            wg.escalate = 1;
         }
     }
     wg.escalate = 0;
@@ -414,6 +421,16 @@ static void mem_flush(agent *a, const elastic_round *rd, const char *when, int p
         LOG_E(EA_TAG, "flush failed: %s after %.3f s", how, took);
     if (wg.term_signal && !a->term_signal) a->term_signal = wg.term_signal;
     elastic_wg_free(&wg);
+}
+
+/* Leaving the job with status: a failure or a preemption first flushes what workers left in
+ * memory since the last flush (agent.h "Memory tier"). */
+static int leave(agent *a, const elastic_round *rd, int status)
+{
+    if (status == ELASTIC_EXIT_FAILED || status == ELASTIC_EXIT_PREEMPTED)
+        mem_flush(a, rd, status == ELASTIC_EXIT_PREEMPTED ? "on preemption" : "before exiting",
+                  status == ELASTIC_EXIT_PREEMPTED);
+    return status;
 }
 
 /* ------------------------------------------------------------------ one round */
@@ -529,15 +546,15 @@ static int run_job(agent *a)
             int rc = elastic_rdzv_join(a->rdzv, gen, &rd, interrupted, a);
             if (rc == -EINTR) {
                 LOG_W(EA_TAG, "preempted while waiting for a round: exiting");
-                return ELASTIC_EXIT_PREEMPTED;
+                return leave(a, &rd, ELASTIC_EXIT_PREEMPTED);
             }
-            if (rc == -ECANCELED) return end_exit(a);
+            if (rc == -ECANCELED) return leave(a, &rd, end_exit(a));
             if (rc == -ETIMEDOUT && !elastic_rdzv_lost(a->rdzv)) {
                 LOG_E(EA_TAG, "no round of %d..%d nodes could be formed within %g s "
                       "(--join-timeout)", o->min_nodes, o->max_nodes, o->join_timeout_s);
-                return ELASTIC_EXIT_FAILED;
+                return leave(a, &rd, ELASTIC_EXIT_FAILED);
             }
-            if (rc < 0) return lost_exit(a);
+            if (rc < 0) return leave(a, &rd, lost_exit(a));
             elastic_rdzv_watch(a->rdzv, &rd, 0);
             mem_round(a, &rd);
         }
@@ -558,6 +575,7 @@ static int run_job(agent *a)
                                   clock_now_s()) < 0)
             LOG_W(EA_TAG, "metrics: out of memory for the per-rank series of round %d", rd.gen);
         int rc = elastic_wg_start(&wg, &spec, a->sigfd, &a->out, &a->err, &exec_errno);
+        a->mem_dirty = 1;
         if (rc == -ENOEXEC) {
             snprintf(why, sizeof why, "cannot execute %s: %s", a->path, strerror(exec_errno));
             outcome = OUT_USAGE;
@@ -576,11 +594,12 @@ static int run_job(agent *a)
             elastic_metrics_interrupt(a->metrics, f && f->exited < t ? f->exited : t);
         }
         char kind = 0; /* multi: the kind of the round's stop in force */
-        int exit_now = -1, flushed = 0;
+        int exit_now = -1;
         switch (outcome) {
         case OUT_SUCCESS:
             elastic_wg_stop(&wg, SIGTERM, o->stop_grace_s, 0, "left over after success");
             elastic_wg_free(&wg);
+            a->mem_dirty = 0; /* the workers finished: nothing to flush */
             if (!a->multi) {
                 LOG_I(EA_TAG, "every worker exited 0");
                 return ELASTIC_EXIT_OK;
@@ -613,7 +632,6 @@ static int run_job(agent *a)
             elastic_wg_stop(&wg, SIGTERM, o->stop_grace_s, 0,
                             outcome == OUT_HANG ? "hang" : "a worker failed");
             mem_flush(a, &rd, outcome == OUT_HANG ? "after the hang" : "after the failure", 0);
-            flushed = 1;
             break;
         case OUT_USAGE:
             LOG_E(EA_TAG, "round %d: %s: a usage or configuration error, not restarting", rd.gen,
@@ -636,7 +654,6 @@ static int run_job(agent *a)
             elastic_wg_stop(&wg, SIGTERM, o->preempt_grace_s, 1, "preemption");
             warn_lost_snapshots(&wg);
             mem_flush(a, &rd, "on preemption", 1);
-            flushed = 1;
             exit_now = ELASTIC_EXIT_PREEMPTED;
             break;
         case OUT_REMOTE_STOP:
@@ -675,17 +692,18 @@ static int run_job(agent *a)
         if (exit_now < 0 && (wg.term_signal || a->term_signal)) {
             if (!a->term_signal) a->term_signal = wg.term_signal;
             LOG_W(EA_TAG, "preempted while stopping the workers: exiting");
-            if (!flushed) mem_flush(a, &rd, "on preemption", 1);
+            mem_flush(a, &rd, "on preemption", 1);
             if (a->multi)
                 elastic_rdzv_stop_round(a->rdzv, rd.gen, 'P', "a node was preempted", NULL, NULL,
                                         0);
             exit_now = ELASTIC_EXIT_PREEMPTED;
         }
         elastic_wg_free(&wg);
-        if (exit_now >= 0) return exit_now;
+        if (exit_now >= 0) return leave(a, &rd, exit_now);
         int counted = a->multi ? kind == 'F' : (outcome == OUT_FAIL || outcome == OUT_HANG);
         if (counted) {
             if (a->restarts >= o->max_restarts) {
+                mem_flush(a, &rd, "before giving up", 0);
                 snprintf(msg, sizeof msg, "restart budget exhausted: %d restart(s) used of "
                          "--max-restarts %d; last failure: %s", a->restarts, o->max_restarts,
                          why);
@@ -815,6 +833,7 @@ int elastic_agent_run(const elastic_agent_opts *o, char *const argv[])
           o->nproc_per_node, o->min_nodes, o->max_nodes, o->max_restarts, hang);
     status = run_job(&a);
 out:
+    elastic_mem_close(a.mem); /* every worker and the flush are gone by now */
     if (a.metrics) {
         double now = clock_now_s();
         elastic_metrics_end(a.metrics, now);
@@ -822,7 +841,6 @@ out:
     }
     elastic_sink_finish(&a.out);
     elastic_sink_finish(&a.err);
-    elastic_mem_close(a.mem); /* every worker and the flush are gone by now */
     elastic_rdzv_close(a.rdzv);
     elastic_store_server_stop(a.srv);
     explicit_bzero(a.token, sizeof a.token);

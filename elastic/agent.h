@@ -81,7 +81,11 @@
  *  - Workers get CKPT_MEM_PATH=<folder>/<prefix> (absolute). An inherited CKPT_MEM_PATH or
  *    CKPT_MEM_FLUSH is never passed on; with the tier off, workers get neither.
  *  - Flush: after a round that failed on this node (a worker exited non-zero or by a signal,
- *    or hung) and on preemption, when some <prefix>.own-* exists, the agent runs the worker
+ *    or hung), on preemption (also between rounds), and before any other exit with status 1
+ *    (restart budget spent after another node's failure, a lost store, the job ended by
+ *    another node's failure) - each time only when workers ran since the last flush and did
+ *    not all succeed, and some <prefix>.own-* exists (so the workers are train: nothing else
+ *    makes them) - the agent runs the worker
  *    command once more (same argv, its process group and guardian listing) with the agent's
  *    environment plus CKPT_MEM_FLUSH=1, CKPT_MEM_PATH, ELASTIC_RESTART_COUNT, ELASTIC_RUN_ID,
  *    TORCHELASTIC_RUN_ID and ELASTIC_HEARTBEAT_FD - no RANK, LOCAL_RANK, WORLD_SIZE, GROUP_*,
@@ -96,7 +100,8 @@
  *    the store key rdzv/<id>/mem/<gen>/<node_rank> each round; the main thread looks up the
  *    next node's ((node_rank + 1) % nnodes) and hands it to a sender thread, which looks at the
  *    own segments every 0.1 s and sends each newly completed slot (a seq the peer does not
- *    have; all again to a new peer) at most mem_replica_mbps MB/s, with the job token. The
+ *    have; all again to a new peer) at most mem_replica_mbps MB/s, with the job token (the
+ *    store's; a job without a token accepts any sender, as its store does). The
  *    receiver keeps it in <its prefix>.rep-<src node>-<L> through shmseg (begin, the bytes,
  *    commit): a transfer cut short, or a slot that changed at the source meanwhile, commits
  *    nothing. The protocol is in agent_mem.c. A peer that cannot be reached or refuses is

@@ -95,8 +95,11 @@ struct elastic_mem {
     int send_fd;               /* the sender's connection, -1 none (shut down by close) */
 
     /* sender-thread data */
-    uint64_t *sent_seq;        /* per local slot: the seq the current peer has */
-    unsigned *sent_serial;     /* ... as of round serial */
+    uint64_t *sent_seq;        /* per local slot: the seq the peer sent_to has */
+    uint64_t *sent_to;         /* ... XXH3 of "<peer> <our node rank>" (a new peer or a new
+                                  node rank of ours, i.e. another rep file name: send again) */
+    double retry_at;           /* after a failed connection or a refusal: not before */
+    unsigned retry_serial;     /* the round retry_at belongs to (a new round tries at once) */
     unsigned *torn;            /* torn transfers in a row */
     unsigned warned_serial;    /* the round whose unreachable peer was logged (+1) */
     unsigned logged_serial;    /* the round whose first transfer was logged (+1) */
@@ -151,6 +154,7 @@ static void remove_set(int dfd, const char *hash, const char *r, stale_sum *sum,
 {
     DIR *d = fdopendir(dup(dfd));
     if (!d) return;
+    rewinddir(d); /* the dup shares its offset with dfd, which an earlier listing moved */
     char want[PREFIX_LEN + 2];
     snprintf(want, sizeof want, NAME_PREFIX "%s-%s.", hash, r);
     struct dirent *e;
@@ -173,6 +177,7 @@ static void remove_set(int dfd, const char *hash, const char *r, stale_sum *sum,
 static void clean_stale(elastic_mem *m, int dfd)
 {
     DIR *d = fdopendir(dup(dfd));
+    if (d) rewinddir(d);
     if (!d) {
         LOG_W(MEM_TAG, "memory tier: cannot list %s for stale segments: %s", m->dir,
               strerror(errno));
@@ -334,8 +339,8 @@ void elastic_mem_close(elastic_mem *m)
             LOG_W(MEM_TAG, "memory tier: cannot remove the lease %s/%s: %s", m->dir, lease,
                   strerror(errno));
         close(dfd);
-        LOG_I(MEM_TAG, "memory tier: removed this agent's %lu segment file(s) (%llu bytes) and "
-              "its lease", sum.files, sum.bytes);
+        log_msg(sum.files ? LOG_INFO : LOG_DEBUG, MEM_TAG, "memory tier: removed this agent's "
+                "%lu segment file(s) (%llu bytes) and its lease", sum.files, sum.bytes);
     } else {
         LOG_W(MEM_TAG, "memory tier: cannot open %s to remove this agent's files: %s", m->dir,
               strerror(errno));
@@ -343,7 +348,7 @@ void elastic_mem_close(elastic_mem *m)
     if (m->lease_fd >= 0) close(m->lease_fd);
     free(m->token);
     free(m->sent_seq);
-    free(m->sent_serial);
+    free(m->sent_to);
     free(m->torn);
     free(m->seen);
     pthread_mutex_destroy(&m->mu);
@@ -494,6 +499,7 @@ typedef struct round_view {
     int gen, node_rank, nnodes;
     char peer[96];
     unsigned serial;
+    uint64_t to;               /* XXH3 of "<peer> <node_rank>" */
 } round_view;
 
 static const char *answer_text(int a)
@@ -588,7 +594,7 @@ static void poll_one(elastic_mem *m, const round_view *rv, int L, unsigned char 
     shmseg_info info;
     if (shmseg_newest(seg, &slot) < 0 || shmseg_slot_info(seg, slot, &info) < 0 ||
         info.state != SHMSEG_COMPLETE ||
-        (m->sent_serial[L] == rv->serial && m->sent_seq[L] == info.seq)) {
+        (m->sent_to[L] == rv->to && m->sent_seq[L] == info.seq)) {
         shmseg_close(seg);
         return;
     }
@@ -599,7 +605,7 @@ static void poll_one(elastic_mem *m, const round_view *rv, int L, unsigned char 
     int dst = (rv->node_rank + 1) % rv->nnodes;
     if (rc == 0) {
         m->sent_seq[L] = info.seq;
-        m->sent_serial[L] = rv->serial;
+        m->sent_to[L] = rv->to;
         m->torn[L] = 0;
         if (m->metrics) elastic_metrics_mem_replica(m->metrics, info.payload_bytes, info.step);
         log_msg(m->logged_serial == rv->serial + 1 ? LOG_DEBUG : LOG_INFO, MEM_TAG,
@@ -613,6 +619,8 @@ static void poll_one(elastic_mem *m, const round_view *rv, int L, unsigned char 
         return;
     }
     if (rc == -ECANCELED) return;
+    if (rc != -EAGAIN) m->retry_at = clock_now_s() + 1.0; /* no connection per 0.1 s to a peer
+                                                            that is gone or refuses */
     if (rc == -EAGAIN) {
         if (++m->torn[L] == TORN_WARN)
             LOG_W(MEM_TAG, "memory tier: local slot %d changed during each of the last %d "
@@ -647,7 +655,14 @@ static void *sender_main(void *arg)
         memcpy(rv.peer, m->peer, sizeof rv.peer);
         rv.serial = m->serial;
         pthread_mutex_unlock(&m->mu);
-        if (rv.peer[0] && rv.nnodes > 1)
+        char key[128];
+        int kl = snprintf(key, sizeof key, "%s %d", rv.peer, rv.node_rank);
+        rv.to = XXH3_64bits(key, (size_t)kl);
+        if (rv.serial != m->retry_serial) {
+            m->retry_serial = rv.serial;
+            m->retry_at = 0;
+        }
+        if (rv.peer[0] && rv.nnodes > 1 && clock_now_s() >= m->retry_at)
             for (int L = 0; L < m->nproc && !quitting(m); L++) poll_one(m, &rv, L, buf);
         struct timespec ts = {0, (long)(POLL_S * 1e9)};
         nanosleep(&ts, NULL);
@@ -805,10 +820,10 @@ int elastic_mem_replica_start(elastic_mem *m, const char *bind_host, const char 
     m->metrics = metrics;
     m->listen_fd = fd;
     m->sent_seq = calloc((size_t)m->nproc, sizeof *m->sent_seq);
-    m->sent_serial = calloc((size_t)m->nproc, sizeof *m->sent_serial);
+    m->sent_to = calloc((size_t)m->nproc, sizeof *m->sent_to);
     m->torn = calloc((size_t)m->nproc, sizeof *m->torn);
     m->seen = calloc(SEEN_MAX, sizeof *m->seen);
-    if ((token && *token && !m->token) || !m->sent_seq || !m->sent_serial || !m->torn ||
+    if ((token && *token && !m->token) || !m->sent_seq || !m->sent_to || !m->torn ||
         !m->seen) {
         rc = -ENOMEM;
         goto fail;

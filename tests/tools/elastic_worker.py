@@ -21,7 +21,20 @@ lines to ELASTIC_HEARTBEAT_FD, and exits, fails, hangs or ignores SIGTERM on req
   --token-check FILE    connect to the store with ELASTIC_STORE_TOKEN and with a wrong token;
                         write "ok=<status> wrong=<status> token=<token>" to FILE
   --marker M            ignored (a tag in argv for pgrep)
-Lines on stdout: "start rank=.. gen=.. pid=.. world=.. local=.. group=.. groups=.. addr=..",
+Memory tier (elastic --mem-dir; test_mem_agent.py):
+  --mem-touch           create an empty file $CKPT_MEM_PATH.own-$LOCAL_RANK (0600) at start:
+                        what makes the agent run a flush after a failure
+  --mem-segment TOOL:SLOT_BYTES:NBYTES
+                        write a real segment $CKPT_MEM_PATH.own-$LOCAL_RANK with TOOL
+                        (build/tests/shmseg-tool write, step 100 x round + rank, seed = rank)
+                        at start and print "seg rank=.. <the tool's line>"
+  --flush-marker FILE   with CKPT_MEM_FLUSH=1 (the agent's flush command): append
+                        "flush rank=.. world=.. local=.. path=.. gen=.." to FILE (a missing
+                        variable is "none"), print "flushing", sleep --flush-sleep seconds
+                        (default 0), then exit --flush-exit (default 0) or, with --flush-hang,
+                        sleep until killed
+Lines on stdout: "start rank=.. gen=.. pid=.. world=.. local=.. group=.. groups=.. addr=.. ...
+mem=.. mflush=.." (CKPT_MEM_PATH and CKPT_MEM_FLUSH, "None" when unset),
 "term rank=.." on SIGTERM (then exit 143), "done rank=.." at a clean end; "err rank=.." and a
 partial line without newline on stderr.
 """
@@ -92,7 +105,28 @@ def main():
     ap.add_argument("--child")
     ap.add_argument("--token-check")
     ap.add_argument("--marker")
+    ap.add_argument("--mem-touch", action="store_true")
+    ap.add_argument("--mem-segment")
+    ap.add_argument("--flush-marker")
+    ap.add_argument("--flush-exit", type=int, default=0)
+    ap.add_argument("--flush-hang", action="store_true")
+    ap.add_argument("--flush-sleep", type=float, default=0)
     a = ap.parse_args()
+
+    if os.environ.get("CKPT_MEM_FLUSH") == "1":
+        if a.flush_marker:
+            with open(a.flush_marker, "a") as f:
+                f.write(" ".join(f"{k}={os.environ.get(v, 'none')}" for k, v in
+                                 [("rank", "RANK"), ("world", "WORLD_SIZE"), ("local", "LOCAL_RANK"),
+                                  ("path", "CKPT_MEM_PATH"), ("gen", "ELASTIC_RESTART_COUNT"),
+                                  ("token", "ELASTIC_STORE_TOKEN")]) + "\n")
+        print("flushing", flush=True)
+        time.sleep(a.flush_sleep)
+        if a.flush_hang:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            while True:
+                time.sleep(1)
+        return a.flush_exit
 
     rank, gen = env_int("RANK"), env_int("ELASTIC_RESTART_COUNT")
     out = sys.stdout
@@ -113,8 +147,18 @@ def main():
           f"group={env_int('GROUP_RANK')} groups={env_int('GROUP_WORLD_SIZE')} "
           f"addr={os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
           f"hosted={os.environ.get('ELASTIC_STORE_HOSTED')} run={os.environ.get('ELASTIC_RUN_ID')} "
-          f"tgen={os.environ.get('TORCHELASTIC_RESTART_COUNT')} pgid={os.getpgid(0)}", file=out,
-          flush=True)
+          f"tgen={os.environ.get('TORCHELASTIC_RESTART_COUNT')} pgid={os.getpgid(0)} "
+          f"mem={os.environ.get('CKPT_MEM_PATH')} mflush={os.environ.get('CKPT_MEM_FLUSH')}",
+          file=out, flush=True)
+    mem = os.environ.get("CKPT_MEM_PATH")
+    own = f"{mem}.own-{env_int('LOCAL_RANK')}" if mem else None
+    if a.mem_touch and own:
+        os.close(os.open(own, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+    if a.mem_segment and own:
+        tool, slot_bytes, nbytes = a.mem_segment.split(":")
+        line = subprocess.run([tool, "write", own, slot_bytes, str(100 * gen + rank), nbytes,
+                               str(rank)], check=True, capture_output=True, text=True).stdout
+        print(f"seg rank={rank} {line.strip()}", flush=True)
     if a.child and gen > 0:
         print(f"stale={stale(f'{a.child}-g{gen - 1}-child')}", flush=True)
     if a.child:
