@@ -297,8 +297,10 @@ void train_s3_on_commit(void *ctx, uint64_t step);
 
 /* ------------------------------------------------------------------ train_resume.c */
 
-/* Fresh start or resume as o->resume says: rank 0 chooses the snapshot (--resume PATH, or the
- * newest usable one in --ckpt-dir for auto, setting corrupt ones aside), every rank loads its
+/* Fresh start or resume as o->resume says: rank 0 chooses the snapshot (--resume PATH, or for
+ * auto the newest usable one: with CKPT_MEM_PATH first the memory snapshots of this node at
+ * least as new as the newest on disk and S3, where any failure only moves on to the next
+ * candidate, then --ckpt-dir and S3, setting corrupt ones aside), every rank loads its
  * ranges and checks them, and the ranks agree on the outcome. Sets the parameters, moments,
  * step, samples, run id, global batch and accumulation per rank. Needs the model and the
  * buffers of main and train_plan_shards. Collective. Returns the exit status: 0, 1 (runtime

@@ -613,13 +613,13 @@ static int try_s3_from(state *s, const ckpt_entry *e3, size_t *k3, uint64_t floo
 
 /* Rank 0, --resume auto with the memory tier (CKPT_MEM_PATH): try the memory snapshots complete
  * on this node (every rank of their world has a slot here: own segments or peer replicas)
- * whose step is at least `floor` (the newest on disk and S3; at an equal step memory wins: the
+ * whose step is at least `newest` (the newest step on disk and S3, -1 none; at an equal step memory wins: the
  * same state, read in milliseconds), newest first, of this run with --run-id. Memory is a
  * cache of what the disk tiers hold or will hold: any failure of a candidate (a slot missing
  * on some rank, a checksum, an incompatible record, a read error) is a warning and the next
  * candidate is tried, never an exit and never a set-aside. Returns 0 resumed, -1 not (go on
  * with disk and S3); *fatal set when a collective failed. */
-static int try_memory(state *s, int64_t floor, int *fatal)
+static int try_memory(state *s, int64_t newest, int *fatal)
 {
     const options *o = s->o;
     ckpt_mem_entry *me = NULL;
@@ -635,9 +635,9 @@ static int try_memory(state *s, int64_t floor, int *fatal)
         const ckpt_mem_entry *m = &me[i];
         const char *id = m->status == CKPT_MEM_CORRUPT ? m->name : m->id;
         char why[600] = "";
-        if ((int64_t)m->step < floor) {
+        if ((int64_t)m->step < newest) {
             LOG_I(TAG, "memory snapshot %s: older than the newest on disk or S3 (step %" PRId64
-                  "); not used", id, floor);
+                  "); not used", id, newest);
             break; /* newest first: the rest is older still */
         }
         if (m->status == CKPT_MEM_CORRUPT) {
@@ -731,16 +731,16 @@ static int resume_rank0(state *s, int *resumed)
     }
     if (s->mem_path) {
         /* the memory tier first, when it is at least as new as the newest elsewhere */
-        int64_t floor = -1;
+        int64_t newest = -1;
         for (size_t i = 0; i < n; i++)
-            if (e[i].status == CKPT_STATUS_COMMITTED && (int64_t)e[i].step > floor &&
+            if (e[i].status == CKPT_STATUS_COMMITTED && (int64_t)e[i].step > newest &&
                 (!o->run_id || !strcmp(e[i].run_id, o->run_id)))
-                floor = (int64_t)e[i].step;
+                newest = (int64_t)e[i].step;
         for (size_t j = 0; j < n3; j++)
-            if (e3[j].status == CKPT_STATUS_COMMITTED && (int64_t)e3[j].step > floor &&
+            if (e3[j].status == CKPT_STATUS_COMMITTED && (int64_t)e3[j].step > newest &&
                 (!o->run_id || !strcmp(e3[j].run_id, o->run_id)))
-                floor = (int64_t)e3[j].step;
-        int rm = try_memory(s, floor, &fatal);
+                newest = (int64_t)e3[j].step;
+        int rm = try_memory(s, newest, &fatal);
         if (rm == 0 || fatal) {
             free(e);
             free(e3);
