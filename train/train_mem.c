@@ -129,7 +129,10 @@ int train_mem_plan(state *s)
         human_bytes(segment_bytes(slot_max), sb, sizeof sb);
         /* the budget is the node's: its first local rank says why, once per node */
         const int speaks = env_int("LOCAL_RANK", s->rank) == 0;
-        if (o->mem_budget && need > budget) {
+        if (slot_max == 0 || s->mem_slot_bytes == 0 || segment_bytes(slot_max) == 0) {
+            if (speaks) LOG_W(TAG, "rank %d: memory tier off: a slot of this state's shard would "
+                              "exceed the format's limits", s->rank);
+        } else if (o->mem_budget && need > budget) {
             if (speaks) LOG_E(TAG, "rank %d: --mem-budget %" PRIu64 " (%s) is too small for the memory tier: "
                   "it needs %" PRIu64 " bytes (%s) per node = %d local rank%s x %s (2 slots of the "
                   "state shard)%s; raise --mem-budget or pass --mem-snapshot-every 0", s->rank,
