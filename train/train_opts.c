@@ -142,8 +142,10 @@ static const char usage_text3[] =
     "SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID with MASTER_ADDR/MASTER_PORT, default port 29500);\n"
     "rank 0 hosts the rendezvous store at MASTER_ADDR:MASTER_PORT unless ELASTIC_STORE_HOSTED=1\n"
     "(the launcher hosts it); ELASTIC_STORE_TOKEN (store secret, never logged);\n"
-    "ELASTIC_RESTART_COUNT (generation); OPENBLAS_NUM_THREADS/OPENBLAS_CORETYPE (pin them for\n"
-    "bit-identical runs); CKPT_LOG_LEVEL=error|warn|info|debug.\n"
+    "ELASTIC_RESTART_COUNT (generation); CKPT_MEM_PATH (the memory tier's segment prefix, set by\n"
+    "elastic); CKPT_MEM_FLUSH=1 (flush mode: write the newest memory snapshot into --ckpt-dir\n"
+    "when it is newer than the newest there, then exit); OPENBLAS_NUM_THREADS/OPENBLAS_CORETYPE\n"
+    "(pin them for bit-identical runs); CKPT_LOG_LEVEL=error|warn|info|debug.\n"
     "Exit status: 0 success, 1 runtime failure, 2 usage or configuration error (including an\n"
     "unusable or locked --ckpt-dir, or later snapshots there than the step this run starts from).\n";
 
