@@ -224,16 +224,19 @@ class MemTest(TempDirTest):
         self.assertEqual(self.segments(), [])
 
     def test_memory_interval(self):
-        """--mem-snapshot-every 4: the restore is from a step on that grid, at most 4 steps
-        behind; same digest."""
+        """--mem-snapshot-every 4 with an explicit budget that fits (1G): the restore is from a
+        step on that grid, at most 4 steps behind; same digest."""
         ref = self.reference()
         a = self.agent(["--nproc-per-node", "2", "--max-restarts", "2"],
-                       self.train_cmd(["--ckpt-every", "25", "--mem-snapshot-every", "4"]))
+                       self.train_cmd(["--ckpt-every", "25", "--mem-snapshot-every", "4",
+                                       "--mem-budget", "1G"]))
         a.wait_for(r"\[rank 0\] .*step 14/", timeout=120)
         pids = a.pids(0)
         os.kill(pids[0], signal.SIGKILL)
         killed_at = self.last_step(a)
         self.assertEqual(a.wait(180), 0, a.err()[-4000:])
+        self.assertRegex(a.err(), r"memory tier: a snapshot every 4 steps into \S+, \S+ \S+ per "
+                                  r"node of a budget of 1\.0 GiB\n")
         m = RESUMED_MEM_RE.search(a.err())
         self.assertIsNotNone(m, a.err()[-4000:])
         resumed = int(m.group(2))
