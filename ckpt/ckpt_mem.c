@@ -887,6 +887,9 @@ int ckpt_mem_snapshot_open(ckpt_snapshot **out, const char *path_prefix, const c
         m->segs[m->nsegs++] = sc.segs[i].seg;
         sc.segs[i].seg = NULL;
     }
+    /* a restore copies every byte: fill the page tables in one batch rather than by a fault
+     * per page (measured on a fresh 256 MiB mapping: first read 1.2 GB/s, later ones 5) */
+    for (uint32_t r = 0; r < W; r++) (void)shmseg_prefault(m->r[r].seg, m->r[r].slot, pick[r]->payload_bytes);
     s->src_ctx = m;
     s->src_close = mem_src_close;
     m = NULL;

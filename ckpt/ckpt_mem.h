@@ -106,8 +106,9 @@ enum ckpt_mem_status {
     CKPT_MEM_COMPLETE = 0, /* a verified slot of every rank 0..W-1 is here: can be opened */
     CKPT_MEM_PARTIAL = 1,  /* some ranks' slots are not here (ranks_present < world_size) */
     CKPT_MEM_CORRUPT = 2   /* one slot whose payload head or header fails its checksum or
-                              checks: nothing in it is trusted; step is shmseg's copy,
-                              world_size 0, name the segment and slot, reason why */
+                              checks (a payload of a newer version too: reason says so):
+                              nothing in it is trusted; step is shmseg's copy, world_size
+                              0, name the segment and slot, reason why */
 };
 
 typedef struct ckpt_mem_entry {
@@ -152,7 +153,8 @@ int ckpt_mem_list(const char *path_prefix, ckpt_mem_entry **out, size_t *n);
  * Returns 0, or -EINVAL (NULL, id malformed, prefix unusable), -ENOENT (some rank's slot is
  * not here, or no such snapshot), -EBADMSG (the ranks' slots disagree: buffers, chunking,
  * config_hash, shards that do not cover each buffer exactly once; a bad trainer record),
- * -ENOMEM, the -errno of opendir. */
+ * -ESTALE (a picked slot was rewritten while the handle was built), -ENOMEM, the -errno of
+ * opendir. */
 int ckpt_mem_snapshot_open(ckpt_snapshot **out, const char *path_prefix, const char *id,
                            char *why, size_t why_len);
 

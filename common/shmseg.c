@@ -413,3 +413,32 @@ int shmseg_copy_out(const shmseg *seg, int slot, void *dst, uint64_t off, uint64
     *seq_inout = a.seq;
     return 0;
 }
+
+int shmseg_own_path(char *out, size_t len, const char *prefix, unsigned local_rank)
+{
+    if (!out || !prefix) return -EINVAL;
+    int n = snprintf(out, len, "%s.own-%u", prefix, local_rank);
+    return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
+}
+
+int shmseg_rep_path(char *out, size_t len, const char *prefix, unsigned node_rank, unsigned local_rank)
+{
+    if (!out || !prefix) return -EINVAL;
+    int n = snprintf(out, len, "%s.rep-%u-%u", prefix, node_rank, local_rank);
+    return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
+}
+
+int shmseg_prefault(shmseg *seg, int slot, uint64_t bytes)
+{
+    if (!seg || slot < 0 || slot >= SHMSEG_NSLOTS) return -EINVAL;
+    if (bytes == 0 || bytes > seg->slot_bytes) bytes = seg->slot_bytes;
+#ifdef MADV_POPULATE_READ
+    bytes = (bytes + SHMSEG_PAGE - 1) / SHMSEG_PAGE * SHMSEG_PAGE;
+    if (madvise(shmseg_payload(seg, slot), bytes, seg->writable ? MADV_POPULATE_WRITE : MADV_POPULATE_READ) != 0)
+        return errno == EINVAL ? -EOPNOTSUPP : -errno;
+    return 0;
+#else
+    (void)bytes;
+    return -EOPNOTSUPP;
+#endif
+}

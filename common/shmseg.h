@@ -44,6 +44,7 @@
 #ifndef COMMON_SHMSEG_H
 #define COMMON_SHMSEG_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #define SHMSEG_NSLOTS 2
@@ -115,6 +116,14 @@ const char *shmseg_path(const shmseg *seg);
  * range. Writable only when the handle is. The pointer lives until shmseg_close. */
 void *shmseg_payload(shmseg *seg, int slot);
 
+/* Fill the page tables of slot i's payload (its first `bytes` bytes, all when bytes is 0
+ * or larger than slot_bytes) now, in one batch (madvise MADV_POPULATE_READ, or _WRITE on a
+ * writable handle), so that a reader that then copies the whole slot (a restore) does not
+ * take a page fault per page. Reads no data; the slot may change meanwhile.
+ * Returns 0, or -EINVAL (NULL, slot out of range), -EOPNOTSUPP (a kernel before 5.14: the
+ * pages are faulted in by the copy instead), or madvise's -errno (-ENOMEM, -EFAULT). */
+int shmseg_prefault(shmseg *seg, int slot, uint64_t bytes);
+
 /* A consistent reading of slot i's header: state is loaded with acquire before and after
  * the other fields, retried until both agree (bounded; -EAGAIN when a writer keeps
  * changing it). Returns 0, or -EINVAL (NULL, i out of range), -EAGAIN. */
@@ -154,5 +163,15 @@ int shmseg_head_ok(const shmseg *seg, int slot, const shmseg_info *info);
  * the copy, or seq is not *seq_inout; dst holds garbage - try again later). */
 int shmseg_copy_out(const shmseg *seg, int slot, void *dst, uint64_t off, uint64_t len,
                     uint64_t *seq_inout);
+
+/* Names of the memory tier's segments under a path prefix P (memtier-design.md; the prefix
+ * is CKPT_MEM_PATH, e.g. "/dev/shm/ckptmem-<jobhash16>-<rand16>"):
+ *   shmseg_own_path:  "P.own-<local_rank>"          (written by that worker)
+ *   shmseg_rep_path:  "P.rep-<node_rank>-<local_rank>" (a peer's replica, written by the agent)
+ * into out (len bytes with the NUL). Return 0, or -EINVAL (NULL), -ENAMETOOLONG (does not
+ * fit). ckpt_mem_list reads exactly these names (digits only, no sign, no padding).
+ * Thread-safe. */
+int shmseg_own_path(char *out, size_t len, const char *prefix, unsigned local_rank);
+int shmseg_rep_path(char *out, size_t len, const char *prefix, unsigned node_rank, unsigned local_rank);
 
 #endif /* COMMON_SHMSEG_H */

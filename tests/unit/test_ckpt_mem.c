@@ -143,11 +143,9 @@ static void test_write_list_open(void)
     T_REQUIRE(slot_bytes > 0 && slot_bytes % 4096 == 0, "need %llu", (unsigned long long)slot_bytes);
     T_CHECK(ckpt_mem_need(probe, NB, 64, 0) == 0, "need with chunk 0");
     for (uint32_t r = 0; r < W; r++) {
-        char kind[32];
-        snprintf(kind, sizeof kind, "own-%u", r);
-        char *p = seg_path(kind);
+        char p[4200];
+        T_REQUIRE(shmseg_own_path(p, sizeof p, prefix, r) == 0, "name");
         T_REQUIRE(shmseg_create(p, slot_bytes, &segs[r]) == 0, "create %s", p);
-        free(p);
     }
     /* a segment too small: -ENOSPC, nothing touched */
     {
@@ -345,7 +343,9 @@ static void make_replica(uint32_t rank, const char *kind)
  * opened; with a replica of rank 1 from a peer it is complete again, from the replica. */
 static void test_corrupt_header_and_replica(void)
 {
-    make_replica(1, "rep-0-1");
+    char rn[4200];
+    T_REQUIRE(shmseg_rep_path(rn, sizeof rn, prefix, 0, 1) == 0, "rep name");
+    make_replica(1, strrchr(rn, '.') + 1);
     ckpt_mem_entry *e;
     size_t n;
     T_REQUIRE(ckpt_mem_list(prefix, &e, &n) == 0, "list");

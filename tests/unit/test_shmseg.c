@@ -8,6 +8,7 @@
 
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/stat.h>
@@ -109,6 +110,12 @@ static void test_layout_alternation(const char *dir)
     T_CHECK(!shmseg_writable(r) && shmseg_slot_bytes(r) == sb, "ro handle");
     T_CHECK(shmseg_newest(r, &i) == 0 && i == 0, "ro newest");
     T_CHECK(shmseg_begin(r, -1, &i) == -EBADF, "ro begin");
+    int pf = shmseg_prefault(r, 0, 100);
+    T_CHECK(pf == 0 || pf == -EOPNOTSUPP, "prefault ro: %d", pf);
+    pf = shmseg_prefault(s, 1, 0);
+    T_CHECK(pf == 0 || pf == -EOPNOTSUPP, "prefault rw: %d", pf);
+    T_CHECK(shmseg_prefault(r, 2, 0) == -EINVAL, "prefault slot out of range");
+    T_CHECK(uniform(shmseg_payload(s, 1), 6000, 0x22), "prefault changes no byte");
     unsigned char buf[100];
     uint64_t seq = 0;
     T_CHECK(shmseg_copy_out(r, 0, buf, 0, 100, &seq) == 0 && uniform(buf, 100, 0x55) && seq == 5,
@@ -202,7 +209,7 @@ static void test_crash_mid_write(const char *dir)
 
 struct churn {
     shmseg *seg;
-    volatile int stop;
+    atomic_int stop;
     uint64_t commits;
 };
 
@@ -211,7 +218,7 @@ static void *churn_main(void *arg)
 {
     struct churn *c = arg;
     unsigned char v = 1;
-    while (!c->stop) {
+    while (!atomic_load(&c->stop)) {
         int i;
         if (shmseg_begin(c->seg, 1, &i) != 0) break;
         memset(shmseg_payload(c->seg, i), v, shmseg_slot_bytes(c->seg));
@@ -254,7 +261,7 @@ static void test_torn_copy(const char *dir)
             bad++;
         }
     }
-    c.stop = 1;
+    atomic_store(&c.stop, 1);
     pthread_join(th, NULL);
     printf("torn copy: %ld whole, %ld torn, %ld writing, %llu commits\n", ok, torn, busy,
            (unsigned long long)c.commits);
@@ -348,8 +355,21 @@ static void test_refusals(const char *dir)
     free(junk);
 }
 
+static void test_names(void)
+{
+    char b[64];
+    T_CHECK(shmseg_own_path(b, sizeof b, "/dev/shm/ckptmem-a-b", 3) == 0 && !strcmp(b, "/dev/shm/ckptmem-a-b.own-3"),
+            "own name %s", b);
+    T_CHECK(shmseg_rep_path(b, sizeof b, "/dev/shm/ckptmem-a-b", 12, 0) == 0 &&
+                !strcmp(b, "/dev/shm/ckptmem-a-b.rep-12-0"),
+            "rep name %s", b);
+    T_CHECK(shmseg_own_path(b, 10, "/dev/shm/ckptmem-a-b", 3) == -ENAMETOOLONG, "too long");
+    T_CHECK(shmseg_rep_path(NULL, 10, "x", 1, 1) == -EINVAL, "NULL");
+}
+
 int main(void)
 {
+    test_names();
     char *dir = t_tmpdir("shmseg");
     test_layout_alternation(dir);
     test_crash_mid_write(dir);
