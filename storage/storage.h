@@ -6,7 +6,8 @@
  *
  * Files are written sequentially through 4096-byte-aligned buffers with O_DIRECT, several
  * writes in flight (queue depth), short writes and -EAGAIN resubmitted (as liburing's
- * examples/io_uring-cp.c does). The unaligned tail is written padded to the alignment and
+ * examples/io_uring-cp.c does); bytes the caller keeps in place until the file is closed can
+ * instead be written from where they are (store_writer_append_ref), without the copy. The unaligned tail is written padded to the alignment and
  * the file is then truncated to its logical size. Where the file system refuses O_DIRECT
  * (EINVAL), the writer and the reader fall back to buffered I/O through the same ring
  * (logged at debug level).
@@ -70,6 +71,28 @@ int store_writer_open(store_writer **out, const char *path, const store_writer_o
  * of a completed write; once a write failed every later call returns the same (sticky)
  * error. */
 int store_writer_append(store_writer *w, const void *buf, size_t len);
+
+/* Append len bytes from buf like store_writer_append, but write them to the file from where
+ * they are instead of copying them, where the file allows it: buf must then stay valid and
+ * unchanged until store_writer_close or store_writer_abort returns (the kernel reads it while
+ * the writes are in flight; after a timeout that left writes stuck, possibly later still).
+ * In O_DIRECT mode only memory aligned like the file offset it goes to, i.e. (buf - offset)
+ * a multiple of STORE_ALIGN with offset = store_writer_offset(w), can be written in place:
+ * the bytes up to the next aligned file offset and a tail under STORE_ALIGN are copied
+ * (with buf of any other alignment, or len under 64 KiB, everything is: it behaves as
+ * store_writer_append). In-place writes are up to 4 MiB each and count, as writes of the
+ * buffers do, towards queue_depth and the fault injection. The file's bytes are the same as
+ * with store_writer_append.
+ * Errors: as store_writer_append. */
+int store_writer_append_ref(store_writer *w, const void *buf, size_t len);
+
+/* Preallocate the first `bytes` bytes of the file (fallocate mode 0, which also sets its
+ * size; close truncates it to the bytes appended): writes into allocated space inside the
+ * file are faster than writes that extend it (ext4 with O_DIRECT: about 1.5x). A hint: where
+ * the file system cannot preallocate (no support, no space), it does nothing and the writes
+ * extend the file as usual. A smaller or equal `bytes` than an earlier call does nothing.
+ * Call it before the first append. Returns 0; -EINVAL for a NULL w. */
+int store_writer_reserve(store_writer *w, uint64_t bytes);
 
 /* Logical bytes appended so far (the offset at which the next append lands); 0 for NULL. */
 uint64_t store_writer_offset(const store_writer *w);
