@@ -427,12 +427,17 @@ static int run_pipeline(ckpt_pool *p, store_writer *w, const ckpt_save_opts *o, 
         const ckpt_buffer *b = &bufs[c->buf];
         uint64_t file_off = store_writer_offset(w);
         if (raw_done == 0) ckpt_fault_point("before-chunk-write", step);
+        /* a chunk stored raw lies in the job's buffers, which outlive the writer: it is
+         * written from there (no copy) where its alignment allows; a frame lies in the slot,
+         * which is reused at once, so it is copied */
+        int (*append)(store_writer *, const void *, size_t) =
+            s->codec_zstd ? store_writer_append : store_writer_append_ref;
         /* the middle chunk goes in two halves, with a fault point between them */
         size_t first = i == nchunks / 2 ? s->stored_len / 2 : s->stored_len;
-        if ((rc = store_writer_append(w, s->stored, first)) < 0) break;
+        if ((rc = append(w, s->stored, first)) < 0) break;
         if (first < s->stored_len) {
             ckpt_fault_point("mid-chunk", step);
-            if ((rc = store_writer_append(w, s->stored + first, s->stored_len - first)) < 0) break;
+            if ((rc = append(w, s->stored + first, s->stored_len - first)) < 0) break;
         }
         raw_done += c->len;
         if (!half_reported && raw_done * 2 >= raw_total) {
@@ -689,6 +694,8 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
         LOG_E(TAG, "cannot create %s: %s", path, strerror(-rc));
         goto out;
     }
+    /* no chunk is stored larger than it is raw: raw_total bounds the file */
+    store_writer_reserve(w, raw_total);
     rc = run_pipeline(pool, w, opts, compress, step, bufs, chunks, nchunks, jchunks, &stored_total);
     if (rc < 0) {
         LOG_E(TAG, "writing step %llu to %s failed: %s", (unsigned long long)step, path, strerror(-rc));
