@@ -149,7 +149,21 @@ typedef struct store_read_req {
  * -ETIMEDOUT, other -errno. */
 int store_reader_read(store_reader *r, const store_read_req *reqs, size_t n);
 
-/* Close and free; accepts NULL. */
+/* store_reader_read in two halves, so that the caller can work while the reads are in
+ * flight (e.g. decode one chunk while the next one is read): submit starts reading the n
+ * ranges and returns without waiting; wait waits for all of them and gives the result that
+ * store_reader_read would have given. Until wait returns, reqs and every dst belong to the
+ * reader (neither may be touched or freed), and no other read may start on r (one batch at
+ * a time; use another reader of the same file for a second one). Pieces beyond the queue
+ * depth are submitted as earlier ones complete, during wait. Fault injection counts the
+ * submit as one store_reader_read call.
+ * Errors of submit: -EINVAL (bad arguments as store_reader_read, or a batch already in
+ * progress), -EIO (a reader stuck after a timeout, or injected); then no batch is in progress.
+ * Errors of wait: -EINVAL no batch in progress; else those of store_reader_read. */
+int store_reader_submit(store_reader *r, const store_read_req *reqs, size_t n);
+int store_reader_wait(store_reader *r);
+
+/* Close and free (waiting for a batch still in progress first); accepts NULL. */
 void store_reader_close(store_reader *r);
 
 /* Read a whole (small) regular file into a malloc'ed buffer with a terminating NUL;

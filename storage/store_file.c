@@ -683,6 +683,12 @@ struct store_reader {
     uint64_t size;
     rslot *slots;
     char *path;
+    /* the batch in progress (store_reader_submit until store_reader_wait) */
+    bool active;
+    const store_read_req *reqs;
+    size_t n, ri, rpos; /* next piece: request ri from byte rpos */
+    unsigned inflight;
+    int err;
 };
 
 int store_reader_open(store_reader **out, const char *path, unsigned queue_depth,
@@ -849,9 +855,35 @@ static bool read_fault_next(void)
     return nth && atomic_fetch_add(&fault_read_count, 1) + 1 == nth;
 }
 
-int store_reader_read(store_reader *r, const store_read_req *reqs, size_t n)
+/* Fill free slots with the next pieces of the batch; a failure becomes r->err. */
+static void r_fill(store_reader *r)
 {
-    if (!r || (n && !reqs)) return -EINVAL;
+    for (unsigned i = 0; !r->err && i < r->qd && r->ri < r->n; i++) {
+        rslot *s = &r->slots[i];
+        if (s->busy) continue;
+        while (r->ri < r->n && r->rpos == r->reqs[r->ri].len) { /* finished or empty */
+            r->ri++;
+            r->rpos = 0;
+        }
+        if (r->ri == r->n) break;
+        int rc = r_piece(r, s, &r->reqs[r->ri], &r->rpos);
+        if (!rc) rc = r_queue(r, i);
+        if (rc) {
+            r->err = rc;
+            break;
+        }
+        s->busy = true;
+        r->inflight++;
+    }
+    while (r->ri < r->n && r->rpos == r->reqs[r->ri].len) {
+        r->ri++;
+        r->rpos = 0;
+    }
+}
+
+int store_reader_submit(store_reader *r, const store_read_req *reqs, size_t n)
+{
+    if (!r || (n && !reqs) || r->active) return -EINVAL;
     if (r->stuck) return -EIO;
     for (size_t k = 0; k < n; k++)
         if ((reqs[k].len && !reqs[k].dst) || reqs[k].offset > UINT64_MAX - reqs[k].len)
@@ -860,34 +892,22 @@ int store_reader_read(store_reader *r, const store_read_req *reqs, size_t n)
         LOG_W(TAG, "injecting %s on a read of %s (CKPT_FAULT_STORE)", strerror(EIO), r->path);
         return -EIO;
     }
+    r->reqs = reqs;
+    r->n = n;
+    r->ri = r->rpos = 0;
+    r->inflight = 0;
+    r->err = 0;
+    r->active = true;
+    r_fill(r);
+    return 0;
+}
 
-    int err = 0;
-    unsigned inflight = 0;
-    size_t ri = 0, rpos = 0;
+int store_reader_wait(store_reader *r)
+{
+    if (!r || !r->active) return -EINVAL;
     for (;;) {
-        /* Fill free slots with the next pieces. */
-        for (unsigned i = 0; !err && i < r->qd && ri < n; i++) {
-            rslot *s = &r->slots[i];
-            if (s->busy) continue;
-            while (ri < n && rpos == reqs[ri].len) { /* skip finished or empty requests */
-                ri++;
-                rpos = 0;
-            }
-            if (ri == n) break;
-            int rc = r_piece(r, s, &reqs[ri], &rpos);
-            if (!rc) rc = r_queue(r, i);
-            if (rc) {
-                err = rc;
-                break;
-            }
-            s->busy = true;
-            inflight++;
-        }
-        while (ri < n && rpos == reqs[ri].len) {
-            ri++;
-            rpos = 0;
-        }
-        if (!inflight) break;
+        if (!r->err) r_fill(r);
+        if (!r->inflight) break;
 
         struct io_uring_cqe *cqe;
         int rc = ring_wait(&r->ring, &cqe, STORE_WAIT_TIMEOUT_S);
@@ -897,33 +917,42 @@ int store_reader_read(store_reader *r, const store_read_req *reqs, size_t n)
                       STORE_WAIT_TIMEOUT_S);
             else
                 LOG_E(TAG, "io_uring wait (%s): %s", r->path, strerror(-rc));
-            if (!err) err = rc;
+            if (!r->err) r->err = rc;
             ring_cancel_all(&r->ring);
-            while (inflight) {
+            while (r->inflight) {
                 if (ring_wait(&r->ring, &cqe, CANCEL_WAIT_S)) {
                     LOG_E(TAG, "%u reads of %s still in flight after cancel; abandoning",
-                          inflight, r->path);
+                          r->inflight, r->path);
                     r->stuck = true;
-                    return err;
+                    break;
                 }
-                if (r_complete(r, cqe, false) != 0) inflight--; /* 0: the cancel itself */
+                if (r_complete(r, cqe, false) != 0) r->inflight--; /* 0: the cancel itself */
             }
-            return err;
+            break;
         }
-        rc = r_complete(r, cqe, err == 0);
+        rc = r_complete(r, cqe, r->err == 0);
         if (rc == 1) {
-            inflight--;
+            r->inflight--;
         } else if (rc < 0) {
-            inflight--;
-            if (!err && rc != -ECANCELED) err = rc;
+            r->inflight--;
+            if (!r->err && rc != -ECANCELED) r->err = rc;
         }
     }
-    return err;
+    r->active = false;
+    r->reqs = NULL;
+    return r->err;
+}
+
+int store_reader_read(store_reader *r, const store_read_req *reqs, size_t n)
+{
+    int rc = store_reader_submit(r, reqs, n);
+    return rc ? rc : store_reader_wait(r);
 }
 
 void store_reader_close(store_reader *r)
 {
     if (!r) return;
+    if (r->active) store_reader_wait(r); /* the kernel must be done with the memory */
     close(r->fd);
     if (!r->stuck) { /* otherwise the kernel may still write to the bounce buffers */
         io_uring_queue_exit(&r->ring);

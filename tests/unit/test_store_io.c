@@ -607,6 +607,54 @@ static void test_append_ref(const char *dir)
     free(mem);
 }
 
+/* store_reader_submit / store_reader_wait: two readers of one file with batches in flight at
+ * once (more pieces than the queue depth, aligned and not), one batch at a time per reader,
+ * a past-the-end range reported by wait, and a close with a batch still in flight. */
+static void test_reader_async(const char *dir)
+{
+    const uint64_t size = 5 * MiB + 777;
+    char *p = path_in(dir, "reader-async.bin");
+    store_writer_opts o = {65536, 4, 1, NULL};
+    REQUIRE_OK(write_pattern(p, size, &o, 11), "write reader file");
+    unsigned char *ref = malloc(size), *a = NULL, *b = NULL;
+    T_REQUIRE(ref, "malloc");
+    fill_pat(ref, 0, size, 11);
+    REQUIRE_OK(posix_memalign((void **)&a, 4096, size + 4096), "memalign");
+    REQUIRE_OK(posix_memalign((void **)&b, 4096, size + 4096), "memalign");
+    store_reader *r1 = NULL, *r2 = NULL;
+    REQUIRE_OK(store_reader_open(&r1, p, 2, 0, NULL), "open r1");
+    REQUIRE_OK(store_reader_open(&r2, p, 3, 0, NULL), "open r2");
+    T_CHECK(store_reader_wait(r1) == -EINVAL, "wait without a batch");
+    store_read_req q1[4], q2[3];
+    for (int i = 0; i < 4; i++) /* aligned pieces, then the short tail */
+        q1[i] = (store_read_req){(uint64_t)i * (MiB + 4096), i < 3 ? MiB + 4096 : (size_t)(size - 3 * (MiB + 4096)),
+                                 a + (size_t)i * (MiB + 4096)};
+    q2[0] = (store_read_req){5, 3 * MiB, b + 7};           /* misaligned: bounce pieces */
+    q2[1] = (store_read_req){3 * MiB + 5, 0, NULL};
+    q2[2] = (store_read_req){3 * MiB + 5, (size_t)(size - 3 * MiB - 5), b + 7 + 3 * MiB};
+    T_CHECK(store_reader_submit(r1, q1, 4) == 0, "submit r1");
+    T_CHECK(store_reader_submit(r1, q1, 4) == -EINVAL, "second batch on a busy reader");
+    T_CHECK(store_reader_submit(r2, q2, 3) == 0, "submit r2");
+    T_CHECK(store_reader_wait(r2) == 0, "wait r2");
+    T_CHECK(store_reader_wait(r1) == 0, "wait r1");
+    T_CHECK(!memcmp(a, ref, size), "r1 bytes");
+    T_CHECK(!memcmp(b + 7, ref + 5, size - 5), "r2 bytes");
+    store_read_req past = {size - 10, 20, b};
+    T_CHECK(store_reader_submit(r1, &past, 1) == 0, "submit past the end");
+    T_CHECK(store_reader_wait(r1) == -EBADMSG, "past the end: -EBADMSG at wait");
+    T_CHECK(store_reader_read(r1, q1, 4) == 0, "read after a failed batch");
+    T_CHECK(store_reader_submit(r2, q2, 3) == 0, "submit before close");
+    store_reader_close(r2); /* waits for the batch */
+    store_reader_close(r1);
+    T_CHECK(store_reader_submit(NULL, q1, 1) == -EINVAL && store_reader_wait(NULL) == -EINVAL,
+            "NULL reader");
+    free(a);
+    free(b);
+    free(ref);
+    unlink(p);
+    free(p);
+}
+
 static void run_all(const char *dir)
 {
     printf("storage tests in %s\n", dir);
@@ -614,6 +662,7 @@ static void run_all(const char *dir)
     test_append_ref(dir);
     test_writer_errors(dir);
     test_reader(dir);
+    test_reader_async(dir);
     test_file_helpers(dir);
     test_file_types(dir);
     test_canonical_path(dir);
