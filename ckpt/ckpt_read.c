@@ -532,10 +532,12 @@ static void rctx_free(rctx *c, size_t nfiles)
 {
     if (!c) return;
     ZSTD_freeDCtx(c->dctx);
-    free(c->stored);
-    free(c->raw);
+    for (int j = 0; j < 2; j++) {
+        free(c->stored[j]);
+        free(c->raw[j]);
+    }
     free(c->filt);
-    for (size_t i = 0; c->readers && i < nfiles; i++) store_reader_close(c->readers[i]);
+    for (size_t i = 0; c->readers && i < 2 * nfiles; i++) store_reader_close(c->readers[i]);
     free(c->readers);
 }
 
@@ -547,11 +549,17 @@ static int ensure_read_state(ckpt_snapshot *s)
     for (unsigned t = 0; t < s->threads; t++) {
         rctx *c = &s->ctx[t];
         c->dctx = ZSTD_createDCtx();
-        c->stored = malloc(s->max_stored ? s->max_stored : 1);
-        c->raw = malloc(s->max_raw ? s->max_raw : 1);
+        for (int j = 0; j < 2; j++) {
+            /* a frame is read in whole aligned blocks around it (chunk_start) */
+            void *m = NULL;
+            if (posix_memalign(&m, STORE_ALIGN, (size_t)s->max_stored + 2 * STORE_ALIGN) != 0)
+                return -ENOMEM;
+            c->stored[j] = m;
+            if (!(c->raw[j] = malloc(s->max_raw ? s->max_raw : 1))) return -ENOMEM;
+        }
         c->filt = malloc(s->max_raw ? s->max_raw : 1);
-        c->readers = calloc(s->nfiles ? s->nfiles : 1, sizeof *c->readers);
-        if (!c->dctx || !c->stored || !c->raw || !c->filt || !c->readers) return -ENOMEM;
+        c->readers = calloc(s->nfiles ? 2 * s->nfiles : 1, sizeof *c->readers);
+        if (!c->dctx || !c->filt || !c->readers) return -ENOMEM;
     }
     return 0;
 }
@@ -568,47 +576,145 @@ int ckpt_snapshot_set_threads(ckpt_snapshot *s, unsigned threads)
     return 0;
 }
 
-/* Read, check and decode chunk k of buffer b into out (k->bytes bytes): read the stored
- * bytes (io_uring), check their checksum, decode, unfilter, check the raw checksum. */
-static int load_chunk(const ckpt_snapshot *s, rctx *c, const buffer *b, const chunk *k,
-                      uint8_t *out, char *bad, size_t bad_len)
+/* One unit of work: a chunk and where its bytes go. dst NULL: check only (verify). */
+typedef struct work {
+    const buffer *b;
+    const chunk *k;
+    uint8_t *dst;    /* where range [from, to) of the buffer lands */
+    uint64_t from, to;
+} work;
+
+/* A chunk in the hands of a reading thread: started (its read in flight, on local files),
+ * then finished (waited for, checked, decoded). A thread keeps two, so that the next chunk is
+ * read while the current one is decoded. */
+/* A chunk's read goes out in pieces of at least this many bytes, at most READ_PIECES. */
+#define READ_PIECE_BYTES (1u << 20)
+#define READ_PIECES 8
+
+typedef struct pending {
+    const work *w;
+    uint8_t *out;          /* k->bytes bytes: the destination (whole chunks) or c->raw[slot] */
+    uint8_t *stored;       /* where the stored bytes arrive */
+    store_reader *reader;  /* the reader with the read in flight, or NULL */
+    store_read_req req[READ_PIECES];
+    size_t nreq;
+    int rc;                /* a failure of the start, reported by the finish */
+    char bad[512];
+} pending;
+
+static uint64_t align_down(uint64_t x) { return x & ~(uint64_t)(STORE_ALIGN - 1); }
+
+/* Cut [off, off + len) into dst into at most READ_PIECES requests of READ_PIECE_BYTES or more
+ * (aligned ones where off and dst are), so that one chunk's read is several in flight. */
+static size_t cut_read(store_read_req *req, uint64_t off, uint64_t len, uint8_t *dst)
 {
-    const file *f = &s->files[k->file];
-    char p[CKPT_PATH_MAX];
-    int rc;
-    if (ckpt_path_join(p, sizeof p, s->path, f->name) < 0) return -ENAMETOOLONG;
-    uint8_t *stored = (!k->codec_zstd && k->filter == CKPT_FILTER_NONE) ? out : c->stored;
-    if (s->os) {
-        rc = ckpt_s3_read_stored(s, k->file, k->file_offset, k->stored_bytes, stored, bad, bad_len);
-        if (rc < 0) return rc;
-        goto check;
+    uint64_t piece = len / READ_PIECES + 1;
+    if (piece < READ_PIECE_BYTES) piece = READ_PIECE_BYTES;
+    piece = (piece + STORE_ALIGN - 1) & ~(uint64_t)(STORE_ALIGN - 1);
+    size_t n = 0;
+    for (uint64_t done = 0; done < len && n < READ_PIECES; n++) {
+        uint64_t m = len - done < piece || n == READ_PIECES - 1 ? len - done : piece;
+        req[n] = (store_read_req){off + done, (size_t)m, dst + done};
+        done += m;
     }
-    if (!c->readers[k->file]) {
+    return n;
+}
+
+/* Start loading w's chunk with the thread's buffers and readers of `slot` (0 or 1): open the
+ * data file's reader on first use and submit the read of the stored bytes (S3: fetch them).
+ * A chunk stored raw without filter is read straight into its destination; a frame is read
+ * whole 4096-byte blocks around it into the aligned slot buffer, so that O_DIRECT puts it
+ * there without a bounce copy. Failures go to pd->rc and pd->bad. */
+static void chunk_start(const ckpt_snapshot *s, rctx *c, unsigned slot, const work *w, pending *pd)
+{
+    const chunk *k = w->k;
+    const buffer *b = w->b;
+    const file *f = &s->files[k->file];
+    int whole = w->dst && w->from == k->offset && w->to == k->offset + k->bytes;
+    char p[CKPT_PATH_MAX];
+    pd->w = w;
+    pd->out = whole ? w->dst : c->raw[slot];
+    pd->reader = NULL;
+    pd->rc = 0;
+    pd->bad[0] = '\0';
+    int in_place = !k->codec_zstd && k->filter == CKPT_FILTER_NONE;
+    if (s->os) {
+        pd->stored = in_place ? pd->out : c->stored[slot];
+        pd->rc = ckpt_s3_read_stored(s, k->file, k->file_offset, k->stored_bytes, pd->stored,
+                                     pd->bad, sizeof pd->bad);
+        return;
+    }
+    if (ckpt_path_join(p, sizeof p, s->path, f->name) < 0) {
+        pd->rc = -ENAMETOOLONG;
+        return;
+    }
+    if (in_place) {
+        pd->stored = pd->out;
+        pd->nreq = cut_read(pd->req, k->file_offset, k->stored_bytes, pd->out);
+    } else {
+        /* [a0, a1) within the file (its last block may be short): at most 2 x 4095 bytes
+         * more than the frame, which the slot buffer has room for */
+        uint64_t a0 = align_down(k->file_offset);
+        uint64_t a1 = align_down(k->file_offset + k->stored_bytes + STORE_ALIGN - 1);
+        if (a1 > f->bytes) a1 = f->bytes;
+        pd->stored = c->stored[slot] + (k->file_offset - a0);
+        pd->nreq = cut_read(pd->req, a0, a1 - a0, c->stored[slot]);
+    }
+    store_reader **rd = &c->readers[(size_t)slot * s->nfiles + k->file];
+    int rc;
+    if (!*rd) {
         uint64_t size = 0;
-        rc = store_reader_open(&c->readers[k->file], p, 8, STORE_NOFOLLOW, &size);
+        rc = store_reader_open(rd, p, 8, STORE_NOFOLLOW, &size);
         if (rc == -ENOENT && folder_gone(s->path)) {
-            log_why(bad, bad_len, "%s: the snapshot folder was removed while it was read", p);
-            return -ENOENT;
+            log_why(pd->bad, sizeof pd->bad, "%s: the snapshot folder was removed while it was read", p);
+            pd->rc = -ENOENT;
+            return;
         }
         if (rc < 0) {
-            log_why(bad, bad_len, "%s: cannot open: %s", p, file_error_text(rc));
-            return file_error(rc);
+            log_why(pd->bad, sizeof pd->bad, "%s: cannot open: %s", p, file_error_text(rc));
+            pd->rc = file_error(rc);
+            return;
         }
         if (size != f->bytes) {
-            log_why(bad, bad_len, "%s: %llu bytes, manifest says %llu", p,
+            log_why(pd->bad, sizeof pd->bad, "%s: %llu bytes, manifest says %llu", p,
                     (unsigned long long)size, (unsigned long long)f->bytes);
-            return -EBADMSG;
+            pd->rc = -EBADMSG;
+            return;
         }
     }
-    /* a raw chunk without filter is read straight into its destination */
-    store_read_req req = {k->file_offset, (size_t)k->stored_bytes, stored};
-    rc = store_reader_read(c->readers[k->file], &req, 1);
-    if (rc < 0) {
-        log_why(bad, bad_len, "%s: chunk %u of %s (file offset %llu): read failed: %s", p,
-                k->index, b->name, (unsigned long long)k->file_offset, strerror(-rc));
-        return rc;
+    if ((rc = store_reader_submit(*rd, pd->req, pd->nreq)) < 0) {
+        log_why(pd->bad, sizeof pd->bad, "%s: chunk %u of %s (file offset %llu): read failed: %s",
+                p, k->index, b->name, (unsigned long long)k->file_offset, strerror(-rc));
+        pd->rc = rc;
+        return;
     }
-check:
+    pd->reader = *rd;
+}
+
+/* Finish loading a started chunk into pd->out (k->bytes bytes): wait for its read, check the
+ * stored checksum, decode, unfilter, check the raw checksum; then copy the requested part of
+ * a chunk that is not wholly in the range. */
+static int chunk_finish(const ckpt_snapshot *s, rctx *c, pending *pd)
+{
+    const work *w = pd->w;
+    const buffer *b = w->b;
+    const chunk *k = w->k;
+    const file *f = &s->files[k->file];
+    char *bad = pd->bad;
+    size_t bad_len = sizeof pd->bad;
+    char p[CKPT_PATH_MAX];
+    uint8_t *out = pd->out, *stored = pd->stored;
+    if (ckpt_path_join(p, sizeof p, s->path, f->name) < 0) snprintf(p, sizeof p, "%s", f->name);
+    if (pd->reader) {
+        int rc = store_reader_wait(pd->reader);
+        pd->reader = NULL;
+        if (rc < 0) {
+            log_why(bad, bad_len, "%s: chunk %u of %s (file offset %llu): read failed: %s", p,
+                    k->index, b->name, (unsigned long long)k->file_offset, strerror(-rc));
+            return rc;
+        }
+    }
+    if (pd->rc < 0) return pd->rc;
     if (XXH3_64bits(stored, (size_t)k->stored_bytes) != k->xxh_stored) {
         log_why(bad, bad_len, "%s: chunk %u of %s (file offset %llu, %llu bytes): stored checksum "
                 "mismatch", p, k->index, b->name, (unsigned long long)k->file_offset,
@@ -643,16 +749,10 @@ check:
                 k->index, b->name);
         return -EBADMSG;
     }
+    if (w->dst && out != w->dst)
+        memcpy(w->dst, out + (w->from - k->offset), (size_t)(w->to - w->from));
     return 0;
 }
-
-/* One unit of work: a chunk and where its bytes go. dst NULL: check only (verify). */
-typedef struct work {
-    const buffer *b;
-    const chunk *k;
-    uint8_t *dst;    /* where range [from, to) of the buffer lands */
-    uint64_t from, to;
-} work;
 
 typedef struct batch {
     const ckpt_snapshot *s;
@@ -666,34 +766,43 @@ typedef struct batch {
     pthread_mutex_t mu;
 } batch;
 
+/* Take the next work item: 1 and *i, or 0 when there is none or a chunk failed. */
+static int claim(batch *bt, size_t *i)
+{
+    pthread_mutex_lock(&bt->mu);
+    *i = bt->next++;
+    int go = !bt->failed && *i < bt->n;
+    pthread_mutex_unlock(&bt->mu);
+    return go;
+}
+
+/* A claimed chunk is always finished (its read may be in flight, and a bad chunk before the
+ * one that failed first must still be found): the next one is started first, then the current
+ * one finished, so the disk reads while the core decodes. */
 static void do_work(batch *bt, rctx *c)
 {
-    char bad[512];
-    for (;;) {
-        pthread_mutex_lock(&bt->mu);
-        size_t i = bt->next++;
-        int stop = bt->failed || i >= bt->n;
-        pthread_mutex_unlock(&bt->mu);
-        if (stop) return;
-        const work *w = &bt->w[i];
-        const chunk *k = w->k;
-        int whole = w->dst && w->from == k->offset && w->to == k->offset + k->bytes;
-        uint8_t *out = whole ? w->dst : c->raw;
-        bad[0] = '\0';
-        int rc = load_chunk(bt->s, c, w->b, k, out, bad, sizeof bad);
-        if (rc == 0 && w->dst && !whole)
-            memcpy(w->dst, c->raw + (w->from - k->offset), (size_t)(w->to - w->from));
+    pending pd[2];
+    size_t idx[2];
+    unsigned cur = 0;
+    int have = claim(bt, &idx[0]);
+    if (have) chunk_start(bt->s, c, 0, &bt->w[idx[0]], &pd[0]);
+    while (have) {
+        unsigned nx = cur ^ 1u;
+        int have_next = claim(bt, &idx[nx]);
+        if (have_next) chunk_start(bt->s, c, nx, &bt->w[idx[nx]], &pd[nx]);
+        int rc = chunk_finish(bt->s, c, &pd[cur]);
         if (rc < 0) {
             pthread_mutex_lock(&bt->mu);
-            if (!bt->failed || i < bt->bad_index) { /* report the first bad chunk in order */
+            if (!bt->failed || idx[cur] < bt->bad_index) { /* the first bad chunk in order */
                 bt->failed = 1;
-                bt->bad_index = i;
+                bt->bad_index = idx[cur];
                 bt->bad_rc = rc;
-                snprintf(bt->bad, sizeof bt->bad, "%s", bad);
+                snprintf(bt->bad, sizeof bt->bad, "%s", pd[cur].bad);
             }
             pthread_mutex_unlock(&bt->mu);
-            return;
         }
+        cur = nx;
+        have = have_next;
     }
 }
 

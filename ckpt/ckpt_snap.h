@@ -36,11 +36,13 @@ typedef struct file {
     uint64_t bytes;
 } file;
 
-/* Decode state of one reading thread: zstd context, bounded buffers, one io_uring reader per
- * data file (opened on first use). */
+/* Decode state of one reading thread: zstd context, bounded buffers and io_uring readers for
+ * two chunks at a time (one read in flight while the other is decoded): slot j has
+ * stored[j] (STORE_ALIGN-aligned, max_stored + 2 x STORE_ALIGN bytes), raw[j] and the
+ * readers readers[j * nfiles + file] (opened on first use); filt is used during a decode. */
 typedef struct rctx {
     ZSTD_DCtx *dctx;
-    uint8_t *stored, *raw, *filt;
+    uint8_t *stored[2], *raw[2], *filt;
     store_reader **readers;
 } rctx;
 
