@@ -587,38 +587,17 @@ typedef struct work {
 /* A chunk in the hands of a reading thread: started (its read in flight, on local files),
  * then finished (waited for, checked, decoded). A thread keeps two, so that the next chunk is
  * read while the current one is decoded. */
-/* A chunk's read goes out in pieces of at least this many bytes, at most READ_PIECES. */
-#define READ_PIECE_BYTES (1u << 20)
-#define READ_PIECES 8
-
 typedef struct pending {
     const work *w;
     uint8_t *out;          /* k->bytes bytes: the destination (whole chunks) or c->raw[slot] */
     uint8_t *stored;       /* where the stored bytes arrive */
     store_reader *reader;  /* the reader with the read in flight, or NULL */
-    store_read_req req[READ_PIECES];
-    size_t nreq;
+    store_read_req req;
     int rc;                /* a failure of the start, reported by the finish */
     char bad[512];
 } pending;
 
 static uint64_t align_down(uint64_t x) { return x & ~(uint64_t)(STORE_ALIGN - 1); }
-
-/* Cut [off, off + len) into dst into at most READ_PIECES requests of READ_PIECE_BYTES or more
- * (aligned ones where off and dst are), so that one chunk's read is several in flight. */
-static size_t cut_read(store_read_req *req, uint64_t off, uint64_t len, uint8_t *dst)
-{
-    uint64_t piece = len / READ_PIECES + 1;
-    if (piece < READ_PIECE_BYTES) piece = READ_PIECE_BYTES;
-    piece = (piece + STORE_ALIGN - 1) & ~(uint64_t)(STORE_ALIGN - 1);
-    size_t n = 0;
-    for (uint64_t done = 0; done < len && n < READ_PIECES; n++) {
-        uint64_t m = len - done < piece || n == READ_PIECES - 1 ? len - done : piece;
-        req[n] = (store_read_req){off + done, (size_t)m, dst + done};
-        done += m;
-    }
-    return n;
-}
 
 /* Start loading w's chunk with the thread's buffers and readers of `slot` (0 or 1): open the
  * data file's reader on first use and submit the read of the stored bytes (S3: fetch them).
@@ -650,7 +629,7 @@ static void chunk_start(const ckpt_snapshot *s, rctx *c, unsigned slot, const wo
     }
     if (in_place) {
         pd->stored = pd->out;
-        pd->nreq = cut_read(pd->req, k->file_offset, k->stored_bytes, pd->out);
+        pd->req = (store_read_req){k->file_offset, (size_t)k->stored_bytes, pd->out};
     } else {
         /* [a0, a1) within the file (its last block may be short): at most 2 x 4095 bytes
          * more than the frame, which the slot buffer has room for */
@@ -658,7 +637,7 @@ static void chunk_start(const ckpt_snapshot *s, rctx *c, unsigned slot, const wo
         uint64_t a1 = align_down(k->file_offset + k->stored_bytes + STORE_ALIGN - 1);
         if (a1 > f->bytes) a1 = f->bytes;
         pd->stored = c->stored[slot] + (k->file_offset - a0);
-        pd->nreq = cut_read(pd->req, a0, a1 - a0, c->stored[slot]);
+        pd->req = (store_read_req){a0, (size_t)(a1 - a0), c->stored[slot]};
     }
     store_reader **rd = &c->readers[(size_t)slot * s->nfiles + k->file];
     int rc;
@@ -682,7 +661,7 @@ static void chunk_start(const ckpt_snapshot *s, rctx *c, unsigned slot, const wo
             return;
         }
     }
-    if ((rc = store_reader_submit(*rd, pd->req, pd->nreq)) < 0) {
+    if ((rc = store_reader_submit(*rd, &pd->req, 1)) < 0) {
         log_why(pd->bad, sizeof pd->bad, "%s: chunk %u of %s (file offset %llu): read failed: %s",
                 p, k->index, b->name, (unsigned long long)k->file_offset, strerror(-rc));
         pd->rc = rc;
