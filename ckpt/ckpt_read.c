@@ -546,20 +546,26 @@ static int ensure_read_state(ckpt_snapshot *s)
     if (s->ctx) return 0;
     s->ctx = calloc(s->threads, sizeof *s->ctx);
     if (!s->ctx) return -ENOMEM;
-    for (unsigned t = 0; t < s->threads; t++) {
+    int ok = 1;
+    for (unsigned t = 0; t < s->threads && ok; t++) {
         rctx *c = &s->ctx[t];
         c->dctx = ZSTD_createDCtx();
-        for (int j = 0; j < 2; j++) {
+        for (int j = 0; j < 2 && ok; j++) {
             /* a frame is read in whole aligned blocks around it (chunk_start) */
             void *m = NULL;
-            if (posix_memalign(&m, STORE_ALIGN, (size_t)s->max_stored + 2 * STORE_ALIGN) != 0)
-                return -ENOMEM;
-            c->stored[j] = m;
-            if (!(c->raw[j] = malloc(s->max_raw ? s->max_raw : 1))) return -ENOMEM;
+            ok = posix_memalign(&m, STORE_ALIGN, (size_t)s->max_stored + 2 * STORE_ALIGN) == 0;
+            c->stored[j] = ok ? m : NULL;
+            ok = ok && (c->raw[j] = malloc(s->max_raw ? s->max_raw : 1)) != NULL;
         }
         c->filt = malloc(s->max_raw ? s->max_raw : 1);
         c->readers = calloc(s->nfiles ? 2 * s->nfiles : 1, sizeof *c->readers);
-        if (!c->dctx || !c->filt || !c->readers) return -ENOMEM;
+        ok = ok && c->dctx && c->filt && c->readers;
+    }
+    if (!ok) { /* no half-made state for the next call to take as ready */
+        for (unsigned t = 0; t < s->threads; t++) rctx_free(&s->ctx[t], s->nfiles);
+        free(s->ctx);
+        s->ctx = NULL;
+        return -ENOMEM;
     }
     return 0;
 }
