@@ -532,12 +532,12 @@ static void rctx_free(rctx *c, size_t nfiles)
 {
     if (!c) return;
     ZSTD_freeDCtx(c->dctx);
-    for (int j = 0; j < 2; j++) {
+    for (int j = 0; j < CKPT_READ_SLOTS; j++) {
         free(c->stored[j]);
         free(c->raw[j]);
     }
     free(c->filt);
-    for (size_t i = 0; c->readers && i < 2 * nfiles; i++) store_reader_close(c->readers[i]);
+    for (size_t i = 0; c->readers && i < CKPT_READ_SLOTS * nfiles; i++) store_reader_close(c->readers[i]);
     free(c->readers);
 }
 
@@ -550,7 +550,7 @@ static int ensure_read_state(ckpt_snapshot *s)
     for (unsigned t = 0; t < s->threads && ok; t++) {
         rctx *c = &s->ctx[t];
         c->dctx = ZSTD_createDCtx();
-        for (int j = 0; j < 2 && ok; j++) {
+        for (int j = 0; j < CKPT_READ_SLOTS && ok; j++) {
             /* a frame is read in whole aligned blocks around it (chunk_start) */
             void *m = NULL;
             ok = posix_memalign(&m, STORE_ALIGN, (size_t)s->max_stored + 2 * STORE_ALIGN) == 0;
@@ -558,7 +558,7 @@ static int ensure_read_state(ckpt_snapshot *s)
             ok = ok && (c->raw[j] = malloc(s->max_raw ? s->max_raw : 1)) != NULL;
         }
         c->filt = malloc(s->max_raw ? s->max_raw : 1);
-        c->readers = calloc(s->nfiles ? 2 * s->nfiles : 1, sizeof *c->readers);
+        c->readers = calloc(s->nfiles ? CKPT_READ_SLOTS * s->nfiles : 1, sizeof *c->readers);
         ok = ok && c->dctx && c->filt && c->readers;
     }
     if (!ok) { /* no half-made state for the next call to take as ready */
@@ -591,8 +591,8 @@ typedef struct work {
 } work;
 
 /* A chunk in the hands of a reading thread: started (its read in flight, on local files),
- * then finished (waited for, checked, decoded). A thread keeps two, so that the next chunk is
- * read while the current one is decoded. */
+ * then finished (waited for, checked, decoded). A thread keeps CKPT_READ_SLOTS of them, so
+ * that the next chunks are read while the current one is decoded. */
 typedef struct pending {
     const work *w;
     uint8_t *out;          /* k->bytes bytes: the destination (whole chunks) or c->raw[slot] */
@@ -605,7 +605,7 @@ typedef struct pending {
 
 static uint64_t align_down(uint64_t x) { return x & ~(uint64_t)(STORE_ALIGN - 1); }
 
-/* Start loading w's chunk with the thread's buffers and readers of `slot` (0 or 1): open the
+/* Start loading w's chunk with the thread's buffers and readers of `slot`: open the
  * data file's reader on first use and submit the read of the stored bytes (S3: fetch them).
  * A chunk stored raw without filter is read straight into its destination; a frame is read
  * whole 4096-byte blocks around it into the aligned slot buffer, so that O_DIRECT puts it
@@ -762,32 +762,35 @@ static int claim(batch *bt, size_t *i)
 }
 
 /* A claimed chunk is always finished (its read may be in flight, and a bad chunk before the
- * one that failed first must still be found): the next one is started first, then the current
- * one finished, so the disk reads while the core decodes. */
+ * one that failed first must still be found). Up to CKPT_READ_SLOTS chunks are started
+ * before the oldest is finished, so the disk reads ahead while the core decodes. */
 static void do_work(batch *bt, rctx *c)
 {
-    pending pd[2];
-    size_t idx[2];
-    unsigned cur = 0;
-    int have = claim(bt, &idx[0]);
-    if (have) chunk_start(bt->s, c, 0, &bt->w[idx[0]], &pd[0]);
-    while (have) {
-        unsigned nx = cur ^ 1u;
-        int have_next = claim(bt, &idx[nx]);
-        if (have_next) chunk_start(bt->s, c, nx, &bt->w[idx[nx]], &pd[nx]);
-        int rc = chunk_finish(bt->s, c, &pd[cur]);
+    pending pd[CKPT_READ_SLOTS];
+    size_t idx[CKPT_READ_SLOTS];
+    unsigned head = 0, count = 0;
+    int more = 1;
+    for (;;) {
+        while (more && count < CKPT_READ_SLOTS) {
+            unsigned sl = (head + count) % CKPT_READ_SLOTS;
+            if (!(more = claim(bt, &idx[sl]))) break;
+            chunk_start(bt->s, c, sl, &bt->w[idx[sl]], &pd[sl]);
+            count++;
+        }
+        if (!count) break;
+        int rc = chunk_finish(bt->s, c, &pd[head]);
         if (rc < 0) {
             pthread_mutex_lock(&bt->mu);
-            if (!bt->failed || idx[cur] < bt->bad_index) { /* the first bad chunk in order */
+            if (!bt->failed || idx[head] < bt->bad_index) { /* the first bad chunk in order */
                 bt->failed = 1;
-                bt->bad_index = idx[cur];
+                bt->bad_index = idx[head];
                 bt->bad_rc = rc;
-                snprintf(bt->bad, sizeof bt->bad, "%s", pd[cur].bad);
+                snprintf(bt->bad, sizeof bt->bad, "%s", pd[head].bad);
             }
             pthread_mutex_unlock(&bt->mu);
         }
-        cur = nx;
-        have = have_next;
+        head = (head + 1) % CKPT_READ_SLOTS;
+        count--;
     }
 }
 

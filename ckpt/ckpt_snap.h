@@ -36,13 +36,16 @@ typedef struct file {
     uint64_t bytes;
 } file;
 
+/* Chunks a reading thread has in hand at once: one decoded, the others' reads in flight. */
+#define CKPT_READ_SLOTS 3
+
 /* Decode state of one reading thread: zstd context, bounded buffers and io_uring readers for
- * two chunks at a time (one read in flight while the other is decoded): slot j has
- * stored[j] (STORE_ALIGN-aligned, max_stored + 2 x STORE_ALIGN bytes), raw[j] and the
- * readers readers[j * nfiles + file] (opened on first use); filt is used during a decode. */
+ * CKPT_READ_SLOTS chunks at a time: slot j has stored[j] (STORE_ALIGN-aligned, max_stored +
+ * 2 x STORE_ALIGN bytes), raw[j] and the readers readers[j * nfiles + file] (opened on first
+ * use); filt is used during a decode. */
 typedef struct rctx {
     ZSTD_DCtx *dctx;
-    uint8_t *stored[2], *raw[2], *filt;
+    uint8_t *stored[CKPT_READ_SLOTS], *raw[CKPT_READ_SLOTS], *filt;
     store_reader **readers;
 } rctx;
 
