@@ -81,12 +81,15 @@ class Retention(h.TempDirTest):
                      "--n-embd", "128"])
         rss = [float(x) for x in re.findall(r"snapshot step \d+ staged: .* rss ([0-9.]+) MiB", p.stderr)]
         self.assertEqual(len(rss), 20)
-        print(f"rss after snapshot 2: {rss[1]} MiB, after 20: {rss[19]} MiB")
+        # the first persists touch the pipeline's buffers as they need them (a few chunks in
+        # flight more each time, on a busy machine): flat is judged from the 4th snapshot on,
+        # over 17 more - a leak of a snapshot's worth (or a chunk's) each time shows there
+        print(f"rss after snapshot 4: {rss[3]} MiB, after 20: {rss[19]} MiB")
         if os.environ.get("CKPT_SANITIZED") == "1":
             # sanitizers quarantine freed memory: RSS says nothing there; the plain build asserts it
             print("sanitizer build: resident memory not compared")
         else:
-            self.assertLessEqual(abs(rss[19] - rss[1]), 0.5, rss)
+            self.assertLessEqual(max(rss[3:]) - min(rss[3:]), 0.5, rss)
 
 
 if __name__ == "__main__":
