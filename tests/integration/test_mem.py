@@ -364,6 +364,14 @@ class MemTest(TempDirTest):
         p = harness.run(base + ["--ckpt-dir", file], extra_env=dict(f, CKPT_MEM_PATH=mp))
         self.assertEqual((p.returncode, len(p.stderr.strip().splitlines())), (1, 1), p.stderr)
         self.assertRegex(p.stderr, r"flush of \S+ into \S+ failed: .*Not a directory")
+        # any value but unset, "", "0" and "1" is a usage error, never a full training run
+        for v in ["2", "yes", "true", " 1"]:
+            p = harness.run(base + ["--ckpt-dir", self.ckpt, "--steps", "2"],
+                            extra_env={"CKPT_MEM_FLUSH": v, "CKPT_MEM_PATH": mp})
+            self.assertEqual((p.returncode, len(p.stderr.strip().splitlines())), (2, 1), (v, p.stderr))
+            self.assertIn("CKPT_MEM_FLUSH", p.stderr)
+            self.assertIsNone(harness.FINAL_RE.search(p.stdout), v)
+        self.assertEqual(harness.snapshot_dirs(self.ckpt), [])
 
 if __name__ == "__main__":
     harness.main()
