@@ -130,22 +130,22 @@ int train_mem_plan(state *s)
         /* the budget is the node's: its first local rank says why, once per node */
         const int speaks = env_int("LOCAL_RANK", s->rank) == 0;
         if (slot_max == 0 || s->mem_slot_bytes == 0 || segment_bytes(slot_max) == 0) {
-            if (speaks) LOG_W(TAG, "rank %d: memory tier off: a slot of this state's shard would "
-                              "exceed the format's limits", s->rank);
+            if (speaks) LOG_W(TAG, "memory tier off: a slot of this state's shard would "
+                              "exceed the format's limits");
         } else if (o->mem_budget && need > budget) {
-            if (speaks) LOG_E(TAG, "rank %d: --mem-budget %" PRIu64 " (%s) is too small for the memory tier: "
+            if (speaks) LOG_E(TAG, "--mem-budget %" PRIu64 " (%s) is too small for the memory tier: "
                   "it needs %" PRIu64 " bytes (%s) per node = %d local rank%s x %s (2 slots of the "
-                  "state shard)%s; raise --mem-budget or pass --mem-snapshot-every 0", s->rank,
+                  "state shard)%s; raise --mem-budget or pass --mem-snapshot-every 0",
                   budget, bb, need, nb, local_world, local_world == 1 ? "" : "s", sb,
                   nodes > 1 ? " x 2 (the peer node's replicas live here too)" : "");
             mine[1] = 2;
         } else if (fs_err) {
-            LOG_W(TAG, "rank %d: memory tier off: cannot read the free space of %s: %s", s->rank,
+            LOG_W(TAG, "memory tier off: cannot read the free space of %s: %s",
                   d, strerror(fs_err));
         } else if (need > budget) {
-            if (speaks) LOG_W(TAG, "rank %d: memory tier off: it needs %s per node (%d local rank%s x %s%s), "
+            if (speaks) LOG_W(TAG, "memory tier off: it needs %s per node (%d local rank%s x %s%s), "
                   "more than the default budget of %s (half the free space of %s); free memory "
-                  "there or give --mem-budget", s->rank, nb, local_world, local_world == 1 ? "" : "s",
+                  "there or give --mem-budget", nb, local_world, local_world == 1 ? "" : "s",
                   sb, nodes > 1 ? " x 2 for the peer's replicas" : "", bb, d);
         } else {
             mine[0] = 1;
@@ -195,8 +195,8 @@ int train_mem_open(state *s)
     if (rc < 0) {
         /* this rank keeps taking part in the snapshots' collectives (mem_every stays): only
          * its copy is missing, and a restore from memory then falls back to disk */
-        LOG_W(TAG, "rank %d: no memory snapshots on this rank: cannot create the segment %s "
-              "(%" PRIu64 " bytes per slot): %s", s->rank, s->mem_own, s->mem_slot_bytes,
+        LOG_W(TAG, "no memory snapshots on this rank: cannot create the segment %s "
+              "(%" PRIu64 " bytes per slot): %s", s->mem_own, s->mem_slot_bytes,
               strerror(-rc));
         s->mem_seg = NULL;
         return rc;
@@ -234,15 +234,15 @@ int train_mem_write(state *s, const ckpt_buffer bufs[3], const char *trainer_jso
     if (rc < 0) {
         s->mem_failed++;
         if (!s->mem_failing)
-            LOG_W(TAG, "rank %d, step %" PRId64 ": memory snapshot into %s failed: %s; training "
+            LOG_W(TAG, "step %" PRId64 ": memory snapshot into %s failed: %s; training "
                   "goes on (the previous complete slot stays; logged again when it recovers)",
-                  s->rank, s->step, s->mem_own, strerror(-rc));
+                  s->step, s->mem_own, strerror(-rc));
         s->mem_failing = 1;
         train_report_mem_snapshot_failed(s->report, s->step, rc);
         return rc;
     }
     if (s->mem_failing)
-        LOG_I(TAG, "rank %d, step %" PRId64 ": memory snapshots work again", s->rank, s->step);
+        LOG_I(TAG, "step %" PRId64 ": memory snapshots work again", s->step);
     s->mem_failing = 0;
     uint64_t bytes = bufs[0].bytes + bufs[1].bytes + bufs[2].bytes;
     s->mem_count++;

@@ -310,6 +310,7 @@ class MemTest(TempDirTest):
                            r"it needs (\d+) bytes .*", err)
         self.assertEqual(len(lines), 1, err[-3000:])
         self.assertGreater(int(lines[0]), 65536)
+        self.assertNotRegex(err, r"rank \d+: rank \d+:")  # the logger prefixes the rank once
         self.assertIn("a usage or configuration error, not restarting", err)
         self.assertNotRegex(err, r"step 1/")
         self.assertEqual(self.segments(), [])
@@ -318,11 +319,14 @@ class MemTest(TempDirTest):
         """A malformed --mem-budget is a usage error (2, one line); suffixes are accepted;
         without CKPT_MEM_PATH train says once that there is no memory tier and trains."""
         base = [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS + ["--steps", "2"]
-        for bad in ["12Q", "0", "-1", "G", "99999999999T"]:
+        for bad in ["12Q", "0", "-1", "G", "99999999999T", " 1G", "1G ", "+1G", "\t1G"]:
             p = harness.run(base + ["--mem-budget", bad])
             self.assertEqual(p.returncode, 2, (bad, p.stderr))
             self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
             self.assertIn("--mem-budget", p.stderr)
+        for good in ["512m", "1g", "1GiB", "64k"]:  # either case, documented
+            p = harness.run(base + ["--mem-budget", good, "--steps", "1"], extra_env={"CKPT_MEM_PATH": ""})
+            self.assertEqual(p.returncode, 0, (good, p.stderr[-2000:]))
         p = harness.run(base + ["--mem-budget", "512M", "--mem-snapshot-every", "1"],
                         extra_env={"CKPT_MEM_PATH": ""})
         self.assertEqual(p.returncode, 0, p.stderr[-2000:])
