@@ -383,6 +383,13 @@ static int split_prefix(const char *prefix, char *dir, size_t dlen, const char *
     return 0;
 }
 
+int ckpt_mem_prefix_ok(const char *prefix)
+{
+    char dir[CKPT_PATH_MAX];
+    const char *base;
+    return split_prefix(prefix, dir, sizeof dir, &base) == 0;
+}
+
 static int add_bad(scan *sc, const char *path, int slot, uint64_t step, const char *reason)
 {
     ckpt_mem_entry *nb = realloc(sc->bad, (sc->nbad + 1) * sizeof *nb);

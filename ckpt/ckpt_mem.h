@@ -57,6 +57,13 @@
 /* Environment variable holding the path prefix (set by the agent for its workers). */
 #define CKPT_MEM_PATH_ENV "CKPT_MEM_PATH"
 
+/* Non-zero when prefix is a path prefix this module can list and open: not empty, shorter
+ * than CKPT_PATH_MAX - 64 bytes (room for ".own-<L>" and ".rep-<N>-<L>"), and with a file
+ * name part after its last '/' ("/" and "/dev/shm/" are refused: their segments would be
+ * hidden files nobody lists). The rule of ckpt_mem_list and ckpt_mem_snapshot_open; a writer
+ * checks CKPT_MEM_PATH with it once at start. NULL gives 0. Thread-safe. */
+int ckpt_mem_prefix_ok(const char *prefix);
+
 /* Slot bytes (a multiple of 4096) that one rank's memory snapshot of these shards needs:
  * the header, each shard rounded up to 4096, trainer_len_max bytes of trainer record, and
  * the checksums of chunk_bytes pieces. Only bufs[i].bytes is read. Give the result to

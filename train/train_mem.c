@@ -95,6 +95,15 @@ int train_mem_plan(state *s)
             LOG_I(TAG, "no memory tier: CKPT_MEM_PATH is not set (elastic sets it)%s",
                   o->mem_every > 0 || o->mem_budget ? "; --mem-snapshot-every and --mem-budget "
                   "are ignored" : "");
+    } else if (!ckpt_mem_prefix_ok(s->mem_path)) {
+        /* the reader's rule (ckpt_mem_list): a prefix it refuses would give segments that are
+         * never listed nor restored, nor removed by the agent */
+        if (env_int("LOCAL_RANK", s->rank) == 0)
+            LOG_E(TAG, "CKPT_MEM_PATH '%.200s%s' is not a usable memory tier prefix: it needs a file "
+                  "name part after its last '/' and fewer than %d bytes (elastic sets it to "
+                  "<mem-dir>/ckptmem-...)", s->mem_path, strlen(s->mem_path) > 200 ? "..." : "",
+                  CKPT_PATH_MAX - 64);
+        mine[1] = 2;
     } else if (o->mem_every == 0) {
         if (s->rank == 0) LOG_I(TAG, "memory tier off: --mem-snapshot-every 0");
     } else if (s->mem_chunk == 0) {
@@ -277,6 +286,12 @@ int train_mem_flush_main(const options *o)
     const char *path = getenv("CKPT_MEM_PATH");
     if (!path || !*path) {
         LOG_E(TAG, "flush (CKPT_MEM_FLUSH=1): CKPT_MEM_PATH is not set: no memory tier to flush");
+        return 2;
+    }
+    if (!ckpt_mem_prefix_ok(path)) {
+        LOG_E(TAG, "flush (CKPT_MEM_FLUSH=1): CKPT_MEM_PATH '%.200s%s' is not a usable memory tier "
+              "prefix: it needs a file name part after its last '/' and fewer than %d bytes", path,
+              strlen(path) > 200 ? "..." : "", CKPT_PATH_MAX - 64);
         return 2;
     }
     if (!o->ckpt_dir) {

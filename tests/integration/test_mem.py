@@ -350,6 +350,27 @@ class MemTest(TempDirTest):
         self.assertEqual(self.segments(), [])
         self.assertEqual(harness.snapshot_dirs(self.ckpt), ["step-000000003"])
 
+    def test_unusable_prefix_is_a_usage_error(self):
+        """A CKPT_MEM_PATH the readers refuse ('/', a folder with a trailing '/', too long) is
+        refused at start by the writer too: exit 2 with one line naming CKPT_MEM_PATH, before
+        any segment (no hidden '.own-0' that nobody lists or removes); the flush mode too."""
+        base = [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS + ["--steps", "2"]
+        for hidden in ["/.own-0", "/dev/shm/.own-0"]:
+            if not os.path.exists(hidden):
+                self.addCleanup(lambda h=hidden: os.path.exists(h) and os.unlink(h))
+        for mp in [self.mem + "/", "/", "/dev/shm/", os.path.join(self.mem, "a" * 4100)]:
+            for env in [{}, {"CKPT_MEM_FLUSH": "1"}]:
+                p = harness.run(base + ["--ckpt-dir", self.ckpt, "--mem-snapshot-every", "1"],
+                                extra_env=dict(env, CKPT_MEM_PATH=mp, LOCAL_RANK="0"))
+                self.assertEqual((p.returncode, len(p.stderr.strip().splitlines())), (2, 1),
+                                 (mp[:80], env, p.stderr[-2000:]))
+                self.assertIn("CKPT_MEM_PATH", p.stderr)
+                self.assertLess(len(p.stderr), 600)
+                self.assertNotIn("Invalid argument", p.stderr)
+            self.assertEqual(self.segments(), [], mp[:80])
+        self.assertFalse(os.path.exists("/dev/shm/.own-0"))
+        self.assertFalse(os.path.exists("/.own-0"))
+
     def test_flush_mode_exit_statuses(self):
         """CKPT_MEM_FLUSH=1 (what the agent runs): one line and 2 without CKPT_MEM_PATH, 0 when
         there is nothing to flush, 1 when the flush fails (a --ckpt-dir that is a file)."""

@@ -593,6 +593,30 @@ static void test_hostile_headers(void)
     free(p);
 }
 
+/* The prefix rule the readers apply, exported for the writers (ckpt_mem_prefix_ok). */
+static void test_prefix_rule(void)
+{
+    T_CHECK(ckpt_mem_prefix_ok("/dev/shm/ckptmem-a-b"), "a usual prefix");
+    T_CHECK(ckpt_mem_prefix_ok("rel"), "a relative prefix");
+    T_CHECK(!ckpt_mem_prefix_ok("/"), "/ refused");
+    T_CHECK(!ckpt_mem_prefix_ok("/dev/shm/"), "a folder refused");
+    T_CHECK(!ckpt_mem_prefix_ok(""), "empty refused");
+    T_CHECK(!ckpt_mem_prefix_ok(NULL), "NULL refused");
+    char *longp = malloc(CKPT_PATH_MAX);
+    T_REQUIRE(longp, "malloc");
+    memset(longp, 'a', CKPT_PATH_MAX - 1);
+    longp[0] = '/';
+    longp[CKPT_PATH_MAX - 64] = '\0';
+    T_CHECK(!ckpt_mem_prefix_ok(longp), "too long refused");
+    longp[CKPT_PATH_MAX - 65] = '\0';
+    T_CHECK(ckpt_mem_prefix_ok(longp), "the longest accepted");
+    ckpt_mem_entry *e = NULL;
+    size_t n = 0;
+    T_CHECK(ckpt_mem_list("/dev/shm/", &e, &n) == -EINVAL, "the lister refuses what the rule refuses");
+    free(e);
+    free(longp);
+}
+
 int main(void)
 {
     /* only the child of test_crash_mid_copy writes step 999 (the value is read once) */
@@ -602,6 +626,7 @@ int main(void)
     /* names under the prefix that are not segments are skipped */
     char *lease = seg_path("lease"), *junk = seg_path("own-x");
     T_REQUIRE(t_spit(lease, "", 0) == 0 && t_spit(junk, "garbage", 7) == 0, "decoys");
+    test_prefix_rule();
     test_write_list_open();
     test_flipped_byte();
     test_crash_mid_copy();
