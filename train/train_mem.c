@@ -201,6 +201,13 @@ int train_mem_open(state *s)
     snprintf(s->mem_own, sizeof s->mem_own, "%s.own-%d", s->mem_path,
              env_int("LOCAL_RANK", s->rank));
     int rc = shmseg_create(s->mem_own, s->mem_slot_bytes, &s->mem_seg);
+    if (rc == -EBUSY) {
+        LOG_W(TAG, "no memory snapshots on this rank: another process writes the segment %s (two "
+              "workers with the same CKPT_MEM_PATH and LOCAL_RANK?); training goes on with disk "
+              "snapshots only for this rank", s->mem_own);
+        s->mem_seg = NULL;
+        return rc;
+    }
     if (rc < 0) {
         /* this rank keeps taking part in the snapshots' collectives (mem_every stays): only
          * its copy is missing, and a restore from memory then falls back to disk */

@@ -371,6 +371,33 @@ class MemTest(TempDirTest):
         self.assertFalse(os.path.exists("/dev/shm/.own-0"))
         self.assertFalse(os.path.exists("/.own-0"))
 
+    def test_second_writer_of_a_segment(self):
+        """Two trains with the same CKPT_MEM_PATH and LOCAL_RANK: the first holds its segment
+        (shmseg_create's flock); the second says so in one line and trains without its memory
+        copy (exit 0, no memory snapshot); the first's slots are untouched by it."""
+        import subprocess
+        base = [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS
+        env = {"CKPT_MEM_PATH": os.path.join(self.mem, "p"), "LOCAL_RANK": "0"}
+        first = subprocess.Popen(base + ["--steps", "100000", "--mem-snapshot-every", "1"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                 env=harness.env(env))
+        self.addCleanup(lambda: (first.kill(), first.wait(), first.stderr.close()))
+        deadline = time.time() + 60
+        line = ""
+        while "memory snapshot step" not in line and time.time() < deadline:
+            line = first.stderr.readline()
+            self.assertTrue(line or first.poll() is None, "the first train ended")
+        self.assertIn("memory snapshot step", line)
+        p = harness.run(base + ["--steps", "3", "--mem-snapshot-every", "1"], extra_env=env)
+        self.assertEqual(p.returncode, 0, p.stderr[-2000:])
+        self.assertEqual(len(re.findall(r"another process writes the segment \S+\.own-0", p.stderr)), 1,
+                         p.stderr[-2000:])
+        self.assertNotRegex(p.stderr, r"memory snapshot step \d+ in slot")
+        self.assertIsNone(first.poll())
+        self.assertEqual(self.segments(), ["p.own-0"])
+        steps = [sl[4] for sl in slots_of(os.path.join(self.mem, "p.own-0")) if sl[1] == 2]
+        self.assertTrue(steps and min(steps) > 0, steps)
+
     def test_flush_mode_exit_statuses(self):
         """CKPT_MEM_FLUSH=1 (what the agent runs): one line and 2 without CKPT_MEM_PATH, 0 when
         there is nothing to flush, 1 when the flush fails (a --ckpt-dir that is a file)."""
