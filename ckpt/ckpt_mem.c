@@ -915,13 +915,14 @@ out:
 
 /* ------------------------------------------------------------------ flush */
 
-/* The newest committed disk step of run_id in the listing, 0 when none. */
-static uint64_t disk_newest(const ckpt_entry *e, size_t n, const char *run_id)
+/* The newest committed disk snapshot of any run in the listing (its index), -1 when none. Any
+ * run: a flushed step below another run's newer snapshot would block continuing there
+ * (train's "later snapshots in the way"). */
+static ptrdiff_t disk_newest(const ckpt_entry *e, size_t n)
 {
-    uint64_t best = 0;
+    ptrdiff_t best = -1;
     for (size_t i = 0; i < n; i++)
-        if (e[i].status == CKPT_STATUS_COMMITTED && !strcmp(e[i].run_id, run_id) && e[i].step > best)
-            best = e[i].step;
+        if (e[i].status == CKPT_STATUS_COMMITTED && (best < 0 || e[i].step > e[best].step)) best = (ptrdiff_t)i;
     return best;
 }
 
@@ -1009,11 +1010,18 @@ int64_t ckpt_mem_flush(const char *path_prefix, const char *ckpt_dir, const ckpt
     }
     int tried = 0, first_err = 0;
     uint64_t newest_mem = 0;
+    const ckpt_mem_entry *other = NULL; /* a complete one of another run (run_id given) */
+    const ptrdiff_t dn = disk_newest(de, nd);
+    const uint64_t disk_step = dn >= 0 ? de[dn].step : 0;
     for (size_t i = 0; i < nm; i++) {
         const ckpt_mem_entry *e = &me[i];
-        if (e->status != CKPT_MEM_COMPLETE || e->step == 0 || (run_id && strcmp(run_id, e->run_id) != 0)) continue;
+        if (e->status != CKPT_MEM_COMPLETE || e->step == 0) continue;
+        if (run_id && strcmp(run_id, e->run_id) != 0) {
+            if (!other) other = e;
+            continue;
+        }
         if (!newest_mem) newest_mem = e->step;
-        if (e->step <= disk_newest(de, nd, e->run_id)) continue;
+        if (e->step <= disk_step) continue;
         char w[512] = "";
         tried++;
         rc = flush_one(path_prefix, e->id, &o, w, sizeof w);
@@ -1032,7 +1040,11 @@ int64_t ckpt_mem_flush(const char *path_prefix, const char *ckpt_dir, const ckpt
     if (tried) result = first_err;
     else if (newest_mem)
         log_why(why, why_len, "nothing to flush: the newest memory snapshot (step %" PRIu64 ") is not newer than "
-                "the disk's", newest_mem);
+                "the newest committed snapshot in %s (%s, run %s)", newest_mem, ckpt_dir, de[dn].name,
+                de[dn].run_id[0] ? de[dn].run_id : "?");
+    else if (other)
+        log_why(why, why_len, "nothing to flush: the complete memory snapshots under %s belong to other runs "
+                "(such as %s), none to run %s", path_prefix, other->id, run_id);
     else
         log_why(why, why_len, "nothing to flush: no complete memory snapshot under %s", path_prefix);
 out:

@@ -185,13 +185,16 @@ const char *ckpt_mem_source_name(int source);
  *   takes ckpt_dir's lock (ckpt_dir_lock_acquire) for the whole call; lists the memory
  *   snapshots (ckpt_mem_list) and the committed disk snapshots (ckpt_list); the candidates
  *   are the COMPLETE memory snapshots (of run_id, when not NULL) whose step is larger than
- *   the newest committed disk snapshot of their own run_id, newest first; the first that
+ *   the newest committed disk snapshot of ANY run in ckpt_dir (not only their own: a step
+ *   written below another run's newer snapshot would be "a later snapshot in the way" of
+ *   the run continuing from it), newest first; the first that
  *   opens and reads back with every chunk checksum right is saved (ckpt_save with opts, dir
  *   = ckpt_dir). A candidate that fails (-EBADMSG, -ESTALE, -ENOENT...) is logged and the
  *   next is tried. Step 0 is never flushed (it cannot be told from "nothing done").
  * Memory: the whole buffers of the snapshot, once, in anonymous memory for the call.
  * opts: chunking and codec (NULL = CKPT_SAVE_OPTS_INIT); its dir is ignored. run_id: NULL
- * for any run. why (may be NULL): one line (what was flushed, or why nothing, or the error).
+ * for any run. why (may be NULL): one line (what was flushed, or why nothing - no memory
+ * snapshot, only other runs' ones, not newer than the folder's newest - or the error).
  * Returns the step written (> 0), 0 when nothing is newer than the disk (or no memory
  * snapshot), or -EINVAL (NULL prefix or dir), -EBUSY (another process holds the folder's
  * lock), the error of the newest failed candidate when every candidate failed (-EBADMSG,

@@ -418,10 +418,12 @@ static void test_flush(void)
     T_CHECK(ckpt_mem_flush(prefix, disk, &o, NULL, why, sizeof why) == -EBUSY, "locked folder: %s", why);
     ckpt_dir_lock_release(l);
 
-    /* a newer snapshot of another run on disk does not count */
+    /* a newer snapshot of another run in the folder counts: step 20 written below it would
+     * block continuing ("later snapshots in the way") */
+    char *disk2 = t_path_in(dir, "ckpt-other");
     make_whole(77);
     ckpt_buffer ob = {"params", "f32", 4, 4096, 0, 4096, whole[0]};
-    T_REQUIRE(ckpt_save(&(ckpt_save_opts){.dir = disk, .chunk_bytes = 4096, .zstd_level = 1, .direct_io = 0,
+    T_REQUIRE(ckpt_save(&(ckpt_save_opts){.dir = disk2, .chunk_bytes = 4096, .zstd_level = 1, .direct_io = 0,
                                           .queue_depth = 4},
                         77, "other", "cfg1", &ob, 1, "{}", NULL) == 0,
               "save other run");
@@ -429,7 +431,16 @@ static void test_flush(void)
     memcpy(keep, whole[0], 4096);
     ob.data = keep;
     make_whole(20);
-    T_CHECK(ckpt_mem_flush(prefix, disk, &o, "nope", why, sizeof why) == 0, "no memory snapshot of run nope");
+    T_CHECK(ckpt_mem_flush(prefix, disk2, &o, NULL, why, sizeof why) == 0 && strstr(why, "step-000000077") &&
+                strstr(why, "run other"),
+            "another run's step 77 in the folder: nothing flushed (%s)", why);
+    char p2[4300];
+    snprintf(p2, sizeof p2, "%s/step-000000020", disk2);
+    T_CHECK(!t_exists(p2), "no step 20 next to the other run's 77");
+    free(disk2);
+    T_CHECK(ckpt_mem_flush(prefix, disk, &o, "nope", why, sizeof why) == 0 && strstr(why, "other runs") &&
+                strstr(why, "run nope"),
+            "only other runs' memory snapshots: %s", why);
     int64_t st = ckpt_mem_flush(prefix, disk, &o, NULL, why, sizeof why);
     T_CHECK(st == 20, "flushed step 20 (got %lld: %s)", (long long)st, why);
     char p[4300];
