@@ -23,7 +23,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <unistd.h>
 
 #define TAG "train"
 
@@ -55,6 +59,42 @@ static void human_bytes(uint64_t n, char *out, size_t len)
         k++;
     }
     snprintf(out, len, k ? "%.1f %s" : "%.0f %s", x, u[k]);
+}
+
+/* Bytes held in dir by this node's segments under the prefix's file name part base:
+ * "<base>.own-<L>" (each local rank's, reused in place by the next round) and
+ * "<base>.rep-<N>-<L>" (the agent's replicas, reused in place too; the agent's room_for counts
+ * them alike). The default budget counts them as available: otherwise the tier, on after the
+ * first start, measured its own segments as used and switched itself off after a restart. */
+static uint64_t own_files_bytes(const char *dir, const char *base)
+{
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    const size_t bl = strlen(base);
+    uint64_t sum = 0;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        const char *n = de->d_name;
+        if (strncmp(n, base, bl) != 0 || n[bl] != '.') continue;
+        const char *k = n + bl + 1;
+        size_t dig;
+        if (!strncmp(k, "own-", 4)) {
+            dig = strspn(k + 4, "0123456789");
+            if (!dig || k[4 + dig]) continue;
+        } else if (!strncmp(k, "rep-", 4)) {
+            dig = strspn(k + 4, "0123456789");
+            const char *l = k + 4 + dig;
+            if (!dig || *l != '-' || !l[1] || l[1 + strspn(l + 1, "0123456789")]) continue;
+        } else {
+            continue;
+        }
+        struct stat st;
+        if (fstatat(dirfd(d), n, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
+            st.st_uid == geteuid())
+            sum += (uint64_t)st.st_blocks * 512u; /* what it occupies (fallocated: its size) */
+    }
+    closedir(d);
+    return sum;
 }
 
 static int env_int(const char *name, int dflt)
@@ -124,13 +164,18 @@ int train_mem_plan(state *s)
         const int nodes = env_int("GROUP_WORLD_SIZE", 1);
         const uint64_t need = (uint64_t)local_world * segment_bytes(slot_max) * (nodes > 1 ? 2u : 1u);
         uint64_t budget = o->mem_budget;
-        char dir[CKPT_PATH_MAX], nb[32], bb[32], sb[32];
+        char dir[CKPT_PATH_MAX], base[CKPT_PATH_MAX], nb[32], bb[32], sb[32];
         snprintf(dir, sizeof dir, "%s", s->mem_path);
-        const char *d = dirname(dir);
+        snprintf(base, sizeof base, "%s", s->mem_path);
+        const char *d = dirname(dir), *bn = basename(base);
         int fs_err = 0;
         if (!budget) {
+            /* free space plus what this node's own segments and replicas already hold: they
+             * are reused in place (an explicit --mem-budget is compared with the need alone,
+             * the space measured nowhere, so it needs no such correction) */
             struct statvfs v;
-            if (statvfs(d, &v) == 0) budget = (uint64_t)v.f_bavail * (uint64_t)v.f_frsize / 2u;
+            if (statvfs(d, &v) == 0)
+                budget = ((uint64_t)v.f_bavail * (uint64_t)v.f_frsize + own_files_bytes(d, bn)) / 2u;
             else fs_err = errno;
         }
         human_bytes(need, nb, sizeof nb);
@@ -153,7 +198,8 @@ int train_mem_plan(state *s)
                   d, strerror(fs_err));
         } else if (need > budget) {
             if (speaks) LOG_W(TAG, "memory tier off: it needs %s per node (%d local rank%s x %s%s), "
-                  "more than the default budget of %s (half the free space of %s); free memory "
+                  "more than the default budget of %s (half the free space of %s, this node's "
+                  "segments counted as free); free memory "
                   "there or give --mem-budget", nb, local_world, local_world == 1 ? "" : "s",
                   sb, nodes > 1 ? " x 2 for the peer's replicas" : "", bb, d);
         } else {

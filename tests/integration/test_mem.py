@@ -398,6 +398,34 @@ class MemTest(TempDirTest):
         steps = [sl[4] for sl in slots_of(os.path.join(self.mem, "p.own-0")) if sl[1] == 2]
         self.assertTrue(steps and min(steps) > 0, steps)
 
+    def test_default_budget_counts_the_own_segments(self):
+        """A segment folder with room for the tier once (a 6500K tmpfs: half is just over the
+        2.9 MiB two local ranks need) and no --mem-budget: after SIGKILL of rank 1 the next
+        round measures its own reusable segments as available, keeps the tier on and restores
+        from memory (it used to say 'memory tier off: ... more than the default budget')."""
+        import subprocess
+        if os.geteuid() != 0:
+            self.skipTest("mounting a tmpfs needs root")
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6500k,mode=0700", "tmpfs", self.mem],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            self.skipTest(f"cannot mount a tmpfs: {r.stderr.strip()}")
+        self.addCleanup(subprocess.run, ["umount", "-l", self.mem], capture_output=True)
+        ref = self.reference()
+        a = self.agent(["--nproc-per-node", "2", "--max-restarts", "2"],
+                       self.train_cmd(["--ckpt-every", "25", "--mem-snapshot-every", "1"]))
+        a.wait_for(r"\[rank 0\] .*step 10/", timeout=120)
+        self.assertIn("memory tier: a snapshot every 1 step", a.err())
+        pids = a.pids(0)
+        self.assertEqual(len(pids), 2, a.err())
+        os.kill(pids[1], signal.SIGKILL)
+        self.assertEqual(a.wait(180), 0, a.err()[-4000:])
+        err = a.err()
+        self.assertNotIn("memory tier off", err)
+        self.assertEqual(err.count("memory tier: a snapshot every 1 step"), 2, err[-4000:])
+        self.assertIsNotNone(RESUMED_MEM_RE.search(err), err[-4000:])
+        self.assertEqual(self.final(a), (30, ref))
+
     def test_flush_mode_exit_statuses(self):
         """CKPT_MEM_FLUSH=1 (what the agent runs): one line and 2 without CKPT_MEM_PATH, 0 when
         there is nothing to flush, 1 when the flush fails (a --ckpt-dir that is a file)."""
