@@ -926,8 +926,9 @@ static ptrdiff_t disk_newest(const ckpt_entry *e, size_t n)
     return best;
 }
 
-/* Read memory snapshot `id` whole and save it to dir as a world of one. */
-static int flush_one(const char *prefix, const char *id, const ckpt_save_opts *opts, char *why, size_t why_len)
+/* Read memory snapshot `id` whole, let check judge it, and save it to dir as a world of one. */
+static int flush_one(const char *prefix, const char *id, const ckpt_save_opts *opts, ckpt_mem_check_fn check,
+                     void *check_ctx, char *why, size_t why_len)
 {
     ckpt_snapshot *s;
     int rc = ckpt_mem_snapshot_open(&s, prefix, id, why, why_len);
@@ -960,6 +961,14 @@ static int flush_one(const char *prefix, const char *id, const ckpt_save_opts *o
         if (rc < 0) log_why(why, why_len, "%s: %s", id, bad[0] ? bad : strerror(-rc));
         off += round_up(bi[i].total_bytes, 4096);
     }
+    if (rc == 0 && check) {
+        /* what a restore checks, before anything is committed: a snapshot the restore would
+         * reject and set aside must not become the newest one on disk */
+        char cw[512] = "";
+        rc = check(check_ctx, s, bufs, nb, cw, sizeof cw);
+        if (rc > 0) rc = -EBADMSG;
+        if (rc < 0) log_why(why, why_len, "%s: rejected by the caller's check: %s", id, cw[0] ? cw : strerror(-rc));
+    }
     if (rc == 0) {
         ckpt_save_opts o = *opts;
         uint64_t cb = ckpt_fit_chunk_bytes(o.chunk_bytes, bufs, nb, 1);
@@ -981,6 +990,13 @@ static int flush_one(const char *prefix, const char *id, const ckpt_save_opts *o
 
 int64_t ckpt_mem_flush(const char *path_prefix, const char *ckpt_dir, const ckpt_save_opts *opts,
                        const char *run_id, char *why, size_t why_len)
+{
+    return ckpt_mem_flush_checked(path_prefix, ckpt_dir, opts, run_id, NULL, NULL, why, why_len);
+}
+
+int64_t ckpt_mem_flush_checked(const char *path_prefix, const char *ckpt_dir, const ckpt_save_opts *opts,
+                               const char *run_id, ckpt_mem_check_fn check, void *check_ctx, char *why,
+                               size_t why_len)
 {
     if (!path_prefix || !ckpt_dir || strlen(ckpt_dir) >= CKPT_PATH_MAX - 128) return -EINVAL;
     ckpt_save_opts o = CKPT_SAVE_OPTS_INIT;
@@ -1024,7 +1040,7 @@ int64_t ckpt_mem_flush(const char *path_prefix, const char *ckpt_dir, const ckpt
         if (e->step <= disk_step) continue;
         char w[512] = "";
         tried++;
-        rc = flush_one(path_prefix, e->id, &o, w, sizeof w);
+        rc = flush_one(path_prefix, e->id, &o, check, check_ctx, w, sizeof w);
         if (rc == 0) {
             LOG_I(TAG, "%s", w);
             log_why(why, why_len, "%s", w);

@@ -202,4 +202,25 @@ const char *ckpt_mem_source_name(int source);
 int64_t ckpt_mem_flush(const char *path_prefix, const char *ckpt_dir, const ckpt_save_opts *opts,
                        const char *run_id, char *why, size_t why_len);
 
+/* The caller's judgement of a flush candidate (ckpt_mem_flush_checked): called once per
+ * candidate that opened and read back whole with every chunk checksum right, before anything
+ * is written. s: the open memory snapshot handle (step, run id, trainer record, buffer
+ * info; valid for the call only). bufs: its nbufs whole buffers as ckpt_save will get them
+ * (name, dtype, elem_bytes, total_bytes, offset 0, bytes = total_bytes, data: the bytes read,
+ * read-only, valid for the call only). why: why_len bytes for one line on rejection.
+ * Return 0 to flush it, or a negative errno (-EBADMSG inconsistent or forged, -EINVAL not
+ * this job's) to skip it: it is logged with why and the next candidate is tried; a positive
+ * value counts as -EBADMSG. Called from the thread that called the flush. */
+typedef int (*ckpt_mem_check_fn)(void *ctx, ckpt_snapshot *s, const ckpt_buffer *bufs, size_t nbufs,
+                                 char *why, size_t why_len);
+
+/* ckpt_mem_flush with a check of each candidate (NULL = none: ckpt_mem_flush), so that what
+ * a restore would reject (the trainer's own checks of its record and digests, which this
+ * module does not know) is never committed. check_ctx is passed to check as is. The same
+ * return values as ckpt_mem_flush; a candidate that check rejects is a failed candidate
+ * (its error is returned when every candidate failed). */
+int64_t ckpt_mem_flush_checked(const char *path_prefix, const char *ckpt_dir, const ckpt_save_opts *opts,
+                               const char *run_id, ckpt_mem_check_fn check, void *check_ctx, char *why,
+                               size_t why_len);
+
 #endif /* CKPT_MEM_H */

@@ -17,6 +17,8 @@
 #include "shmseg.h"
 #include "train_internal.h"
 
+#include <jansson.h>
+
 #include <errno.h>
 #include <inttypes.h>
 #include <libgen.h>
@@ -334,6 +336,68 @@ int train_mem_take(state *s)
     return 0;
 }
 
+/* What the flush checks each candidate against: this job's flags, data and model size. */
+typedef struct flush_job {
+    const options *o;
+    char data_hash[17];
+    size_t np;
+} flush_job;
+
+static const ckpt_buffer *find_buffer(const ckpt_buffer *bufs, size_t n, const char *name)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!strcmp(bufs[i].name, name)) return &bufs[i];
+    return NULL;
+}
+
+/* ckpt_mem_check_fn: what load_part and load_snapshot check of a restore (the record by
+ * train_record_check, then the digests over the whole buffers), so that the flush never
+ * commits a snapshot that the restore then rejects and sets aside. */
+static int flush_check(void *ctx, ckpt_snapshot *snap, const ckpt_buffer *bufs, size_t nbufs, char *why,
+                       size_t why_len)
+{
+    const flush_job *j = ctx;
+    json_error_t jerr;
+    json_t *tr = json_loads(ckpt_snapshot_trainer_json(snap), 0, &jerr);
+    if (!tr && (json_error_code(&jerr) == json_error_out_of_memory || !jerr.text[0])) {
+        snprintf(why, why_len, "out of memory parsing the trainer record");
+        return -ENOMEM;
+    }
+    train_record rec;
+    int rc = train_record_check(j->o, j->data_hash, j->np, snap, tr, &rec, why, why_len);
+    const ckpt_buffer *p = find_buffer(bufs, nbufs, "params"), *m = find_buffer(bufs, nbufs, "adam_m"),
+                      *v = find_buffer(bufs, nbufs, "adam_v");
+    if (rc == 0 && (!p || !m || !v || p->bytes != j->np * sizeof(float) || m->bytes != p->bytes ||
+                    v->bytes != p->bytes)) {
+        snprintf(why, why_len, "state buffers missing or of the wrong size");
+        rc = -EINVAL;
+    }
+    if (rc == 0) {
+        char got[33];
+        train_digest_hex(p->data, j->np, got);
+        if (strcmp(got, rec.params_digest) != 0) {
+            snprintf(why, why_len, "params digest %s differs from the recorded %s", got, rec.params_digest);
+            rc = -EBADMSG;
+        }
+    }
+    if (rc == 0 && rec.adam_m_digest) {
+        uint64_t md[2];
+        train_moments_digest_whole(m->data, v->data, j->np, md);
+        const char *want[2] = {rec.adam_m_digest, rec.adam_v_digest};
+        for (int k = 0; k < 2 && rc == 0; k++) {
+            char have[17];
+            snprintf(have, sizeof have, "%016" PRIx64, md[k]);
+            if (strcmp(want[k], have) != 0) {
+                snprintf(why, why_len, "%s digest %s differs from the recorded %s", k ? "adam_v" : "adam_m",
+                         have, want[k]);
+                rc = -EBADMSG;
+            }
+        }
+    }
+    json_decref(tr);
+    return rc;
+}
+
 int train_mem_flush_main(const options *o)
 {
     const char *path = getenv("CKPT_MEM_PATH");
@@ -359,7 +423,24 @@ int train_mem_flush_main(const options *o)
     so.direct_io = o->direct_io;
     double t0 = clock_now_s();
     char why[600] = "";
-    int64_t rc = ckpt_mem_flush(path, o->ckpt_dir, &so, o->run_id, why, sizeof why);
+    /* the job's data hash and model size, for the checks a restore makes (flush_check) */
+    flush_job job = {.o = o};
+    train_dataset *ds = NULL;
+    train_model *model = NULL;
+    int orc = train_dataset_open(&ds, o->data, o->model.seq_len, o->model.vocab, why, sizeof why);
+    if (orc < 0) {
+        LOG_E(TAG, "flush of %s: training data: %s", path, why);
+        return train_input_status(orc);
+    }
+    snprintf(job.data_hash, sizeof job.data_hash, "%016" PRIx64, train_dataset_hash(ds));
+    train_dataset_close(ds);
+    if ((orc = train_model_create(&model, &o->model, o->micro_batch)) < 0) {
+        LOG_E(TAG, "flush of %s: cannot create the model: %s", path, strerror(-orc));
+        return 1;
+    }
+    job.np = train_model_num_params(model);
+    train_model_free(model);
+    int64_t rc = ckpt_mem_flush_checked(path, o->ckpt_dir, &so, o->run_id, flush_check, &job, why, sizeof why);
     double dt = clock_now_s() - t0;
     if (rc < 0) {
         LOG_E(TAG, "flush of %s into %s failed: %s", path, o->ckpt_dir,

@@ -426,6 +426,50 @@ class MemTest(TempDirTest):
         self.assertIsNotNone(RESUMED_MEM_RE.search(err), err[-4000:])
         self.assertEqual(self.final(a), (30, ref))
 
+    def test_flush_checks_what_a_restore_checks(self):
+        """The flush commits only a memory snapshot that the restore would accept: one whose
+        trainer record is not this job's (another seed, model or data) is logged and skipped,
+        never written; with the job's own flags it is flushed and restorable."""
+        base = [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS
+        mp = os.path.join(self.mem, "p")
+        env = {"CKPT_MEM_PATH": mp, "LOCAL_RANK": "0"}
+        harness.run(base + ["--steps", "5", "--mem-snapshot-every", "1"], extra_env=env, check=True)
+        flush = dict(env, CKPT_MEM_FLUSH="1")
+        val = os.path.join(harness.DATA, "val_*.bin")
+        for flags, why in [(["--seed", "8"], "seed differs"),
+                           (["--n-layer", "1"], "model configuration differs"),
+                           (["--data", val], "training data differs")]:
+            p = harness.run(base + ["--ckpt-dir", self.ckpt] + flags, extra_env=flush)
+            self.assertNotEqual(p.returncode, 0, (flags, p.stderr))
+            self.assertIn(why, p.stderr, flags)
+            self.assertRegex(p.stderr, r"mem:\S+/5/1 not flushed: .*rejected", flags)
+            self.assertEqual(harness.snapshot_dirs(self.ckpt), [], (flags, p.stderr))
+        # forged and resealed (every checksum holds): a record of step 12 in a slot that
+        # says step 29; params and adam_m swapped by name. The flush must skip both.
+        tool = os.environ.get("CKPT_SHMSEG_TOOL", os.path.join(harness.BUILD, "tests", "shmseg-tool"))
+        forged = os.path.join(self.mem, "f")
+        fenv = {"CKPT_MEM_PATH": forged, "LOCAL_RANK": "0"}
+        for forge, why in [(["step", "29"], r"trainer record is inconsistent: step 12 .* snapshot of step 29"),
+                           (["swap"], r"params digest \S+ differs from the recorded")]:
+            shutil.rmtree(self.ckpt, ignore_errors=True)
+            for f in os.listdir(self.mem):
+                if f.startswith("f."):
+                    os.unlink(os.path.join(self.mem, f))
+            harness.run(base + ["--steps", "12", "--mem-snapshot-every", "12"], extra_env=fenv, check=True)
+            harness.run([tool, "forge", forged + ".own-0"] + forge, check=True)
+            p = harness.run(base + ["--ckpt-dir", self.ckpt], extra_env=dict(fenv, CKPT_MEM_FLUSH="1"))
+            self.assertNotEqual(p.returncode, 0, (forge, p.stderr))
+            self.assertRegex(p.stderr, r"not flushed: .*rejected by the caller's check: " + why, forge)
+            self.assertEqual(harness.snapshot_dirs(self.ckpt) if os.path.isdir(self.ckpt) else [], [],
+                             (forge, p.stderr))
+        p = harness.run(base + ["--ckpt-dir", self.ckpt], extra_env=flush)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual(harness.snapshot_dirs(self.ckpt), ["step-000000005"], p.stderr)
+        p = harness.run(base + ["--ckpt-dir", self.ckpt, "--resume", "auto", "--steps", "6"],
+                        extra_env={"CKPT_MEM_PATH": ""})
+        self.assertEqual(p.returncode, 0, p.stderr[-2000:])
+        self.assertRegex(p.stderr, r"resumed from \S+step-000000005 at step 5")
+
     def test_flush_mode_exit_statuses(self):
         """CKPT_MEM_FLUSH=1 (what the agent runs): one line and 2 without CKPT_MEM_PATH, 0 when
         there is nothing to flush, 1 when the flush fails (a --ckpt-dir that is a file)."""

@@ -407,6 +407,32 @@ static int read_equal(ckpt_snapshot *s)
     return 1;
 }
 
+/* A flush check (ckpt_mem_flush_checked) that records what it was shown and accepts or
+ * rejects everything. */
+typedef struct seen {
+    int n, reject, whole_ok;
+    uint64_t steps[8];
+} seen;
+
+static int check_cb(void *ctx, ckpt_snapshot *s, const ckpt_buffer *bufs, size_t nbufs, char *why, size_t why_len)
+{
+    seen *sn = ctx;
+    uint64_t step = ckpt_snapshot_step(s);
+    if (sn->n < 8) sn->steps[sn->n++] = step;
+    int ok = nbufs == NB;
+    for (size_t b = 0; ok && b < nbufs; b++) {
+        ok = !strcmp(bufs[b].name, names[b]) && bufs[b].offset == 0 && bufs[b].bytes == totals[b] &&
+             bufs[b].total_bytes == totals[b];
+        const uint8_t *d = bufs[b].data;
+        for (uint64_t i = 0; ok && i < totals[b]; i += 997) ok = d[i] == val(step, (int)b, i);
+        ok = ok && d[totals[b] - 1] == val(step, (int)b, totals[b] - 1);
+    }
+    sn->whole_ok = ok;
+    if (!sn->reject) return 0;
+    snprintf(why, why_len, "step %llu is not wanted", (unsigned long long)step);
+    return -EBADMSG;
+}
+
 static void test_flush(void)
 {
     char *disk = t_path_in(dir, "ckpt");
@@ -475,8 +501,18 @@ static void test_flush(void)
     shard(0, 3, W, &off, &pbytes);
     uint8_t *pay = shmseg_payload(segs[3], slot);
     pay[4096 + (pbytes + 4095) / 4096 * 4096 + 10] ^= 1; /* in adam_m's shard (after params') */
-    st = ckpt_mem_flush(prefix, disk, &o, "run1", why, sizeof why);
-    T_CHECK(st == 40, "step 50 corrupt, step 40 flushed (got %lld: %s)", (long long)st, why);
+    /* the caller's check sees each candidate that reads back whole, before anything is
+     * written; one it rejects is never committed */
+    seen sn = {.reject = 1};
+    st = ckpt_mem_flush_checked(prefix, disk, &o, "run1", check_cb, &sn, why, sizeof why);
+    T_CHECK(st < 0 && sn.n == 1 && sn.steps[0] == 40 && sn.whole_ok,
+            "50 corrupt, 40 rejected by the check: nothing flushed (got %lld, %d calls: %s)", (long long)st, sn.n, why);
+    snprintf(p, sizeof p, "%s/step-000000040", disk);
+    T_CHECK(!t_exists(p), "the rejected step 40 is not on disk");
+    sn = (seen){.reject = 0};
+    st = ckpt_mem_flush_checked(prefix, disk, &o, "run1", check_cb, &sn, why, sizeof why);
+    T_CHECK(st == 40 && sn.n == 1 && sn.whole_ok, "step 50 corrupt, step 40 accepted and flushed (got %lld: %s)",
+            (long long)st, why);
     T_CHECK(st != 50, "the corrupt one is not written");
     snprintf(p, sizeof p, "%s/step-000000050", disk);
     T_CHECK(!t_exists(p), "no step 50 on disk");
