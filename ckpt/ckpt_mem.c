@@ -383,6 +383,13 @@ static int split_prefix(const char *prefix, char *dir, size_t dlen, const char *
     return 0;
 }
 
+int ckpt_mem_prefix_ok(const char *prefix)
+{
+    char dir[CKPT_PATH_MAX];
+    const char *base;
+    return split_prefix(prefix, dir, sizeof dir, &base) == 0;
+}
+
 static int add_bad(scan *sc, const char *path, int slot, uint64_t step, const char *reason)
 {
     ckpt_mem_entry *nb = realloc(sc->bad, (sc->nbad + 1) * sizeof *nb);
@@ -908,18 +915,20 @@ out:
 
 /* ------------------------------------------------------------------ flush */
 
-/* The newest committed disk step of run_id in the listing, 0 when none. */
-static uint64_t disk_newest(const ckpt_entry *e, size_t n, const char *run_id)
+/* The newest committed disk snapshot of any run in the listing (its index), -1 when none. Any
+ * run: a flushed step below another run's newer snapshot would block continuing there
+ * (train's "later snapshots in the way"). */
+static ptrdiff_t disk_newest(const ckpt_entry *e, size_t n)
 {
-    uint64_t best = 0;
+    ptrdiff_t best = -1;
     for (size_t i = 0; i < n; i++)
-        if (e[i].status == CKPT_STATUS_COMMITTED && !strcmp(e[i].run_id, run_id) && e[i].step > best)
-            best = e[i].step;
+        if (e[i].status == CKPT_STATUS_COMMITTED && (best < 0 || e[i].step > e[best].step)) best = (ptrdiff_t)i;
     return best;
 }
 
-/* Read memory snapshot `id` whole and save it to dir as a world of one. */
-static int flush_one(const char *prefix, const char *id, const ckpt_save_opts *opts, char *why, size_t why_len)
+/* Read memory snapshot `id` whole, let check judge it, and save it to dir as a world of one. */
+static int flush_one(const char *prefix, const char *id, const ckpt_save_opts *opts, ckpt_mem_check_fn check,
+                     void *check_ctx, char *why, size_t why_len)
 {
     ckpt_snapshot *s;
     int rc = ckpt_mem_snapshot_open(&s, prefix, id, why, why_len);
@@ -952,6 +961,14 @@ static int flush_one(const char *prefix, const char *id, const ckpt_save_opts *o
         if (rc < 0) log_why(why, why_len, "%s: %s", id, bad[0] ? bad : strerror(-rc));
         off += round_up(bi[i].total_bytes, 4096);
     }
+    if (rc == 0 && check) {
+        /* what a restore checks, before anything is committed: a snapshot the restore would
+         * reject and set aside must not become the newest one on disk */
+        char cw[512] = "";
+        rc = check(check_ctx, s, bufs, nb, cw, sizeof cw);
+        if (rc > 0) rc = -EBADMSG;
+        if (rc < 0) log_why(why, why_len, "%s: rejected by the caller's check: %s", id, cw[0] ? cw : strerror(-rc));
+    }
     if (rc == 0) {
         ckpt_save_opts o = *opts;
         uint64_t cb = ckpt_fit_chunk_bytes(o.chunk_bytes, bufs, nb, 1);
@@ -973,6 +990,13 @@ static int flush_one(const char *prefix, const char *id, const ckpt_save_opts *o
 
 int64_t ckpt_mem_flush(const char *path_prefix, const char *ckpt_dir, const ckpt_save_opts *opts,
                        const char *run_id, char *why, size_t why_len)
+{
+    return ckpt_mem_flush_checked(path_prefix, ckpt_dir, opts, run_id, NULL, NULL, why, why_len);
+}
+
+int64_t ckpt_mem_flush_checked(const char *path_prefix, const char *ckpt_dir, const ckpt_save_opts *opts,
+                               const char *run_id, ckpt_mem_check_fn check, void *check_ctx, char *why,
+                               size_t why_len)
 {
     if (!path_prefix || !ckpt_dir || strlen(ckpt_dir) >= CKPT_PATH_MAX - 128) return -EINVAL;
     ckpt_save_opts o = CKPT_SAVE_OPTS_INIT;
@@ -1002,14 +1026,21 @@ int64_t ckpt_mem_flush(const char *path_prefix, const char *ckpt_dir, const ckpt
     }
     int tried = 0, first_err = 0;
     uint64_t newest_mem = 0;
+    const ckpt_mem_entry *other = NULL; /* a complete one of another run (run_id given) */
+    const ptrdiff_t dn = disk_newest(de, nd);
+    const uint64_t disk_step = dn >= 0 ? de[dn].step : 0;
     for (size_t i = 0; i < nm; i++) {
         const ckpt_mem_entry *e = &me[i];
-        if (e->status != CKPT_MEM_COMPLETE || e->step == 0 || (run_id && strcmp(run_id, e->run_id) != 0)) continue;
+        if (e->status != CKPT_MEM_COMPLETE || e->step == 0) continue;
+        if (run_id && strcmp(run_id, e->run_id) != 0) {
+            if (!other) other = e;
+            continue;
+        }
         if (!newest_mem) newest_mem = e->step;
-        if (e->step <= disk_newest(de, nd, e->run_id)) continue;
+        if (e->step <= disk_step) continue;
         char w[512] = "";
         tried++;
-        rc = flush_one(path_prefix, e->id, &o, w, sizeof w);
+        rc = flush_one(path_prefix, e->id, &o, check, check_ctx, w, sizeof w);
         if (rc == 0) {
             LOG_I(TAG, "%s", w);
             log_why(why, why_len, "%s", w);
@@ -1025,7 +1056,11 @@ int64_t ckpt_mem_flush(const char *path_prefix, const char *ckpt_dir, const ckpt
     if (tried) result = first_err;
     else if (newest_mem)
         log_why(why, why_len, "nothing to flush: the newest memory snapshot (step %" PRIu64 ") is not newer than "
-                "the disk's", newest_mem);
+                "the newest committed snapshot in %s (%s, run %s)", newest_mem, ckpt_dir, de[dn].name,
+                de[dn].run_id[0] ? de[dn].run_id : "?");
+    else if (other)
+        log_why(why, why_len, "nothing to flush: the complete memory snapshots under %s belong to other runs "
+                "(such as %s), none to run %s", path_prefix, other->id, run_id);
     else
         log_why(why, why_len, "nothing to flush: no complete memory snapshot under %s", path_prefix);
 out:

@@ -57,6 +57,13 @@
 /* Environment variable holding the path prefix (set by the agent for its workers). */
 #define CKPT_MEM_PATH_ENV "CKPT_MEM_PATH"
 
+/* Non-zero when prefix is a path prefix this module can list and open: not empty, shorter
+ * than CKPT_PATH_MAX - 64 bytes (room for ".own-<L>" and ".rep-<N>-<L>"), and with a file
+ * name part after its last '/' ("/" and "/dev/shm/" are refused: their segments would be
+ * hidden files nobody lists). The rule of ckpt_mem_list and ckpt_mem_snapshot_open; a writer
+ * checks CKPT_MEM_PATH with it once at start. NULL gives 0. Thread-safe. */
+int ckpt_mem_prefix_ok(const char *prefix);
+
 /* Slot bytes (a multiple of 4096) that one rank's memory snapshot of these shards needs:
  * the header, each shard rounded up to 4096, trainer_len_max bytes of trainer record, and
  * the checksums of chunk_bytes pieces. Only bufs[i].bytes is read. Give the result to
@@ -178,18 +185,42 @@ const char *ckpt_mem_source_name(int source);
  *   takes ckpt_dir's lock (ckpt_dir_lock_acquire) for the whole call; lists the memory
  *   snapshots (ckpt_mem_list) and the committed disk snapshots (ckpt_list); the candidates
  *   are the COMPLETE memory snapshots (of run_id, when not NULL) whose step is larger than
- *   the newest committed disk snapshot of their own run_id, newest first; the first that
+ *   the newest committed disk snapshot of ANY run in ckpt_dir (not only their own: a step
+ *   written below another run's newer snapshot would be "a later snapshot in the way" of
+ *   the run continuing from it), newest first; the first that
  *   opens and reads back with every chunk checksum right is saved (ckpt_save with opts, dir
  *   = ckpt_dir). A candidate that fails (-EBADMSG, -ESTALE, -ENOENT...) is logged and the
  *   next is tried. Step 0 is never flushed (it cannot be told from "nothing done").
  * Memory: the whole buffers of the snapshot, once, in anonymous memory for the call.
  * opts: chunking and codec (NULL = CKPT_SAVE_OPTS_INIT); its dir is ignored. run_id: NULL
- * for any run. why (may be NULL): one line (what was flushed, or why nothing, or the error).
+ * for any run. why (may be NULL): one line (what was flushed, or why nothing - no memory
+ * snapshot, only other runs' ones, not newer than the folder's newest - or the error).
  * Returns the step written (> 0), 0 when nothing is newer than the disk (or no memory
  * snapshot), or -EINVAL (NULL prefix or dir), -EBUSY (another process holds the folder's
  * lock), the error of the newest failed candidate when every candidate failed (-EBADMSG,
  * ...), ckpt_save's errors (-ENOSPC, -EIO, -EEXIST...), ckpt_list's, -ENOMEM. */
 int64_t ckpt_mem_flush(const char *path_prefix, const char *ckpt_dir, const ckpt_save_opts *opts,
                        const char *run_id, char *why, size_t why_len);
+
+/* The caller's judgement of a flush candidate (ckpt_mem_flush_checked): called once per
+ * candidate that opened and read back whole with every chunk checksum right, before anything
+ * is written. s: the open memory snapshot handle (step, run id, trainer record, buffer
+ * info; valid for the call only). bufs: its nbufs whole buffers as ckpt_save will get them
+ * (name, dtype, elem_bytes, total_bytes, offset 0, bytes = total_bytes, data: the bytes read,
+ * read-only, valid for the call only). why: why_len bytes for one line on rejection.
+ * Return 0 to flush it, or a negative errno (-EBADMSG inconsistent or forged, -EINVAL not
+ * this job's) to skip it: it is logged with why and the next candidate is tried; a positive
+ * value counts as -EBADMSG. Called from the thread that called the flush. */
+typedef int (*ckpt_mem_check_fn)(void *ctx, ckpt_snapshot *s, const ckpt_buffer *bufs, size_t nbufs,
+                                 char *why, size_t why_len);
+
+/* ckpt_mem_flush with a check of each candidate (NULL = none: ckpt_mem_flush), so that what
+ * a restore would reject (the trainer's own checks of its record and digests, which this
+ * module does not know) is never committed. check_ctx is passed to check as is. The same
+ * return values as ckpt_mem_flush; a candidate that check rejects is a failed candidate
+ * (its error is returned when every candidate failed). */
+int64_t ckpt_mem_flush_checked(const char *path_prefix, const char *ckpt_dir, const ckpt_save_opts *opts,
+                               const char *run_id, ckpt_mem_check_fn check, void *check_ctx, char *why,
+                               size_t why_len);
 
 #endif /* CKPT_MEM_H */

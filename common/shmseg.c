@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -43,6 +44,7 @@ struct shmseg {
     uint64_t size;
     uint64_t slot_bytes;
     int writable;
+    int lock_fd; /* shmseg_create: the file, flock'ed LOCK_EX for the handle's life; else -1 */
     char *path;
 };
 
@@ -113,6 +115,7 @@ static shmseg *handle_new(const char *path, unsigned char *base, uint64_t size, 
     seg->size = size;
     seg->slot_bytes = slot_bytes;
     seg->writable = writable;
+    seg->lock_fd = -1;
     seg->path = p;
     return seg;
 }
@@ -156,6 +159,19 @@ int shmseg_create(const char *path, uint64_t slot_bytes, shmseg **out)
     int rc = 0, keep = 0;
     unsigned char *base = MAP_FAILED;
     char *tmp = NULL;
+    /* one writer per segment: a second process with the same CKPT_MEM_PATH and LOCAL_RANK
+     * would interleave its slots with ours unnoticed */
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        rc = errno == EWOULDBLOCK ? -EBUSY : -errno;
+        goto out;
+    }
+    struct stat now;
+    if (stat(path, &now) != 0 || now.st_ino != st.st_ino || now.st_dev != st.st_dev) {
+        /* we locked a file that a writer's rebuild has just renamed away: that writer holds
+         * the one at path */
+        rc = -EBUSY;
+        goto out;
+    }
     if ((st.st_mode & 07777) != 0600 && fchmod(fd, 0600) != 0) {
         rc = -errno;
         goto out;
@@ -187,7 +203,7 @@ int shmseg_create(const char *path, uint64_t slot_bytes, shmseg **out)
             tmp = NULL;
             goto out;
         }
-        rc = fchmod(nfd, 0600) != 0 ? -errno : size_file(nfd, want);
+        rc = fchmod(nfd, 0600) != 0 || flock(nfd, LOCK_EX | LOCK_NB) != 0 ? -errno : size_file(nfd, want);
         if (rc) {
             close(nfd);
             goto out;
@@ -219,11 +235,12 @@ int shmseg_create(const char *path, uint64_t slot_bytes, shmseg **out)
     }
     *out = handle_new(path, base, want, slot_bytes, 1);
     if (!*out) rc = -ENOMEM;
+    else (*out)->lock_fd = fd; /* the lock lives as long as the handle */
 out:
     if (rc && base != MAP_FAILED) munmap(base, want);
     if (rc && tmp) unlink(tmp);
     free(tmp);
-    close(fd);
+    if (rc) close(fd);
     return rc;
 }
 
@@ -274,6 +291,7 @@ void shmseg_close(shmseg *seg)
 {
     if (!seg) return;
     munmap(seg->base, seg->size);
+    if (seg->lock_fd >= 0) close(seg->lock_fd);
     free(seg->path);
     free(seg);
 }

@@ -37,7 +37,11 @@
  * link, not a regular file, or owned by another uid is refused (-EPERM) before it is mapped.
  *
  * Thread-safety and processes: one writer per segment at a time (the worker for its own
- * segment, the agent's receiver for a replica), any number of readers in any process. A
+ * segment, the agent's receiver for a replica), enforced: shmseg_create holds an exclusive
+ * flock on the file for the handle's life (a second create of the same file, from any
+ * process or from this one, gets -EBUSY until shmseg_close); shmseg_open takes no lock, for
+ * readers (a writable shmseg_open is the caller's promise that no one else writes). Any
+ * number of readers in any process. A
  * handle is not safe for concurrent begin/commit from two threads; slot_info, newest,
  * payload and copy_out may be called from any thread while one thread writes.
  */
@@ -83,12 +87,15 @@ uint64_t shmseg_file_bytes(uint64_t slot_bytes);
  *   sees empty slots (never a SIGBUS, never stale bytes as complete).
  * The mapping is populated (MAP_POPULATE): the call costs about what touching every page
  * costs, so the first write into a slot runs as fast as later ones.
- * One process creates a given path at a time (the worker for its own segment).
+ * The file is locked (flock LOCK_EX|LOCK_NB, advisory: only shmseg_create takes it) until
+ * shmseg_close: a second writer of the same path gets -EBUSY and nothing is changed.
  * slot_bytes: capacity of each slot in bytes, > 0 and a multiple of 4096.
  * *out gets the handle (close with shmseg_close); NULL on failure.
  * Returns 0, or -EINVAL (NULL argument, bad slot_bytes), -EPERM (path is a symbolic link,
- * a directory or another non-regular file, or owned by another uid), -ENOSPC / -ENOMEM (ftruncate or mmap
- * refused: the tmpfs is full), or another -errno of open/fstat/ftruncate/mmap. */
+ * a directory or another non-regular file, or owned by another uid), -EBUSY (another handle
+ * from shmseg_create, in this or another process, holds the file), -ENOSPC / -ENOMEM
+ * (ftruncate or mmap refused: the tmpfs is full), or another -errno of
+ * open/fstat/flock/ftruncate/mmap. */
 int shmseg_create(const char *path, uint64_t slot_bytes, shmseg **out);
 
 /* Map an existing segment: writable != 0 maps it read-write (for shmseg_begin/commit),
@@ -100,7 +107,8 @@ int shmseg_create(const char *path, uint64_t slot_bytes, shmseg **out);
  * rebuilt), -EPROTONOSUPPORT (a newer version), or another -errno of open/mmap. */
 int shmseg_open(const char *path, int writable, shmseg **out);
 
-/* Unmap and close; NULL is accepted. The file stays (the agent unlinks it). */
+/* Unmap and close (releasing shmseg_create's lock); NULL is accepted. The file stays (the
+ * agent unlinks it). */
 void shmseg_close(shmseg *seg);
 
 /* Capacity of each slot in bytes (what shmseg_create was given). */

@@ -195,6 +195,10 @@ void train_digest_hex(const float *p, size_t n, char out[33]);
  * Returns 0, -ENOMEM, or the collective's negative errno (logged). */
 int train_moments_digest(state *s, uint64_t out[2]);
 
+/* The same digests as train_moments_digest over whole buffers m and v of np elements (np a
+ * multiple of TRAIN_BLOCK, as s->np is), in one process: what the ranks' parts sum to. */
+void train_moments_digest_whole(const float *m, const float *v, size_t np, uint64_t out[2]);
+
 /* The config hash recorded in snapshots (model shape, seed, global batch) as 16 hex digits
  * (out: 17 bytes). */
 void train_make_config_hash(const state *s, char out[17]);
@@ -296,6 +300,28 @@ void train_s3_finish(state *s, int drain);
 void train_s3_on_commit(void *ctx, uint64_t step);
 
 /* ------------------------------------------------------------------ train_resume.c */
+
+/* What a trainer record says, as train_record_check found it (pointers into the record). */
+typedef struct train_record {
+    int64_t step, samples, global_batch, saved_world;
+    const char *params_digest;               /* 32 hex digits over the whole params */
+    const char *adam_m_digest, *adam_v_digest; /* 16 hex digits each; NULL in older records */
+} train_record;
+
+struct json_t;
+
+/* The checks a restore makes of a snapshot's trainer record against this job before it
+ * reads a byte (load_part), shared with the flush (train_mem.c), which must not commit what a
+ * restore would reject: the record's fields are there and well formed, its step and Adam
+ * step equal the snapshot's step, the model config equals o->model, the data hash equals
+ * data_hash (16 hex digits of train_dataset_hash), the seed equals o->seed, the global batch
+ * is valid and samples_consumed = step x it, params/adam_m/adam_v are f32 buffers of np
+ * elements. The digests themselves need the bytes: the caller compares them. tr: the parsed
+ * record (NULL counts as malformed). *rec gets the fields on success. Returns 0, -EBADMSG
+ * (malformed or inconsistent: corrupt or forged) or -EINVAL (another model, data or seed:
+ * not this job's), with one line in why. Thread-safe. */
+int train_record_check(const options *o, const char *data_hash, size_t np, const ckpt_snapshot *snap,
+                       const struct json_t *tr, train_record *rec, char *why, size_t why_len);
 
 /* Fresh start or resume as o->resume says: rank 0 chooses the snapshot (--resume PATH, or for
  * auto the newest usable one: with CKPT_MEM_PATH first the memory snapshots of this node at

@@ -101,6 +101,12 @@ int main(int argc, char **argv)
     /* the agent runs the worker command once more after a failure or on preemption, with
      * CKPT_MEM_FLUSH=1: persist the newest memory snapshot, nothing else (train_mem.c) */
     const char *flush = getenv("CKPT_MEM_FLUSH");
+    if (flush && *flush && strcmp(flush, "0") != 0 && strcmp(flush, "1") != 0) {
+        /* a typo (=2, =yes) must not start a full training run in the agent's flush slot */
+        fprintf(stderr, "train: CKPT_MEM_FLUSH='%.40s' is not 0 or 1 (1 = flush mode, unset, empty "
+                "or 0 = train)\n", flush);
+        return 2;
+    }
     if (flush && !strcmp(flush, "1")) return train_mem_flush_main(&o);
     openblas_set_num_threads(1);
 

@@ -17,13 +17,19 @@
 #include "shmseg.h"
 #include "train_internal.h"
 
+#include <jansson.h>
+
 #include <errno.h>
 #include <inttypes.h>
 #include <libgen.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <unistd.h>
 
 #define TAG "train"
 
@@ -55,6 +61,42 @@ static void human_bytes(uint64_t n, char *out, size_t len)
         k++;
     }
     snprintf(out, len, k ? "%.1f %s" : "%.0f %s", x, u[k]);
+}
+
+/* Bytes held in dir by this node's segments under the prefix's file name part base:
+ * "<base>.own-<L>" (each local rank's, reused in place by the next round) and
+ * "<base>.rep-<N>-<L>" (the agent's replicas, reused in place too; the agent's room_for counts
+ * them alike). The default budget counts them as available: otherwise the tier, on after the
+ * first start, measured its own segments as used and switched itself off after a restart. */
+static uint64_t own_files_bytes(const char *dir, const char *base)
+{
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    const size_t bl = strlen(base);
+    uint64_t sum = 0;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        const char *n = de->d_name;
+        if (strncmp(n, base, bl) != 0 || n[bl] != '.') continue;
+        const char *k = n + bl + 1;
+        size_t dig;
+        if (!strncmp(k, "own-", 4)) {
+            dig = strspn(k + 4, "0123456789");
+            if (!dig || k[4 + dig]) continue;
+        } else if (!strncmp(k, "rep-", 4)) {
+            dig = strspn(k + 4, "0123456789");
+            const char *l = k + 4 + dig;
+            if (!dig || *l != '-' || !l[1] || l[1 + strspn(l + 1, "0123456789")]) continue;
+        } else {
+            continue;
+        }
+        struct stat st;
+        if (fstatat(dirfd(d), n, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
+            st.st_uid == geteuid())
+            sum += (uint64_t)st.st_blocks * 512u; /* what it occupies (fallocated: its size) */
+    }
+    closedir(d);
+    return sum;
 }
 
 static int env_int(const char *name, int dflt)
@@ -95,6 +137,15 @@ int train_mem_plan(state *s)
             LOG_I(TAG, "no memory tier: CKPT_MEM_PATH is not set (elastic sets it)%s",
                   o->mem_every > 0 || o->mem_budget ? "; --mem-snapshot-every and --mem-budget "
                   "are ignored" : "");
+    } else if (!ckpt_mem_prefix_ok(s->mem_path)) {
+        /* the reader's rule (ckpt_mem_list): a prefix it refuses would give segments that are
+         * never listed nor restored, nor removed by the agent */
+        if (env_int("LOCAL_RANK", s->rank) == 0)
+            LOG_E(TAG, "CKPT_MEM_PATH '%.200s%s' is not a usable memory tier prefix: it needs a file "
+                  "name part after its last '/' and fewer than %d bytes (elastic sets it to "
+                  "<mem-dir>/ckptmem-...)", s->mem_path, strlen(s->mem_path) > 200 ? "..." : "",
+                  CKPT_PATH_MAX - 64);
+        mine[1] = 2;
     } else if (o->mem_every == 0) {
         if (s->rank == 0) LOG_I(TAG, "memory tier off: --mem-snapshot-every 0");
     } else if (s->mem_chunk == 0) {
@@ -115,13 +166,18 @@ int train_mem_plan(state *s)
         const int nodes = env_int("GROUP_WORLD_SIZE", 1);
         const uint64_t need = (uint64_t)local_world * segment_bytes(slot_max) * (nodes > 1 ? 2u : 1u);
         uint64_t budget = o->mem_budget;
-        char dir[CKPT_PATH_MAX], nb[32], bb[32], sb[32];
+        char dir[CKPT_PATH_MAX], base[CKPT_PATH_MAX], nb[32], bb[32], sb[32];
         snprintf(dir, sizeof dir, "%s", s->mem_path);
-        const char *d = dirname(dir);
+        snprintf(base, sizeof base, "%s", s->mem_path);
+        const char *d = dirname(dir), *bn = basename(base);
         int fs_err = 0;
         if (!budget) {
+            /* free space plus what this node's own segments and replicas already hold: they
+             * are reused in place (an explicit --mem-budget is compared with the need alone,
+             * the space measured nowhere, so it needs no such correction) */
             struct statvfs v;
-            if (statvfs(d, &v) == 0) budget = (uint64_t)v.f_bavail * (uint64_t)v.f_frsize / 2u;
+            if (statvfs(d, &v) == 0)
+                budget = ((uint64_t)v.f_bavail * (uint64_t)v.f_frsize + own_files_bytes(d, bn)) / 2u;
             else fs_err = errno;
         }
         human_bytes(need, nb, sizeof nb);
@@ -130,22 +186,23 @@ int train_mem_plan(state *s)
         /* the budget is the node's: its first local rank says why, once per node */
         const int speaks = env_int("LOCAL_RANK", s->rank) == 0;
         if (slot_max == 0 || s->mem_slot_bytes == 0 || segment_bytes(slot_max) == 0) {
-            if (speaks) LOG_W(TAG, "rank %d: memory tier off: a slot of this state's shard would "
-                              "exceed the format's limits", s->rank);
+            if (speaks) LOG_W(TAG, "memory tier off: a slot of this state's shard would "
+                              "exceed the format's limits");
         } else if (o->mem_budget && need > budget) {
-            if (speaks) LOG_E(TAG, "rank %d: --mem-budget %" PRIu64 " (%s) is too small for the memory tier: "
+            if (speaks) LOG_E(TAG, "--mem-budget %" PRIu64 " (%s) is too small for the memory tier: "
                   "it needs %" PRIu64 " bytes (%s) per node = %d local rank%s x %s (2 slots of the "
-                  "state shard)%s; raise --mem-budget or pass --mem-snapshot-every 0", s->rank,
+                  "state shard)%s; raise --mem-budget or pass --mem-snapshot-every 0",
                   budget, bb, need, nb, local_world, local_world == 1 ? "" : "s", sb,
                   nodes > 1 ? " x 2 (the peer node's replicas live here too)" : "");
             mine[1] = 2;
         } else if (fs_err) {
-            LOG_W(TAG, "rank %d: memory tier off: cannot read the free space of %s: %s", s->rank,
+            LOG_W(TAG, "memory tier off: cannot read the free space of %s: %s",
                   d, strerror(fs_err));
         } else if (need > budget) {
-            if (speaks) LOG_W(TAG, "rank %d: memory tier off: it needs %s per node (%d local rank%s x %s%s), "
-                  "more than the default budget of %s (half the free space of %s); free memory "
-                  "there or give --mem-budget", s->rank, nb, local_world, local_world == 1 ? "" : "s",
+            if (speaks) LOG_W(TAG, "memory tier off: it needs %s per node (%d local rank%s x %s%s), "
+                  "more than the default budget of %s (half the free space of %s, this node's "
+                  "segments counted as free); free memory "
+                  "there or give --mem-budget", nb, local_world, local_world == 1 ? "" : "s",
                   sb, nodes > 1 ? " x 2 for the peer's replicas" : "", bb, d);
         } else {
             mine[0] = 1;
@@ -192,11 +249,18 @@ int train_mem_open(state *s)
     snprintf(s->mem_own, sizeof s->mem_own, "%s.own-%d", s->mem_path,
              env_int("LOCAL_RANK", s->rank));
     int rc = shmseg_create(s->mem_own, s->mem_slot_bytes, &s->mem_seg);
+    if (rc == -EBUSY) {
+        LOG_W(TAG, "no memory snapshots on this rank: another process writes the segment %s (two "
+              "workers with the same CKPT_MEM_PATH and LOCAL_RANK?); training goes on with disk "
+              "snapshots only for this rank", s->mem_own);
+        s->mem_seg = NULL;
+        return rc;
+    }
     if (rc < 0) {
         /* this rank keeps taking part in the snapshots' collectives (mem_every stays): only
          * its copy is missing, and a restore from memory then falls back to disk */
-        LOG_W(TAG, "rank %d: no memory snapshots on this rank: cannot create the segment %s "
-              "(%" PRIu64 " bytes per slot): %s", s->rank, s->mem_own, s->mem_slot_bytes,
+        LOG_W(TAG, "no memory snapshots on this rank: cannot create the segment %s "
+              "(%" PRIu64 " bytes per slot): %s", s->mem_own, s->mem_slot_bytes,
               strerror(-rc));
         s->mem_seg = NULL;
         return rc;
@@ -234,15 +298,15 @@ int train_mem_write(state *s, const ckpt_buffer bufs[3], const char *trainer_jso
     if (rc < 0) {
         s->mem_failed++;
         if (!s->mem_failing)
-            LOG_W(TAG, "rank %d, step %" PRId64 ": memory snapshot into %s failed: %s; training "
+            LOG_W(TAG, "step %" PRId64 ": memory snapshot into %s failed: %s; training "
                   "goes on (the previous complete slot stays; logged again when it recovers)",
-                  s->rank, s->step, s->mem_own, strerror(-rc));
+                  s->step, s->mem_own, strerror(-rc));
         s->mem_failing = 1;
         train_report_mem_snapshot_failed(s->report, s->step, rc);
         return rc;
     }
     if (s->mem_failing)
-        LOG_I(TAG, "rank %d, step %" PRId64 ": memory snapshots work again", s->rank, s->step);
+        LOG_I(TAG, "step %" PRId64 ": memory snapshots work again", s->step);
     s->mem_failing = 0;
     uint64_t bytes = bufs[0].bytes + bufs[1].bytes + bufs[2].bytes;
     s->mem_count++;
@@ -272,11 +336,79 @@ int train_mem_take(state *s)
     return 0;
 }
 
+/* What the flush checks each candidate against: this job's flags, data and model size. */
+typedef struct flush_job {
+    const options *o;
+    char data_hash[17];
+    size_t np;
+} flush_job;
+
+static const ckpt_buffer *find_buffer(const ckpt_buffer *bufs, size_t n, const char *name)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!strcmp(bufs[i].name, name)) return &bufs[i];
+    return NULL;
+}
+
+/* ckpt_mem_check_fn: what load_part and load_snapshot check of a restore (the record by
+ * train_record_check, then the digests over the whole buffers), so that the flush never
+ * commits a snapshot that the restore then rejects and sets aside. */
+static int flush_check(void *ctx, ckpt_snapshot *snap, const ckpt_buffer *bufs, size_t nbufs, char *why,
+                       size_t why_len)
+{
+    const flush_job *j = ctx;
+    json_error_t jerr;
+    json_t *tr = json_loads(ckpt_snapshot_trainer_json(snap), 0, &jerr);
+    if (!tr && (json_error_code(&jerr) == json_error_out_of_memory || !jerr.text[0])) {
+        snprintf(why, why_len, "out of memory parsing the trainer record");
+        return -ENOMEM;
+    }
+    train_record rec;
+    int rc = train_record_check(j->o, j->data_hash, j->np, snap, tr, &rec, why, why_len);
+    const ckpt_buffer *p = find_buffer(bufs, nbufs, "params"), *m = find_buffer(bufs, nbufs, "adam_m"),
+                      *v = find_buffer(bufs, nbufs, "adam_v");
+    if (rc == 0 && (!p || !m || !v || p->bytes != j->np * sizeof(float) || m->bytes != p->bytes ||
+                    v->bytes != p->bytes)) {
+        snprintf(why, why_len, "state buffers missing or of the wrong size");
+        rc = -EINVAL;
+    }
+    if (rc == 0) {
+        char got[33];
+        train_digest_hex(p->data, j->np, got);
+        if (strcmp(got, rec.params_digest) != 0) {
+            snprintf(why, why_len, "params digest %s differs from the recorded %s", got, rec.params_digest);
+            rc = -EBADMSG;
+        }
+    }
+    if (rc == 0 && rec.adam_m_digest) {
+        uint64_t md[2];
+        train_moments_digest_whole(m->data, v->data, j->np, md);
+        const char *want[2] = {rec.adam_m_digest, rec.adam_v_digest};
+        for (int k = 0; k < 2 && rc == 0; k++) {
+            char have[17];
+            snprintf(have, sizeof have, "%016" PRIx64, md[k]);
+            if (strcmp(want[k], have) != 0) {
+                snprintf(why, why_len, "%s digest %s differs from the recorded %s", k ? "adam_v" : "adam_m",
+                         have, want[k]);
+                rc = -EBADMSG;
+            }
+        }
+    }
+    json_decref(tr);
+    return rc;
+}
+
 int train_mem_flush_main(const options *o)
 {
     const char *path = getenv("CKPT_MEM_PATH");
     if (!path || !*path) {
         LOG_E(TAG, "flush (CKPT_MEM_FLUSH=1): CKPT_MEM_PATH is not set: no memory tier to flush");
+        return 2;
+    }
+    if (!ckpt_mem_prefix_ok(path)) {
+        LOG_E(TAG, "flush (CKPT_MEM_FLUSH=1): CKPT_MEM_PATH '%.200s%s' is not a usable memory tier "
+              "prefix: it needs a file name part after its last '/' and fewer than %d bytes", path,
+              strlen(path) > 200 ? "..." : "", CKPT_PATH_MAX - 64);
         return 2;
     }
     if (!o->ckpt_dir) {
@@ -291,7 +423,24 @@ int train_mem_flush_main(const options *o)
     so.direct_io = o->direct_io;
     double t0 = clock_now_s();
     char why[600] = "";
-    int64_t rc = ckpt_mem_flush(path, o->ckpt_dir, &so, o->run_id, why, sizeof why);
+    /* the job's data hash and model size, for the checks a restore makes (flush_check) */
+    flush_job job = {.o = o};
+    train_dataset *ds = NULL;
+    train_model *model = NULL;
+    int orc = train_dataset_open(&ds, o->data, o->model.seq_len, o->model.vocab, why, sizeof why);
+    if (orc < 0) {
+        LOG_E(TAG, "flush of %s: training data: %s", path, why);
+        return train_input_status(orc);
+    }
+    snprintf(job.data_hash, sizeof job.data_hash, "%016" PRIx64, train_dataset_hash(ds));
+    train_dataset_close(ds);
+    if ((orc = train_model_create(&model, &o->model, o->micro_batch)) < 0) {
+        LOG_E(TAG, "flush of %s: cannot create the model: %s", path, strerror(-orc));
+        return 1;
+    }
+    job.np = train_model_num_params(model);
+    train_model_free(model);
+    int64_t rc = ckpt_mem_flush_checked(path, o->ckpt_dir, &so, o->run_id, flush_check, &job, why, sizeof why);
     double dt = clock_now_s() - t0;
     if (rc < 0) {
         LOG_E(TAG, "flush of %s into %s failed: %s", path, o->ckpt_dir,

@@ -119,8 +119,8 @@ static const char usage_text_mem[] =
     "                        budget allows it, else off with a warning. Disk snapshots\n"
     "                        (--ckpt-every) are then persisted from that copy. Without\n"
     "                        CKPT_MEM_PATH (train not under elastic) there is no memory tier\n"
-    "  --mem-budget BYTES    shared memory this node may use (suffixes K, M, G, T: powers of\n"
-    "                        1024), checked at start against 2 slots x the state shard of each\n"
+    "  --mem-budget BYTES    shared memory this node may use (suffixes K, M, G, T in either\n"
+    "                        case: powers of 1024), checked at start against 2 slots x the state shard of each\n"
     "                        local rank (x 2 on several nodes: the peer's replicas live here\n"
     "                        too); too small: exit 2. Default: half the free space of the\n"
     "                        segment folder's file system (too small: the tier is off)\n"
@@ -175,8 +175,10 @@ static int parse_float(const char *flag, const char *s, double lo, double hi, fl
     return 0;
 }
 
-/* A byte count: digits with an optional suffix K, M, G or T (powers of 1024; "KiB", "MB",
- * "k" are accepted alike), at least 1. Returns 0, or -1 after printing one line. */
+/* A byte count: digits with an optional suffix K, M, G or T in either case (powers of 1024;
+ * "KiB", "MB", "k" are accepted alike), at least 1, nothing before or after (no blanks: strtoull
+ * would skip leading ones, so they are refused here like trailing ones). Returns 0, or -1
+ * after printing one line. */
 static int parse_bytes(const char *flag, const char *s, uint64_t *out)
 {
     char *end;
@@ -192,10 +194,10 @@ static int parse_bytes(const char *flag, const char *s, uint64_t *out)
             if (*end == 'B') end++;
         }
     }
-    if (errno || *end || end == s || s[0] == '-' || v == 0 ||
+    if (errno || *end || end == s || s[0] < '0' || s[0] > '9' || v == 0 ||
         (shift && v > (UINT64_MAX >> shift))) {
         fprintf(stderr, "train: %s: '%s' is not a byte count of at least 1 (digits with an "
-                "optional K, M, G or T suffix)\n", flag, s);
+                "optional K, M, G or T suffix, either case; no blanks)\n", flag, s);
         return -1;
     }
     *out = (uint64_t)v << shift;

@@ -149,6 +149,91 @@ static void s3_copy_dir(const state *s, uint64_t step, const char *run_id, char 
     snprintf(out, len, "%s/.tmp-%s-s3copy-%s", s->o->ckpt_dir, d, run_id);
 }
 
+int train_record_check(const options *o, const char *data_hash, size_t np, const ckpt_snapshot *snap,
+                       const json_t *tr, train_record *rec, char *why, size_t why_len)
+{
+    memset(rec, 0, sizeof *rec);
+    json_t *data = json_object_get(tr, "data");
+    const size_t bytes = np * sizeof(float);
+    char diff[400];
+    json_t *opt = json_object_get(tr, "optimizer");
+    json_t *jstep = json_object_get(tr, "step"), *jsamples = json_object_get(data, "samples_consumed");
+    json_t *jt = json_object_get(opt, "t");
+    int64_t step = json_is_integer(jstep) ? json_integer_value(jstep) : -1;
+    int64_t samples = json_is_integer(jsamples) ? json_integer_value(jsamples) : -1;
+    int64_t t = json_is_integer(jt) ? json_integer_value(jt) : -1;
+    const char *dh = json_string_value(json_object_get(data, "data_hash"));
+    const char *digest = json_string_value(json_object_get(tr, "params_digest"));
+    json_t *jbatch = json_object_get(tr, "batch");
+    int64_t gb = json_integer_value(json_object_get(jbatch, "global_batch"));
+    int64_t saved_world = json_integer_value(json_object_get(jbatch, "world_size"));
+    int64_t seed = json_integer_value(json_object_get(data, "seed"));
+    int dtypes_ok = 1;
+    for (size_t i = 0; i < ckpt_snapshot_nbuffers(snap); i++) {
+        ckpt_buffer_info bi;
+        ckpt_snapshot_buffer_info(snap, i, &bi);
+        if ((!strcmp(bi.name, "params") || !strcmp(bi.name, "adam_m") || !strcmp(bi.name, "adam_v")) &&
+            (strcmp(bi.dtype, "f32") != 0 || bi.elem_bytes != 4))
+            dtypes_ok = 0;
+    }
+    int64_t want_samples = 0; /* step x gb, checked: both come from the record */
+    json_t *md = json_object_get(tr, "moments_digest");
+    const char *dm = json_string_value(json_object_get(md, "adam_m"));
+    const char *dv = json_string_value(json_object_get(md, "adam_v"));
+    int rc = 0;
+    if (!json_is_object(tr) || !json_is_object(data) || !json_is_object(opt) || !dh || !digest ||
+        !json_is_object(json_object_get(tr, "model"))) {
+        snprintf(why, why_len, "trainer record lacks its model, data position, optimizer or "
+                 "params_digest");
+        rc = -EBADMSG;
+    } else if (md && (!dm || !dv || strlen(dm) != 16 || strlen(dv) != 16 ||
+                      strspn(dm, "0123456789abcdef") != 16 || strspn(dv, "0123456789abcdef") != 16)) {
+        /* absent in records older than the digest; present, it must be usable */
+        snprintf(why, why_len, "trainer record has a malformed moments_digest");
+        rc = -EBADMSG;
+    } else if (step != (int64_t)ckpt_snapshot_step(snap) || t != step) {
+        snprintf(why, why_len, "trainer record is inconsistent: step %lld and Adam step %lld in a "
+                 "snapshot of step %llu", (long long)step, (long long)t,
+                 (unsigned long long)ckpt_snapshot_step(snap));
+        rc = -EBADMSG;
+    } else if (!same_model(json_object_get(tr, "model"), &o->model, diff, sizeof diff)) {
+        snprintf(why, why_len, "model configuration differs: %s", diff);
+        rc = -EINVAL;
+    } else if (strcmp(dh, data_hash) != 0) {
+        snprintf(why, why_len, "training data differs from the snapshot's (data hash %s, now %s)",
+                 dh, data_hash);
+        rc = -EINVAL;
+    } else if (seed != (int64_t)o->seed) {
+        snprintf(why, why_len, "seed differs (snapshot %lld, now %" PRIu64 ")", (long long)seed,
+                 o->seed);
+        rc = -EINVAL;
+    } else if (gb < 1 || gb > (1 << 24)) {
+        snprintf(why, why_len, "trainer record has no valid global batch");
+        rc = -EBADMSG;
+    } else if (__builtin_mul_overflow(step, gb, &want_samples) || samples != want_samples) {
+        snprintf(why, why_len, "trainer record is inconsistent: %lld samples consumed after %lld "
+                 "steps of %lld", (long long)samples, (long long)step, (long long)gb);
+        rc = -EBADMSG;
+    } else if (ckpt_snapshot_buffer_bytes(snap, "params") != (int64_t)bytes ||
+               ckpt_snapshot_buffer_bytes(snap, "adam_m") != (int64_t)bytes ||
+               ckpt_snapshot_buffer_bytes(snap, "adam_v") != (int64_t)bytes) {
+        snprintf(why, why_len, "state buffers have the wrong size for this model");
+        rc = -EINVAL;
+    } else if (!dtypes_ok) {
+        snprintf(why, why_len, "state buffers are not f32");
+        rc = -EBADMSG;
+    }
+    if (rc < 0) return rc;
+    rec->step = step;
+    rec->samples = samples;
+    rec->global_batch = gb;
+    rec->saved_world = saved_world;
+    rec->params_digest = digest;
+    rec->adam_m_digest = md ? dm : NULL;
+    rec->adam_v_digest = md ? dv : NULL;
+    return 0;
+}
+
 /* Load this rank's part of one snapshot: params [lo, hi) (all at ZeRO stage 0), Adam moments
  * [olo, ohi). Local: no collective. Returns 0, -EBADMSG (corrupt: try an older one), -EINVAL
  * (incompatible: refuse), other -errno. why gets one line. */
@@ -175,106 +260,43 @@ static int load_part(state *s, const char *path, char *why, size_t why_len)
         snprintf(why, why_len, "out of memory parsing the trainer record");
         return -ENOMEM; /* says nothing about the bytes */
     }
-    json_t *data = json_object_get(tr, "data");
-    size_t bytes = s->np * sizeof(float);
-    char diff[400];
-    json_t *opt = json_object_get(tr, "optimizer");
-    json_t *jstep = json_object_get(tr, "step"), *jsamples = json_object_get(data, "samples_consumed");
-    json_t *jt = json_object_get(opt, "t");
-    int64_t step = json_is_integer(jstep) ? json_integer_value(jstep) : -1;
-    int64_t samples = json_is_integer(jsamples) ? json_integer_value(jsamples) : -1;
-    int64_t t = json_is_integer(jt) ? json_integer_value(jt) : -1;
-    const char *dh = json_string_value(json_object_get(data, "data_hash"));
-    const char *digest = json_string_value(json_object_get(tr, "params_digest"));
-    json_t *jbatch = json_object_get(tr, "batch");
-    int64_t gb = json_integer_value(json_object_get(jbatch, "global_batch"));
-    int64_t saved_world = json_integer_value(json_object_get(jbatch, "world_size"));
-    int64_t seed = json_integer_value(json_object_get(data, "seed"));
     char mydh[17];
     snprintf(mydh, sizeof mydh, "%016" PRIx64, train_dataset_hash(s->train));
-    int dtypes_ok = 1;
-    for (size_t i = 0; i < ckpt_snapshot_nbuffers(snap); i++) {
-        ckpt_buffer_info bi;
-        ckpt_snapshot_buffer_info(snap, i, &bi);
-        if ((!strcmp(bi.name, "params") || !strcmp(bi.name, "adam_m") || !strcmp(bi.name, "adam_v")) &&
-            (strcmp(bi.dtype, "f32") != 0 || bi.elem_bytes != 4))
-            dtypes_ok = 0;
-    }
+    train_record rec;
     int want = wanted_global_batch(s);
-    int64_t want_samples = 0; /* step x gb, checked: both come from the record */
     size_t plo = s->o->zero_stage == 0 ? 0 : s->lo, phi = s->o->zero_stage == 0 ? s->np : s->hi;
     float *params = train_model_params(s->model);
-    json_t *md = json_object_get(tr, "moments_digest");
-    const char *dm = json_string_value(json_object_get(md, "adam_m"));
-    const char *dv = json_string_value(json_object_get(md, "adam_v"));
-    if (!json_is_object(tr) || !json_is_object(data) || !json_is_object(opt) || !dh || !digest ||
-        !json_is_object(json_object_get(tr, "model"))) {
-        snprintf(why, why_len, "trainer record lacks its model, data position, optimizer or "
-                 "params_digest");
-        rc = -EBADMSG;
-    } else if (md && (!dm || !dv || strlen(dm) != 16 || strlen(dv) != 16 ||
-                      strspn(dm, "0123456789abcdef") != 16 || strspn(dv, "0123456789abcdef") != 16)) {
-        /* absent in records older than the digest; present, it must be usable */
-        snprintf(why, why_len, "trainer record has a malformed moments_digest");
-        rc = -EBADMSG;
-    } else if (step != (int64_t)ckpt_snapshot_step(snap) || t != step) {
-        snprintf(why, why_len, "trainer record is inconsistent: step %lld and Adam step %lld in a "
-                 "snapshot of step %llu", (long long)step, (long long)t,
-                 (unsigned long long)ckpt_snapshot_step(snap));
-        rc = -EBADMSG;
-    } else if (!same_model(json_object_get(tr, "model"), &s->o->model, diff, sizeof diff)) {
-        snprintf(why, why_len, "model configuration differs: %s", diff);
-        rc = -EINVAL;
-    } else if (strcmp(dh, mydh) != 0) {
-        snprintf(why, why_len, "training data differs from the snapshot's (data hash %s, now %s)",
-                 dh, mydh);
-        rc = -EINVAL;
-    } else if (seed != (int64_t)s->o->seed) {
-        snprintf(why, why_len, "seed differs (snapshot %lld, now %" PRIu64 ")", (long long)seed,
-                 s->o->seed);
-        rc = -EINVAL;
-    } else if (gb < 1 || gb > (1 << 24)) {
-        snprintf(why, why_len, "trainer record has no valid global batch");
-        rc = -EBADMSG;
-    } else if (want && gb != want) {
+    json_t *jbatch = json_object_get(tr, "batch");
+    if ((rc = train_record_check(s->o, mydh, s->np, snap, tr, &rec, why, why_len)) < 0) {
+        /* why is set */
+    } else if (want && rec.global_batch != want) {
         snprintf(why, why_len, "global batch differs: the snapshot used %lld sequences per step "
                  "(world size %lld), this run %d; pass --global-batch %lld (or no batch flag) to "
-                 "keep it", (long long)gb, (long long)saved_world, want, (long long)gb);
+                 "keep it", (long long)rec.global_batch, (long long)rec.saved_world, want,
+                 (long long)rec.global_batch);
         rc = -EINVAL;
-    } else if ((rc = set_global_batch(s, (int)gb, why, why_len)) < 0) {
+    } else if ((rc = set_global_batch(s, (int)rec.global_batch, why, why_len)) < 0) {
         /* why is set */
-    } else if (__builtin_mul_overflow(step, gb, &want_samples) || samples != want_samples) {
-        snprintf(why, why_len, "trainer record is inconsistent: %lld samples consumed after %lld "
-                 "steps of %lld", (long long)samples, (long long)step, (long long)gb);
-        rc = -EBADMSG;
-    } else if (ckpt_snapshot_buffer_bytes(snap, "params") != (int64_t)bytes ||
-               ckpt_snapshot_buffer_bytes(snap, "adam_m") != (int64_t)bytes ||
-               ckpt_snapshot_buffer_bytes(snap, "adam_v") != (int64_t)bytes) {
-        snprintf(why, why_len, "state buffers have the wrong size for this model");
-        rc = -EINVAL;
-    } else if (!dtypes_ok) {
-        snprintf(why, why_len, "state buffers are not f32");
-        rc = -EBADMSG;
     } else if ((rc = read_ranges(s, snap, plo, phi, params + plo, why, why_len)) == 0) {
         if (s->rank == 0) warn_changed_hparams(tr, s->o);
-        s->step = step;
-        s->samples = (uint64_t)samples;
+        s->step = rec.step;
+        s->samples = (uint64_t)rec.samples;
         snprintf(s->run_id, sizeof s->run_id, "%s", ckpt_snapshot_run_id(snap));
         json_t *loss = json_object_get(tr, "loss");
         s->last_loss = json_is_number(loss) ? json_number_value(loss) : NAN;
-        snprintf(s->recorded_moments[0], 17, "%s", md ? dm : "");
-        snprintf(s->recorded_moments[1], 17, "%s", md ? dv : "");
+        snprintf(s->recorded_moments[0], 17, "%s", rec.adam_m_digest ? rec.adam_m_digest : "");
+        snprintf(s->recorded_moments[1], 17, "%s", rec.adam_v_digest ? rec.adam_v_digest : "");
         int64_t saved_mb = json_integer_value(json_object_get(jbatch, "micro_batch"));
         if (saved_mb > 0 && saved_mb != s->o->micro_batch && s->rank == 0)
             LOG_W(TAG, "micro-batch differs from the snapshot's (%lld, now %d): the global batch "
                   "stays %lld, but the results agree with an uninterrupted run only to rounding",
-                  (long long)saved_mb, s->o->micro_batch, (long long)gb);
-        if (saved_world != s->world && s->rank == 0)
+                  (long long)saved_mb, s->o->micro_batch, (long long)rec.global_batch);
+        if (rec.saved_world != s->world && s->rank == 0)
             LOG_I(TAG, "re-sharding: the snapshot was saved by %lld rank%s, this run has %d; each "
-                  "rank reads only its ranges", (long long)saved_world, saved_world == 1 ? "" : "s",
-                  s->world);
+                  "rank reads only its ranges", (long long)rec.saved_world,
+                  rec.saved_world == 1 ? "" : "s", s->world);
     }
-    char *digest_copy = rc == 0 ? strdup(digest) : NULL;
+    char *digest_copy = rc == 0 ? strdup(rec.params_digest) : NULL;
     json_decref(tr);
     ckpt_snapshot_close(snap);
     if (rc == 0) {

@@ -39,6 +39,12 @@ static uint64_t block_digest(const float *x, size_t lo, size_t hi)
 
 /* This rank's parts of the digests of adam_m and adam_v over its shard [lo, hi), summed over
  * all ranks (collective when W > 1). Returns 0 or the collective's error. */
+void train_moments_digest_whole(const float *m, const float *v, size_t np, uint64_t out[2])
+{
+    out[0] = block_digest(m, 0, np);
+    out[1] = block_digest(v, 0, np);
+}
+
 int train_moments_digest(state *s, uint64_t out[2])
 {
     uint64_t mine[2] = {block_digest(s->m + (s->lo - s->olo), s->lo, s->hi),

@@ -313,6 +313,7 @@ class MemTest(TempDirTest):
                            r"it needs (\d+) bytes .*", err)
         self.assertEqual(len(lines), 1, err[-3000:])
         self.assertGreater(int(lines[0]), 65536)
+        self.assertNotRegex(err, r"rank \d+: rank \d+:")  # the logger prefixes the rank once
         self.assertIn("a usage or configuration error, not restarting", err)
         self.assertNotRegex(err, r"step 1/")
         self.assertEqual(self.segments(), [])
@@ -321,11 +322,14 @@ class MemTest(TempDirTest):
         """A malformed --mem-budget is a usage error (2, one line); suffixes are accepted;
         without CKPT_MEM_PATH train says once that there is no memory tier and trains."""
         base = [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS + ["--steps", "2"]
-        for bad in ["12Q", "0", "-1", "G", "99999999999T"]:
+        for bad in ["12Q", "0", "-1", "G", "99999999999T", " 1G", "1G ", "+1G", "\t1G"]:
             p = harness.run(base + ["--mem-budget", bad])
             self.assertEqual(p.returncode, 2, (bad, p.stderr))
             self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
             self.assertIn("--mem-budget", p.stderr)
+        for good in ["512m", "1g", "1GiB", "64k"]:  # either case, documented
+            p = harness.run(base + ["--mem-budget", good, "--steps", "1"], extra_env={"CKPT_MEM_PATH": ""})
+            self.assertEqual(p.returncode, 0, (good, p.stderr[-2000:]))
         p = harness.run(base + ["--mem-budget", "512M", "--mem-snapshot-every", "1"],
                         extra_env={"CKPT_MEM_PATH": ""})
         self.assertEqual(p.returncode, 0, p.stderr[-2000:])
@@ -349,6 +353,126 @@ class MemTest(TempDirTest):
         self.assertEqual(self.segments(), [])
         self.assertEqual(harness.snapshot_dirs(self.ckpt), ["step-000000003"])
 
+    def test_unusable_prefix_is_a_usage_error(self):
+        """A CKPT_MEM_PATH the readers refuse ('/', a folder with a trailing '/', too long) is
+        refused at start by the writer too: exit 2 with one line naming CKPT_MEM_PATH, before
+        any segment (no hidden '.own-0' that nobody lists or removes); the flush mode too."""
+        base = [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS + ["--steps", "2"]
+        for hidden in ["/.own-0", "/dev/shm/.own-0"]:
+            if not os.path.exists(hidden):
+                self.addCleanup(lambda h=hidden: os.path.exists(h) and os.unlink(h))
+        for mp in [self.mem + "/", "/", "/dev/shm/", os.path.join(self.mem, "a" * 4100)]:
+            for env in [{}, {"CKPT_MEM_FLUSH": "1"}]:
+                p = harness.run(base + ["--ckpt-dir", self.ckpt, "--mem-snapshot-every", "1"],
+                                extra_env=dict(env, CKPT_MEM_PATH=mp, LOCAL_RANK="0"))
+                self.assertEqual((p.returncode, len(p.stderr.strip().splitlines())), (2, 1),
+                                 (mp[:80], env, p.stderr[-2000:]))
+                self.assertIn("CKPT_MEM_PATH", p.stderr)
+                self.assertLess(len(p.stderr), 600)
+                self.assertNotIn("Invalid argument", p.stderr)
+            self.assertEqual(self.segments(), [], mp[:80])
+        self.assertFalse(os.path.exists("/dev/shm/.own-0"))
+        self.assertFalse(os.path.exists("/.own-0"))
+
+    def test_second_writer_of_a_segment(self):
+        """Two trains with the same CKPT_MEM_PATH and LOCAL_RANK: the first holds its segment
+        (shmseg_create's flock); the second says so in one line and trains without its memory
+        copy (exit 0, no memory snapshot); the first's slots are untouched by it."""
+        import subprocess
+        base = [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS
+        env = {"CKPT_MEM_PATH": os.path.join(self.mem, "p"), "LOCAL_RANK": "0"}
+        first = subprocess.Popen(base + ["--steps", "100000", "--mem-snapshot-every", "1"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                 env=harness.env(env))
+        self.addCleanup(lambda: (first.kill(), first.wait(), first.stderr.close()))
+        deadline = time.time() + 60
+        line = ""
+        while "memory snapshot step" not in line and time.time() < deadline:
+            line = first.stderr.readline()
+            self.assertTrue(line or first.poll() is None, "the first train ended")
+        self.assertIn("memory snapshot step", line)
+        p = harness.run(base + ["--steps", "3", "--mem-snapshot-every", "1"], extra_env=env)
+        self.assertEqual(p.returncode, 0, p.stderr[-2000:])
+        self.assertEqual(len(re.findall(r"another process writes the segment \S+\.own-0", p.stderr)), 1,
+                         p.stderr[-2000:])
+        self.assertNotRegex(p.stderr, r"memory snapshot step \d+ in slot")
+        self.assertIsNone(first.poll())
+        self.assertEqual(self.segments(), ["p.own-0"])
+        steps = [sl[4] for sl in slots_of(os.path.join(self.mem, "p.own-0")) if sl[1] == 2]
+        self.assertTrue(steps and min(steps) > 0, steps)
+
+    def test_default_budget_counts_the_own_segments(self):
+        """A segment folder with room for the tier once (a 6500K tmpfs: half is just over the
+        2.9 MiB two local ranks need) and no --mem-budget: after SIGKILL of rank 1 the next
+        round measures its own reusable segments as available, keeps the tier on and restores
+        from memory (it used to say 'memory tier off: ... more than the default budget')."""
+        import subprocess
+        if os.geteuid() != 0:
+            self.skipTest("mounting a tmpfs needs root")
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6500k,mode=0700", "tmpfs", self.mem],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            self.skipTest(f"cannot mount a tmpfs: {r.stderr.strip()}")
+        self.addCleanup(subprocess.run, ["umount", "-l", self.mem], capture_output=True)
+        ref = self.reference()
+        a = self.agent(["--nproc-per-node", "2", "--max-restarts", "2"],
+                       self.train_cmd(["--ckpt-every", "25", "--mem-snapshot-every", "1"]))
+        a.wait_for(r"\[rank 0\] .*step 10/", timeout=120)
+        self.assertIn("memory tier: a snapshot every 1 step", a.err())
+        pids = a.pids(0)
+        self.assertEqual(len(pids), 2, a.err())
+        os.kill(pids[1], signal.SIGKILL)
+        self.assertEqual(a.wait(180), 0, a.err()[-4000:])
+        err = a.err()
+        self.assertNotIn("memory tier off", err)
+        self.assertEqual(err.count("memory tier: a snapshot every 1 step"), 2, err[-4000:])
+        self.assertIsNotNone(RESUMED_MEM_RE.search(err), err[-4000:])
+        self.assertEqual(self.final(a), (30, ref))
+
+    def test_flush_checks_what_a_restore_checks(self):
+        """The flush commits only a memory snapshot that the restore would accept: one whose
+        trainer record is not this job's (another seed, model or data) is logged and skipped,
+        never written; with the job's own flags it is flushed and restorable."""
+        base = [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS
+        mp = os.path.join(self.mem, "p")
+        env = {"CKPT_MEM_PATH": mp, "LOCAL_RANK": "0"}
+        harness.run(base + ["--steps", "5", "--mem-snapshot-every", "1"], extra_env=env, check=True)
+        flush = dict(env, CKPT_MEM_FLUSH="1")
+        val = os.path.join(harness.DATA, "val_*.bin")
+        for flags, why in [(["--seed", "8"], "seed differs"),
+                           (["--n-layer", "1"], "model configuration differs"),
+                           (["--data", val], "training data differs")]:
+            p = harness.run(base + ["--ckpt-dir", self.ckpt] + flags, extra_env=flush)
+            self.assertNotEqual(p.returncode, 0, (flags, p.stderr))
+            self.assertIn(why, p.stderr, flags)
+            self.assertRegex(p.stderr, r"mem:\S+/5/1 not flushed: .*rejected", flags)
+            self.assertEqual(harness.snapshot_dirs(self.ckpt), [], (flags, p.stderr))
+        # forged and resealed (every checksum holds): a record of step 12 in a slot that
+        # says step 29; params and adam_m swapped by name. The flush must skip both.
+        tool = os.environ.get("CKPT_SHMSEG_TOOL", os.path.join(harness.BUILD, "tests", "shmseg-tool"))
+        forged = os.path.join(self.mem, "f")
+        fenv = {"CKPT_MEM_PATH": forged, "LOCAL_RANK": "0"}
+        for forge, why in [(["step", "29"], r"trainer record is inconsistent: step 12 .* snapshot of step 29"),
+                           (["swap"], r"params digest \S+ differs from the recorded")]:
+            shutil.rmtree(self.ckpt, ignore_errors=True)
+            for f in os.listdir(self.mem):
+                if f.startswith("f."):
+                    os.unlink(os.path.join(self.mem, f))
+            harness.run(base + ["--steps", "12", "--mem-snapshot-every", "12"], extra_env=fenv, check=True)
+            harness.run([tool, "forge", forged + ".own-0"] + forge, check=True)
+            p = harness.run(base + ["--ckpt-dir", self.ckpt], extra_env=dict(fenv, CKPT_MEM_FLUSH="1"))
+            self.assertNotEqual(p.returncode, 0, (forge, p.stderr))
+            self.assertRegex(p.stderr, r"not flushed: .*rejected by the caller's check: " + why, forge)
+            self.assertEqual(harness.snapshot_dirs(self.ckpt) if os.path.isdir(self.ckpt) else [], [],
+                             (forge, p.stderr))
+        p = harness.run(base + ["--ckpt-dir", self.ckpt], extra_env=flush)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual(harness.snapshot_dirs(self.ckpt), ["step-000000005"], p.stderr)
+        p = harness.run(base + ["--ckpt-dir", self.ckpt, "--resume", "auto", "--steps", "6"],
+                        extra_env={"CKPT_MEM_PATH": ""})
+        self.assertEqual(p.returncode, 0, p.stderr[-2000:])
+        self.assertRegex(p.stderr, r"resumed from \S+step-000000005 at step 5")
+
     def test_flush_mode_exit_statuses(self):
         """CKPT_MEM_FLUSH=1 (what the agent runs): one line and 2 without CKPT_MEM_PATH, 0 when
         there is nothing to flush, 1 when the flush fails (a --ckpt-dir that is a file)."""
@@ -367,6 +491,14 @@ class MemTest(TempDirTest):
         p = harness.run(base + ["--ckpt-dir", file], extra_env=dict(f, CKPT_MEM_PATH=mp))
         self.assertEqual((p.returncode, len(p.stderr.strip().splitlines())), (1, 1), p.stderr)
         self.assertRegex(p.stderr, r"flush of \S+ into \S+ failed: .*Not a directory")
+        # any value but unset, "", "0" and "1" is a usage error, never a full training run
+        for v in ["2", "yes", "true", " 1"]:
+            p = harness.run(base + ["--ckpt-dir", self.ckpt, "--steps", "2"],
+                            extra_env={"CKPT_MEM_FLUSH": v, "CKPT_MEM_PATH": mp})
+            self.assertEqual((p.returncode, len(p.stderr.strip().splitlines())), (2, 1), (v, p.stderr))
+            self.assertIn("CKPT_MEM_FLUSH", p.stderr)
+            self.assertIsNone(harness.FINAL_RE.search(p.stdout), v)
+        self.assertEqual(harness.snapshot_dirs(self.ckpt), [])
 
 if __name__ == "__main__":
     harness.main()

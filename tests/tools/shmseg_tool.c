@@ -8,6 +8,12 @@
  *   shmseg-tool info PATH
  *       the newest complete slot of PATH, the same line (exit 1 when none is complete);
  *       a slot in state writing is printed as "slot=<i> state=writing" first.
+ *   shmseg-tool forge PATH step N | swap
+ *       forge the newest complete slot of PATH, a memory snapshot (ckpt/ckpt_mem.h), as a
+ *       hostile writer would and reseal it so that every checksum still holds: "step N"
+ *       writes N as the payload's and the slot header's step; "swap" swaps the names of its
+ *       buffers 0 and 1. The header checksum and the slot's payload_xxh3 are recomputed
+ *       (the chunk checksums stay right: no data byte changes). Prints the slot line.
  * Exit status: 0, 1 (an error, one line on stderr), 2 usage.
  */
 #include "shmseg.h"
@@ -70,6 +76,41 @@ int main(int argc, char **argv)
         shmseg_close(seg);
         return 0;
     }
-    fprintf(stderr, "usage: shmseg-tool write PATH SLOT_BYTES STEP NBYTES SEED | info PATH\n");
+    if ((argc == 5 && !strcmp(argv[1], "forge") && !strcmp(argv[3], "step")) ||
+        (argc == 4 && !strcmp(argv[1], "forge") && !strcmp(argv[3], "swap"))) {
+        if ((rc = shmseg_open(argv[2], 1, &seg)) < 0 || (rc = shmseg_newest(seg, &slot)) < 0 ||
+            (rc = shmseg_slot_info(seg, slot, &in)) < 0) {
+            fprintf(stderr, "shmseg-tool: %s: %s\n", argv[2], strerror(-rc));
+            return 1;
+        }
+        unsigned char *p = shmseg_payload(seg, slot);
+        uint64_t step = in.step;
+        if (argc == 5) {
+            step = strtoull(argv[4], NULL, 10);
+            memcpy(p + 16, &step, 8); /* payload header: step u64 at 16 */
+        } else {
+            unsigned char t[64]; /* bufs[16] at 280, 120 bytes each, name[64] first */
+            memcpy(t, p + 280, 64);
+            memcpy(p + 280, p + 400, 64);
+            memcpy(p + 400, t, 64);
+        }
+        uint64_t h = XXH3_64bits(p, 2200); /* header_xxh3 at 2200 over [0, 2200) */
+        memcpy(p + 2200, &h, 8);
+        /* the slot header (common/shmseg.h): payload_xxh3 u64 at 24, step u64 at 32, at
+         * 4096 + slot * (4096 + slot_bytes) */
+        unsigned char *sh = p - 4096;
+        uint64_t ph = XXH3_64bits(p, in.payload_bytes < 4096 ? in.payload_bytes : 4096);
+        memcpy(sh + 24, &ph, 8);
+        memcpy(sh + 32, &step, 8);
+        if ((rc = shmseg_slot_info(seg, slot, &in)) < 0 || !shmseg_head_ok(seg, slot, &in)) {
+            fprintf(stderr, "shmseg-tool: %s: the reseal did not hold\n", argv[2]);
+            return 1;
+        }
+        print_slot(seg, slot, &in);
+        shmseg_close(seg);
+        return 0;
+    }
+    fprintf(stderr, "usage: shmseg-tool write PATH SLOT_BYTES STEP NBYTES SEED | info PATH | "
+            "forge PATH step N | forge PATH swap\n");
     return 2;
 }

@@ -407,6 +407,32 @@ static int read_equal(ckpt_snapshot *s)
     return 1;
 }
 
+/* A flush check (ckpt_mem_flush_checked) that records what it was shown and accepts or
+ * rejects everything. */
+typedef struct seen {
+    int n, reject, whole_ok;
+    uint64_t steps[8];
+} seen;
+
+static int check_cb(void *ctx, ckpt_snapshot *s, const ckpt_buffer *bufs, size_t nbufs, char *why, size_t why_len)
+{
+    seen *sn = ctx;
+    uint64_t step = ckpt_snapshot_step(s);
+    if (sn->n < 8) sn->steps[sn->n++] = step;
+    int ok = nbufs == NB;
+    for (size_t b = 0; ok && b < nbufs; b++) {
+        ok = !strcmp(bufs[b].name, names[b]) && bufs[b].offset == 0 && bufs[b].bytes == totals[b] &&
+             bufs[b].total_bytes == totals[b];
+        const uint8_t *d = bufs[b].data;
+        for (uint64_t i = 0; ok && i < totals[b]; i += 997) ok = d[i] == val(step, (int)b, i);
+        ok = ok && d[totals[b] - 1] == val(step, (int)b, totals[b] - 1);
+    }
+    sn->whole_ok = ok;
+    if (!sn->reject) return 0;
+    snprintf(why, why_len, "step %llu is not wanted", (unsigned long long)step);
+    return -EBADMSG;
+}
+
 static void test_flush(void)
 {
     char *disk = t_path_in(dir, "ckpt");
@@ -418,10 +444,12 @@ static void test_flush(void)
     T_CHECK(ckpt_mem_flush(prefix, disk, &o, NULL, why, sizeof why) == -EBUSY, "locked folder: %s", why);
     ckpt_dir_lock_release(l);
 
-    /* a newer snapshot of another run on disk does not count */
+    /* a newer snapshot of another run in the folder counts: step 20 written below it would
+     * block continuing ("later snapshots in the way") */
+    char *disk2 = t_path_in(dir, "ckpt-other");
     make_whole(77);
     ckpt_buffer ob = {"params", "f32", 4, 4096, 0, 4096, whole[0]};
-    T_REQUIRE(ckpt_save(&(ckpt_save_opts){.dir = disk, .chunk_bytes = 4096, .zstd_level = 1, .direct_io = 0,
+    T_REQUIRE(ckpt_save(&(ckpt_save_opts){.dir = disk2, .chunk_bytes = 4096, .zstd_level = 1, .direct_io = 0,
                                           .queue_depth = 4},
                         77, "other", "cfg1", &ob, 1, "{}", NULL) == 0,
               "save other run");
@@ -429,7 +457,16 @@ static void test_flush(void)
     memcpy(keep, whole[0], 4096);
     ob.data = keep;
     make_whole(20);
-    T_CHECK(ckpt_mem_flush(prefix, disk, &o, "nope", why, sizeof why) == 0, "no memory snapshot of run nope");
+    T_CHECK(ckpt_mem_flush(prefix, disk2, &o, NULL, why, sizeof why) == 0 && strstr(why, "step-000000077") &&
+                strstr(why, "run other"),
+            "another run's step 77 in the folder: nothing flushed (%s)", why);
+    char p2[4300];
+    snprintf(p2, sizeof p2, "%s/step-000000020", disk2);
+    T_CHECK(!t_exists(p2), "no step 20 next to the other run's 77");
+    free(disk2);
+    T_CHECK(ckpt_mem_flush(prefix, disk, &o, "nope", why, sizeof why) == 0 && strstr(why, "other runs") &&
+                strstr(why, "run nope"),
+            "only other runs' memory snapshots: %s", why);
     int64_t st = ckpt_mem_flush(prefix, disk, &o, NULL, why, sizeof why);
     T_CHECK(st == 20, "flushed step 20 (got %lld: %s)", (long long)st, why);
     char p[4300];
@@ -464,8 +501,18 @@ static void test_flush(void)
     shard(0, 3, W, &off, &pbytes);
     uint8_t *pay = shmseg_payload(segs[3], slot);
     pay[4096 + (pbytes + 4095) / 4096 * 4096 + 10] ^= 1; /* in adam_m's shard (after params') */
-    st = ckpt_mem_flush(prefix, disk, &o, "run1", why, sizeof why);
-    T_CHECK(st == 40, "step 50 corrupt, step 40 flushed (got %lld: %s)", (long long)st, why);
+    /* the caller's check sees each candidate that reads back whole, before anything is
+     * written; one it rejects is never committed */
+    seen sn = {.reject = 1};
+    st = ckpt_mem_flush_checked(prefix, disk, &o, "run1", check_cb, &sn, why, sizeof why);
+    T_CHECK(st < 0 && sn.n == 1 && sn.steps[0] == 40 && sn.whole_ok,
+            "50 corrupt, 40 rejected by the check: nothing flushed (got %lld, %d calls: %s)", (long long)st, sn.n, why);
+    snprintf(p, sizeof p, "%s/step-000000040", disk);
+    T_CHECK(!t_exists(p), "the rejected step 40 is not on disk");
+    sn = (seen){.reject = 0};
+    st = ckpt_mem_flush_checked(prefix, disk, &o, "run1", check_cb, &sn, why, sizeof why);
+    T_CHECK(st == 40 && sn.n == 1 && sn.whole_ok, "step 50 corrupt, step 40 accepted and flushed (got %lld: %s)",
+            (long long)st, why);
     T_CHECK(st != 50, "the corrupt one is not written");
     snprintf(p, sizeof p, "%s/step-000000050", disk);
     T_CHECK(!t_exists(p), "no step 50 on disk");
@@ -593,6 +640,30 @@ static void test_hostile_headers(void)
     free(p);
 }
 
+/* The prefix rule the readers apply, exported for the writers (ckpt_mem_prefix_ok). */
+static void test_prefix_rule(void)
+{
+    T_CHECK(ckpt_mem_prefix_ok("/dev/shm/ckptmem-a-b"), "a usual prefix");
+    T_CHECK(ckpt_mem_prefix_ok("rel"), "a relative prefix");
+    T_CHECK(!ckpt_mem_prefix_ok("/"), "/ refused");
+    T_CHECK(!ckpt_mem_prefix_ok("/dev/shm/"), "a folder refused");
+    T_CHECK(!ckpt_mem_prefix_ok(""), "empty refused");
+    T_CHECK(!ckpt_mem_prefix_ok(NULL), "NULL refused");
+    char *longp = malloc(CKPT_PATH_MAX);
+    T_REQUIRE(longp, "malloc");
+    memset(longp, 'a', CKPT_PATH_MAX - 1);
+    longp[0] = '/';
+    longp[CKPT_PATH_MAX - 64] = '\0';
+    T_CHECK(!ckpt_mem_prefix_ok(longp), "too long refused");
+    longp[CKPT_PATH_MAX - 65] = '\0';
+    T_CHECK(ckpt_mem_prefix_ok(longp), "the longest accepted");
+    ckpt_mem_entry *e = NULL;
+    size_t n = 0;
+    T_CHECK(ckpt_mem_list("/dev/shm/", &e, &n) == -EINVAL, "the lister refuses what the rule refuses");
+    free(e);
+    free(longp);
+}
+
 int main(void)
 {
     /* only the child of test_crash_mid_copy writes step 999 (the value is read once) */
@@ -602,6 +673,7 @@ int main(void)
     /* names under the prefix that are not segments are skipped */
     char *lease = seg_path("lease"), *junk = seg_path("own-x");
     T_REQUIRE(t_spit(lease, "", 0) == 0 && t_spit(junk, "garbage", 7) == 0, "decoys");
+    test_prefix_rule();
     test_write_list_open();
     test_flipped_byte();
     test_crash_mid_copy();

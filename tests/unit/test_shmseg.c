@@ -355,6 +355,35 @@ static void test_refusals(const char *dir)
     free(junk);
 }
 
+/* One writer per segment: shmseg_create holds an exclusive flock until shmseg_close. */
+static void test_one_writer(const char *dir)
+{
+    char *p = t_path_in(dir, "seg-lock");
+    shmseg *s, *s2 = (shmseg *)1, *r;
+    int a;
+    T_REQUIRE(shmseg_create(p, 8192, &s) == 0, "create");
+    write_slot(s, -1, 0x33, 100, 5, &a);
+    T_CHECK(shmseg_create(p, 8192, &s2) == -EBUSY && s2 == NULL, "a second writer (same process) refused");
+    T_CHECK(shmseg_create(p, 4096, &s2) == -EBUSY, "a second writer with another layout refused");
+    T_CHECK(shmseg_slot_bytes(s) == 8192 && shmseg_newest(s, &a) == 0 && a == 0, "nothing changed by them");
+    pid_t pid = fork();
+    T_REQUIRE(pid >= 0, "fork");
+    if (pid == 0) {
+        shmseg *c;
+        _exit(shmseg_create(p, 8192, &c) == -EBUSY ? 0 : 1);
+    }
+    int wst;
+    waitpid(pid, &wst, 0);
+    T_CHECK(WIFEXITED(wst) && WEXITSTATUS(wst) == 0, "a second writer (another process) refused");
+    T_REQUIRE(shmseg_open(p, 0, &r) == 0, "a reader takes no lock");
+    shmseg_close(s);
+    T_REQUIRE(shmseg_create(p, 8192, &s) == 0, "create again after close");
+    T_CHECK(shmseg_newest(s, &a) == 0 && a == 0, "kept slots");
+    shmseg_close(s);
+    shmseg_close(r);
+    free(p);
+}
+
 static void test_names(void)
 {
     char b[64];
@@ -375,6 +404,7 @@ int main(void)
     test_crash_mid_write(dir);
     test_torn_copy(dir);
     test_refusals(dir);
+    test_one_writer(dir);
     t_rmrf(dir);
     free(dir);
     return t_done("test_shmseg");
