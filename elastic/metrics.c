@@ -45,7 +45,9 @@ struct elastic_metrics {
     } restore[MAX_SOURCES];
     int nrestore;
     /* histograms */
-    elastic_hist step_seconds, stall_seconds, persist_seconds;
+    elastic_hist step_seconds, stall_seconds, persist_seconds, mem_stall_seconds;
+    uint64_t mem_failed;      /* memory snapshots that failed (any local rank) */
+    gauge mem_step;           /* the node's first rank's newest memory snapshot */
     /* one count per snapshot: the (round, step) last counted */
     int done_gen, stage_fail_gen, upload_gen;
     int64_t done_step, stage_fail_step, upload_step;
@@ -178,6 +180,17 @@ static void apply(elastic_metrics *m, int local_rank, const elastic_report_event
     case ELASTIC_REPORT_STAGED:
         elastic_hist_observe(&m->stall_seconds, ev->stall_seconds);
         if (first) gp_add(m, ELASTIC_GP_STALL, now, ev->step, ev->stall_seconds);
+        break;
+    case ELASTIC_REPORT_MEM_SNAPSHOT:
+        /* a stall like a snapshot's (the stage of a disk snapshot is reported apart) */
+        elastic_hist_observe(&m->mem_stall_seconds, ev->stall_seconds);
+        if (first) {
+            gp_add(m, ELASTIC_GP_STALL, now, ev->step, ev->stall_seconds);
+            set(&m->mem_step, (double)ev->step);
+        }
+        break;
+    case ELASTIC_REPORT_MEM_FAILED:
+        m->mem_failed++;
         break;
     case ELASTIC_REPORT_SKIPPED:
         if (first) m->skipped++;
@@ -367,6 +380,12 @@ int elastic_metrics_render(elastic_metrics *m, double now, char **text, size_t *
     elastic_expo_family(&e, "ckpt_snapshot_stall_seconds", "histogram", "Training stall of each "
                         "snapshot's stage copy, seconds (every local rank).");
     elastic_expo_histogram(&e, "ckpt_snapshot_stall_seconds", NULL, &m->stall_seconds);
+    elastic_expo_family(&e, "ckpt_mem_snapshot_stall_seconds", "histogram", "Training stall of "
+                        "each memory snapshot (the copy into the shared-memory slot with its "
+                        "checksums, the record and digests), seconds (every local rank).");
+    elastic_expo_histogram(&e, "ckpt_mem_snapshot_stall_seconds", NULL, &m->mem_stall_seconds);
+    counter_out(&e, "ckpt_mem_snapshot_failures_total", "Memory snapshots that could not be "
+                "written (any local rank; training goes on).", m->mem_failed);
     elastic_expo_family(&e, "ckpt_persist_seconds", "histogram", "Time from a shard's stage to "
                         "its commit, seconds (every local rank, committed persists).");
     elastic_expo_histogram(&e, "ckpt_persist_seconds", NULL, &m->persist_seconds);
@@ -376,6 +395,8 @@ int elastic_metrics_render(elastic_metrics *m, double now, char **text, size_t *
               "(never decreases).", &m->last_committed, labels);
     gauge_out(&e, "ckpt_last_commit_timestamp_seconds", "When the agent learnt of the last "
               "commit, seconds since the Unix epoch.", &m->last_commit_time, labels);
+    gauge_out(&e, "ckpt_mem_snapshot_step", "Step of the newest memory snapshot of the node's "
+              "first rank.", &m->mem_step, labels);
     elastic_expo_family(&e, "ckpt_restore_seconds", "gauge", "Time of the last restore from "
                         "each source, seconds (rank 0; source none: a fresh start).");
     for (int k = 0; k < m->nrestore; k++) {

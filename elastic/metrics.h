@@ -55,6 +55,9 @@ enum elastic_report_kind {
                                     lag_steps=<n> lag_seconds=<s> remote_step=<n>] */
     ELASTIC_REPORT_UPLOAD_FAILED,  /* upload_failed, the same keys */
     ELASTIC_REPORT_UPLOAD_SKIPPED, /* upload_skipped, the same keys */
+    ELASTIC_REPORT_MEM_SNAPSHOT, /* mem_snapshot step=<n> stall_seconds=<s> [bytes=<b>]: a
+                                    memory snapshot (train's memory tier) completed */
+    ELASTIC_REPORT_MEM_FAILED,   /* mem_snapshot_failed step=<n> result=<r> */
 };
 
 /* Bits of elastic_report_event.has: the optional fields that were present. */

@@ -124,6 +124,10 @@ static const struct {
     {"upload_done", ELASTIC_REPORT_UPLOAD_DONE, UPLOAD_KEYS, B(K_STEP) | B(K_RESULT)},
     {"upload_failed", ELASTIC_REPORT_UPLOAD_FAILED, UPLOAD_KEYS, B(K_STEP) | B(K_RESULT)},
     {"upload_skipped", ELASTIC_REPORT_UPLOAD_SKIPPED, UPLOAD_KEYS, B(K_STEP) | B(K_RESULT)},
+    {"mem_snapshot", ELASTIC_REPORT_MEM_SNAPSHOT, B(K_STEP) | B(K_STALL) | B(K_BYTES),
+     B(K_STEP) | B(K_STALL)},
+    {"mem_snapshot_failed", ELASTIC_REPORT_MEM_FAILED, B(K_STEP) | B(K_RESULT),
+     B(K_STEP) | B(K_RESULT)},
 };
 
 static int word_is(const char *w, size_t n, const char *name)

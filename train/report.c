@@ -159,6 +159,21 @@ void train_report_snapshot_staged(train_report *r, int64_t step, double stall_se
     tb_flush(r);
 }
 
+void train_report_mem_snapshot(train_report *r, int64_t step, double stall_seconds,
+                               uint64_t bytes, int slot)
+{
+    emit(r, "mem_snapshot step=%" PRId64 " stall_seconds=%.9g bytes=%" PRIu64 " slot=%d", step,
+         stall_seconds, bytes, slot);
+    if (!r || !r->tb) return;
+    tb_scalar(r, "ckpt/mem_stall_seconds", step, stall_seconds, train_tb_wall_now());
+    tb_flush(r);
+}
+
+void train_report_mem_snapshot_failed(train_report *r, int64_t step, int result)
+{
+    emit(r, "mem_snapshot_failed step=%" PRId64 " result=%d", step, result);
+}
+
 void train_report_snapshot_skipped(train_report *r, int64_t step)
 {
     emit(r, "snapshot_skipped step=%" PRId64, step);

@@ -28,8 +28,14 @@
  *       snapshot of step n on this rank; the lag keys: rank 0's view (newest local commit vs
  *       newest complete snapshot on S3; remote_step -1 when none yet)
  *   uploads_draining step=<n>        the run ended at step n and waits for its last uploads
- *   restore step=<n> seconds=<s> source=<disk|s3|none>         (rank 0) where training starts:
- *       the step restored and the time the restore took; source none for a fresh start
+ *   mem_snapshot step=<n> stall_seconds=<s> bytes=<b> slot=<i>
+ *       a memory snapshot (train_mem.c) completed in slot i of this rank's segment: the stall
+ *       (record, digests and the copy), the bytes of its payload
+ *   mem_snapshot_failed step=<n> result=<r>    writing the memory snapshot failed (a negative
+ *       errno); training goes on, the previous complete slot stays
+ *   restore step=<n> seconds=<s> source=<memory|disk|s3|none>   (rank 0) where training starts:
+ *       the step restored, the time the restore took and the tier it came from (memory: a
+ *       shared-memory segment of this node, own or replica); source none for a fresh start
  *
  * TensorBoard (train --tensorboard-dir, or the config's "tensorboard" section): after
  * train_report_tensorboard, rank 0 also writes each event as TensorBoard scalars into an event
@@ -40,6 +46,7 @@
  *                                train/tokens_per_second, train/step_seconds
  *   train_report_val             train/val_loss
  *   train_report_snapshot_staged ckpt/stall_seconds                   at the snapshot's step
+ *   train_report_mem_snapshot    ckpt/mem_stall_seconds       at the memory snapshot's step
  *   train_report_snapshot_done   ckpt/persist_seconds, ckpt/persist_mib_per_second (raw MiB
  *                                / persist seconds), ckpt/compression_ratio (raw / stored),
  *                                of rank 0's shard, at the snapshot's step (reported a step
@@ -116,6 +123,14 @@ void train_report_val(train_report *r, int64_t step, double loss);
 void train_report_snapshot_staged(train_report *r, int64_t step, double stall_seconds,
                                   uint64_t bytes);
 
+/* A memory snapshot of `step` completed in slot `slot` of this rank's segment: the stall in
+ * seconds and the payload bytes. */
+void train_report_mem_snapshot(train_report *r, int64_t step, double stall_seconds,
+                               uint64_t bytes, int slot);
+
+/* Writing the memory snapshot of `step` failed with result (a negative errno). */
+void train_report_mem_snapshot_failed(train_report *r, int64_t step, int result);
+
 /* The snapshot of `step` was skipped by the wait/skip policy. */
 void train_report_snapshot_skipped(train_report *r, int64_t step);
 
@@ -140,8 +155,8 @@ void train_report_upload(train_report *r, const char *kind, int64_t step, uint64
  * does: progress for a hang watchdog). */
 void train_report_uploads_draining(train_report *r, int64_t step);
 
-/* Training starts at `step`, restored in `seconds` from `source` ("disk", "s3"; "none" for a
- * fresh start, step 0). */
+/* Training starts at `step`, restored in `seconds` from `source` ("memory", "disk", "s3";
+ * "none" for a fresh start, step 0). */
 void train_report_restore(train_report *r, int64_t step, double seconds, const char *source);
 
 #endif /* TRAIN_REPORT_H */

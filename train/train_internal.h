@@ -3,6 +3,7 @@
  *   train_opts.c      the command line and --config into `options`
  *   train_step.c      the collectives over the state, the optimizer step, validation
  *   train_snapshot.c  digests, the trainer record, the snapshot engine
+ *   train_mem.c       the memory tier: budget, own segment, memory snapshots, flush mode
  *   train_resume.c    fresh start or resume (rank 0 decides, the others follow)
  *   train_startup.c   ranks, store and communicator; each rank's own start-up; the ranks'
  *                     agreement on it; shard ranges
@@ -26,6 +27,7 @@
 #include "store.h"
 #include "vote.h"
 #include "ckpt_s3.h"
+#include "shmseg.h"
 
 #include <signal.h>
 #include <stddef.h>
@@ -60,6 +62,11 @@ typedef struct options {
     unsigned s3_keep_last, s3_backlog, s3_attempts;
     uint64_t s3_part_bytes;
     double s3_timeout, s3_snapshot_timeout, s3_lag_warn, s3_drain_timeout;
+    /* the memory tier (train_mem.c) */
+    int mem_every;            /* --mem-snapshot-every N: a memory snapshot every N steps; 0 off;
+                                 -1 (not given) = 1 when the budget allows, else off */
+    uint64_t mem_budget;      /* --mem-budget, bytes per node; 0 (not given) = half the free
+                                 space of the segment folder's file system */
 } options;
 
 /* The state of one rank. main() (train_main.c) owns it: it allocates the buffers, and frees
@@ -120,6 +127,19 @@ typedef struct state {
     int s3_down;              /* the start-up check could not reach the bucket (transient) */
     ckpt_entry *s3_list;      /* rank 0: the S3 listing of the resume (NULL: not listed) */
     size_t s3_nlist;
+    /* the memory tier (train_mem.c) */
+    const char *mem_path;     /* CKPT_MEM_PATH (a path prefix), NULL = no memory tier */
+    int mem_every;            /* memory snapshot every N steps, agreed by every rank; 0 off */
+    uint64_t mem_chunk;       /* chunk bytes of the slots' checksums (= the disk snapshots') */
+    uint64_t mem_slot_bytes;  /* capacity of each slot of the own segment */
+    char mem_own[CKPT_PATH_MAX]; /* the own segment: $CKPT_MEM_PATH.own-$LOCAL_RANK */
+    shmseg *mem_seg;          /* the own segment; NULL when off or not creatable here */
+    char mem_tag[40];         /* tag of this launch's memory snapshots */
+    int mem_persist_slot;     /* the slot a disk persist in flight reads, -1 none */
+    int mem_failing;          /* the last memory snapshot failed (logged once) */
+    uint64_t mem_count, mem_failed;
+    double mem_stall_sum, mem_stall_max;
+    int mem_restored;         /* rank 0: the resume came from memory */
 } state;
 
 /* ------------------------------------------------------------------ train_opts.c */
@@ -196,11 +216,59 @@ int train_wait_engine(state *s, double timeout_s);
  * cheap, call after each step. No-op without an engine. */
 void train_poll_persists(state *s);
 
+/* What a snapshot of the current step holds, for the engine and the memory tier: at ZeRO-3
+ * the parameters are gathered (the record's digest), the moments digest is computed, bufs
+ * gets this rank's shards of params, adam_m, adam_v (pointing into the live state) and *text
+ * the trainer record as compact JSON (free() it). Collective. Returns 0, -ENOMEM, or a
+ * collective's negative errno (fatal). */
+int train_snapshot_prepare(state *s, ckpt_buffer bufs[3], char **text);
+
 /* Stage a snapshot of the current step (params, adam_m, adam_v shards and the trainer
- * record); the engine persists it in the background. last: the final snapshot of the run,
+ * record); the engine persists it in the background. With the memory tier, the state is
+ * copied into a slot of the own segment (a memory snapshot) and persisted from there. last: the final snapshot of the run,
  * never skipped. Collective. Returns 0 (also when the stage failed or the policy skipped it:
  * logged), or a negative errno when a collective failed or memory ran out (fatal). */
 int train_take_snapshot(state *s, int last);
+
+/* ------------------------------------------------------------------ train_mem.c */
+
+/* Decide whether the memory tier is on (CKPT_MEM_PATH set, --mem-snapshot-every not 0, the
+ * budget fits on every rank): sets s->mem_path, s->mem_every, s->mem_chunk and
+ * s->mem_slot_bytes. Needs train_plan_shards and the model. Call before the resume. An
+ * explicit --mem-budget too small is an input error (one line naming the need and the budget);
+ * the default budget too small turns the tier off with a warning. Collective. Returns the exit
+ * status: 0, 1 (a collective failed) or 2. */
+int train_mem_plan(state *s);
+
+/* After the resume: create (or re-use, same layout) this rank's own segment
+ * $CKPT_MEM_PATH.own-$LOCAL_RANK. A failure is logged and leaves s->mem_seg NULL: this rank
+ * then takes no memory snapshots (but still joins their collectives). Local. Returns 0 or
+ * shmseg_create's negative errno. */
+int train_mem_open(state *s);
+
+/* Log the figures of the memory snapshots (rank 0) and unmap the own segment (the file stays:
+ * the agent removes it at the end of the job). Accepts a state without the tier. */
+void train_mem_close(state *s);
+
+/* Write a memory snapshot of bufs (from train_snapshot_prepare) and trainer_json into the own
+ * segment, never into the slot a persist in flight reads; t0: when the snapshot began
+ * (clock_now_s), for the stall reported. staged (3 entries, may be NULL) gets the buffers in
+ * the slot, for ckpt_engine_persist_staged; *slot_out the slot written (-1 on failure). A
+ * failure is logged (once until it recovers) and reported. Local. Returns 0, -ENODEV (no
+ * segment on this rank), or ckpt_mem_write's negative errno. */
+int train_mem_write(state *s, const ckpt_buffer bufs[3], const char *trainer_json, double t0,
+                    ckpt_buffer staged[3], int *slot_out);
+
+/* A memory snapshot of the current step (not a disk one: see train_take_snapshot). Call on
+ * every rank at the steps where s->step % s->mem_every == 0. Collective. Returns 0 (also when
+ * the copy failed: logged), or a collective's negative errno (fatal). */
+int train_mem_take(state *s);
+
+/* Flush mode (CKPT_MEM_FLUSH=1, run by the agent after a failure or on preemption): write the
+ * newest memory snapshot complete on this node into o->ckpt_dir when it is newer than the
+ * newest committed one there (ckpt_mem_flush). One log line. Returns the exit status: 0
+ * flushed or nothing to do, 1 failed, 2 no CKPT_MEM_PATH. */
+int train_mem_flush_main(const options *o);
 
 /* ------------------------------------------------------------------ train_s3.c */
 
@@ -229,8 +297,10 @@ void train_s3_on_commit(void *ctx, uint64_t step);
 
 /* ------------------------------------------------------------------ train_resume.c */
 
-/* Fresh start or resume as o->resume says: rank 0 chooses the snapshot (--resume PATH, or the
- * newest usable one in --ckpt-dir for auto, setting corrupt ones aside), every rank loads its
+/* Fresh start or resume as o->resume says: rank 0 chooses the snapshot (--resume PATH, or for
+ * auto the newest usable one: with CKPT_MEM_PATH first the memory snapshots of this node at
+ * least as new as the newest on disk and S3, where any failure only moves on to the next
+ * candidate, then --ckpt-dir and S3, setting corrupt ones aside), every rank loads its
  * ranges and checks them, and the ranks agree on the outcome. Sets the parameters, moments,
  * step, samples, run id, global batch and accumulation per rank. Needs the model and the
  * buffers of main and train_plan_shards. Collective. Returns the exit status: 0, 1 (runtime

@@ -93,10 +93,15 @@ int main(int argc, char **argv)
     o.s3_snapshot_timeout = 1800.0;
     o.s3_lag_warn = 1800.0;
     o.s3_drain_timeout = 600.0;
+    o.mem_every = -1;
     static train_ds_config dc;
     signal(SIGPIPE, SIG_IGN); /* a gone launcher pipe is an EPIPE, not a death */
     if (train_read_config(argc, argv, &o, &dc) < 0) return 2;
     if (train_parse_args(argc, argv, &o) < 0) return 2;
+    /* the agent runs the worker command once more after a failure or on preemption, with
+     * CKPT_MEM_FLUSH=1: persist the newest memory snapshot, nothing else (train_mem.c) */
+    const char *flush = getenv("CKPT_MEM_FLUSH");
+    if (flush && !strcmp(flush, "1")) return train_mem_flush_main(&o);
     openblas_set_num_threads(1);
 
     state s = {.o = &o, .last_loss = NAN, .last_val = NAN, .sample_fd = -1, .world = 1,
@@ -128,6 +133,8 @@ int main(int argc, char **argv)
         goto out;
     }
     if (o.zero_stage == 3 && s.world > 1) train_model_set_param_hook(s.model, train_gather_range_hook, &s);
+    if ((status = train_mem_plan(&s)) != 0) goto out;
+    status = 1;
     double t_resume = clock_now_s();
     int r = train_resume(&s);
     if (r != 0) {
@@ -138,8 +145,10 @@ int main(int argc, char **argv)
         double restore_s = clock_now_s() - t_resume;
         if (o.tensorboard_dir) train_report_tensorboard(s.report, o.tensorboard_dir); /* logged */
         train_report_restore(s.report, s.step, restore_s,
-                             s.step == 0 ? "none" : s.s3_restored[0] ? "s3" : "disk");
+                             s.step == 0 ? "none" : s.mem_restored ? "memory" :
+                             s.s3_restored[0] ? "s3" : "disk");
     }
+    (void)train_mem_open(&s); /* after the resume, which may read the segment (logged) */
     const int64_t start_step = s.step;
     train_make_config_hash(&s, s.config_hash);
     s.xchg = calloc((size_t)s.world * (size_t)(s.grad_accum + 1), sizeof(double));
@@ -223,7 +232,9 @@ int main(int argc, char **argv)
         if (o.ckpt_every > 0 && (s.step % o.ckpt_every == 0 || last)) {
             /* the last step's snapshot is never skipped: let the one in flight finish first */
             if (last && train_wait_engine(&s, 3600.0) == -ECONNRESET) goto out;
-            if (train_take_snapshot(&s, last) < 0) goto out;
+            if (train_take_snapshot(&s, last) < 0) goto out; /* with the memory snapshot */
+        } else if (s.mem_every > 0 && s.step % s.mem_every == 0 && train_mem_take(&s) < 0) {
+            goto out;
         }
         if (stopped_by) break;
     }
@@ -273,7 +284,8 @@ int main(int argc, char **argv)
 out:
     if (status != 0 && status != 128 + SIGTERM && status != 128 + SIGINT)
         train_vote_abort(s.vote); /* no decision will come: unblock our persist */
-    ckpt_engine_destroy(s.engine);
+    ckpt_engine_destroy(s.engine); /* before the segment goes: a persist may read a slot */
+    train_mem_close(&s);
     train_s3_finish(&s, 0);
     train_report_close(s.report);
     train_vote_free(s.vote);

@@ -111,6 +111,20 @@ static const char usage_text_s3[] =
     "  --s3-lag-warn S       warn when the oldest snapshot not yet on S3 is older (default 1800)\n"
     "  --s3-drain-timeout S  at the end, wait this long for uploads in progress (default 600)\n"
     ;
+static const char usage_text_mem[] =
+    "Memory tier (under elastic, which sets CKPT_MEM_PATH; docs/OPERATIONS.md, \"Memory tier\"):\n"
+    "  --mem-snapshot-every N  copy the state into this rank's shared-memory segment every N\n"
+    "                        steps (it outlives the process: a restart restores from it in\n"
+    "                        milliseconds); 0 = off. Default 1 (every step) when the memory\n"
+    "                        budget allows it, else off with a warning. Disk snapshots\n"
+    "                        (--ckpt-every) are then persisted from that copy. Without\n"
+    "                        CKPT_MEM_PATH (train not under elastic) there is no memory tier\n"
+    "  --mem-budget BYTES    shared memory this node may use (suffixes K, M, G, T: powers of\n"
+    "                        1024), checked at start against 2 slots x the state shard of each\n"
+    "                        local rank (x 2 on several nodes: the peer's replicas live here\n"
+    "                        too); too small: exit 2. Default: half the free space of the\n"
+    "                        segment folder's file system (too small: the tier is off)\n"
+    ;
 static const char usage_text3[] =
     "Ranks (one process per rank; launched by elastic, torchrun-style or by hand):\n"
     "  --comm-timeout S      deadline of each collective, seconds (default 60); a dead rank is\n"
@@ -128,8 +142,10 @@ static const char usage_text3[] =
     "SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID with MASTER_ADDR/MASTER_PORT, default port 29500);\n"
     "rank 0 hosts the rendezvous store at MASTER_ADDR:MASTER_PORT unless ELASTIC_STORE_HOSTED=1\n"
     "(the launcher hosts it); ELASTIC_STORE_TOKEN (store secret, never logged);\n"
-    "ELASTIC_RESTART_COUNT (generation); OPENBLAS_NUM_THREADS/OPENBLAS_CORETYPE (pin them for\n"
-    "bit-identical runs); CKPT_LOG_LEVEL=error|warn|info|debug.\n"
+    "ELASTIC_RESTART_COUNT (generation); CKPT_MEM_PATH (the memory tier's segment prefix, set by\n"
+    "elastic); CKPT_MEM_FLUSH=1 (flush mode: write the newest memory snapshot into --ckpt-dir\n"
+    "when it is newer than the newest there, then exit); OPENBLAS_NUM_THREADS/OPENBLAS_CORETYPE\n"
+    "(pin them for bit-identical runs); CKPT_LOG_LEVEL=error|warn|info|debug.\n"
     "Exit status: 0 success, 1 runtime failure, 2 usage or configuration error (including an\n"
     "unusable or locked --ckpt-dir, or later snapshots there than the step this run starts from).\n";
 
@@ -159,6 +175,33 @@ static int parse_float(const char *flag, const char *s, double lo, double hi, fl
     return 0;
 }
 
+/* A byte count: digits with an optional suffix K, M, G or T (powers of 1024; "KiB", "MB",
+ * "k" are accepted alike), at least 1. Returns 0, or -1 after printing one line. */
+static int parse_bytes(const char *flag, const char *s, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    unsigned shift = 0;
+    if (end != s && *end) {
+        const char *u = "KMGT", *k = strchr(u, *end >= 'a' ? *end - 32 : *end);
+        if (k && *k) {
+            shift = 10u * (unsigned)(k - u + 1);
+            end++;
+            if (*end == 'i') end++;
+            if (*end == 'B') end++;
+        }
+    }
+    if (errno || *end || end == s || s[0] == '-' || v == 0 ||
+        (shift && v > (UINT64_MAX >> shift))) {
+        fprintf(stderr, "train: %s: '%s' is not a byte count of at least 1 (digits with an "
+                "optional K, M, G or T suffix)\n", flag, s);
+        return -1;
+    }
+    *out = (uint64_t)v << shift;
+    return 0;
+}
+
 int train_parse_args(int argc, char **argv, options *o)
 {
     enum {
@@ -167,7 +210,7 @@ int train_parse_args(int argc, char **argv, options *o)
         O_RESUME, O_RUNID, O_ZLEVEL, O_SHUFFLE, O_NOSHUFFLE, O_CHUNK, O_NODIRECT, O_NOCOMP, O_SNTHREADS,
         O_POLICY, O_KEEPLAST, O_KEEPEVERY, O_OVERLAP, O_GB, O_ZERO, O_CONFIG, O_CTIMEOUT, O_SLOG,
         O_JTIMEOUT, O_FRESH, O_TBDIR, O_S3, O_S3SIG, O_S3KEEP, O_S3PART, O_S3BACKLOG, O_S3TIMEOUT,
-        O_S3SNAPTIMEOUT, O_S3LAG, O_S3DRAIN, O_S3ATTEMPTS
+        O_S3SNAPTIMEOUT, O_S3LAG, O_S3DRAIN, O_S3ATTEMPTS, O_MEMEVERY, O_MEMBUDGET
     };
     static const struct option lo[] = {
         {"data", required_argument, 0, O_DATA}, {"val-data", required_argument, 0, O_VAL},
@@ -202,6 +245,8 @@ int train_parse_args(int argc, char **argv, options *o)
         {"s3-snapshot-timeout", required_argument, 0, O_S3SNAPTIMEOUT},
         {"s3-lag-warn", required_argument, 0, O_S3LAG}, {"s3-drain-timeout", required_argument, 0, O_S3DRAIN},
         {"s3-attempts", required_argument, 0, O_S3ATTEMPTS},
+        {"mem-snapshot-every", required_argument, 0, O_MEMEVERY},
+        {"mem-budget", required_argument, 0, O_MEMBUDGET},
         {0, 0, 0, 0}};
     int c, v = 0, chunk_mib = 4;
     const char *s3_flag = NULL; /* an --s3-* option given, for the check that --s3 is */
@@ -331,10 +376,15 @@ int train_parse_args(int argc, char **argv, options *o)
             else o->s3_drain_timeout = t;
             break;
         }
+        case O_MEMEVERY:
+            bad = parse_int("--mem-snapshot-every", optarg, 0, INT_MAX, &o->mem_every);
+            break;
+        case O_MEMBUDGET: bad = parse_bytes("--mem-budget", optarg, &o->mem_budget); break;
         case 'h':
             fputs(usage_text, stdout);
             fputs(usage_text2, stdout);
             fputs(usage_text_s3, stdout);
+            fputs(usage_text_mem, stdout);
             fputs(usage_text3, stdout);
             exit(0);
         default: bad = 1; fputs("train: see --help\n", stderr); break;

@@ -2,6 +2,7 @@
  * loads its ranges, the ranks agree (see train_internal.h). */
 #include "clock.h"
 #include "ckpt.h"
+#include "ckpt_mem.h"
 #include "comm.h"
 #include "data.h"
 #include "log.h"
@@ -610,6 +611,69 @@ static int try_s3_from(state *s, const ckpt_entry *e3, size_t *k3, uint64_t floo
     return -1;
 }
 
+/* Rank 0, --resume auto with the memory tier (CKPT_MEM_PATH): try the memory snapshots complete
+ * on this node (every rank of their world has a slot here: own segments or peer replicas)
+ * whose step is at least `newest` (the newest step on disk and S3, -1 none; at an equal step memory wins: the
+ * same state, read in milliseconds), newest first, of this run with --run-id. Memory is a
+ * cache of what the disk tiers hold or will hold: any failure of a candidate (a slot missing
+ * on some rank, a checksum, an incompatible record, a read error) is a warning and the next
+ * candidate is tried, never an exit and never a set-aside. Returns 0 resumed, -1 not (go on
+ * with disk and S3); *fatal set when a collective failed. */
+static int try_memory(state *s, int64_t newest, int *fatal)
+{
+    const options *o = s->o;
+    ckpt_mem_entry *me = NULL;
+    size_t nm = 0;
+    int rc = ckpt_mem_list(s->mem_path, &me, &nm);
+    if (rc < 0) {
+        LOG_W(TAG, "cannot list the memory snapshots of %s: %s; resuming from the disk tiers",
+              s->mem_path, strerror(-rc));
+        return -1;
+    }
+    int result = -1;
+    for (size_t i = 0; i < nm && result < 0 && !*fatal; i++) {
+        const ckpt_mem_entry *m = &me[i];
+        const char *id = m->status == CKPT_MEM_CORRUPT ? m->name : m->id;
+        char why[600] = "";
+        if ((int64_t)m->step < newest) {
+            LOG_I(TAG, "memory snapshot %s: older than the newest on disk or S3 (step %" PRId64
+                  "); not used", id, newest);
+            break; /* newest first: the rest is older still */
+        }
+        if (m->status == CKPT_MEM_CORRUPT) {
+            LOG_W(TAG, "memory slot %s (step %" PRIu64 ") is corrupt: %s; trying the next "
+                  "candidate", id, m->step, m->reason);
+            continue;
+        }
+        if (m->status != CKPT_MEM_COMPLETE) {
+            LOG_I(TAG, "memory snapshot %s: only %u of its %u ranks' slots are on this node (%s); "
+                  "trying the next candidate", id, m->ranks_present, m->world_size, m->reason);
+            continue;
+        }
+        if (o->run_id && strcmp(m->run_id, o->run_id) != 0) {
+            LOG_W(TAG, "skipping memory snapshot %s: it belongs to run %s (this run is %s)", id,
+                  m->run_id, o->run_id);
+            continue;
+        }
+        double t0 = clock_now_s();
+        rc = try_snapshot(s, id, why, sizeof why, fatal);
+        if (*fatal) break;
+        if (rc == 0) {
+            LOG_I(TAG, "resumed from memory (%s) at step %" PRId64 " (run %s, saved by %u rank%s): "
+                  "loaded and checked in %.1f ms", ckpt_mem_source_name(m->source), s->step,
+                  s->run_id, m->world_size, m->world_size == 1 ? "" : "s",
+                  (clock_now_s() - t0) * 1e3);
+            s->mem_restored = 1;
+            result = 0;
+            break;
+        }
+        LOG_W(TAG, "memory snapshot %s not restored: %s; trying the next candidate", id,
+              why[0] ? why : strerror(-rc));
+    }
+    free(me);
+    return result;
+}
+
 /* Rank 0's side of the resume: returns 0 (resumed, *resumed = 1, or a fresh start), 1 runtime
  * failure, 2 configuration error; the others follow (train_resume). With --resume auto the
  * newest restorable snapshot wins: a corrupt one is set aside and the next older tried; one
@@ -664,6 +728,25 @@ static int resume_rank0(state *s, int *resumed)
                     s->s3_newest = (int64_t)e3[j].step;
         }
         k3 = n3;
+    }
+    if (s->mem_path) {
+        /* the memory tier first, when it is at least as new as the newest elsewhere */
+        int64_t newest = -1;
+        for (size_t i = 0; i < n; i++)
+            if (e[i].status == CKPT_STATUS_COMMITTED && (int64_t)e[i].step > newest &&
+                (!o->run_id || !strcmp(e[i].run_id, o->run_id)))
+                newest = (int64_t)e[i].step;
+        for (size_t j = 0; j < n3; j++)
+            if (e3[j].status == CKPT_STATUS_COMMITTED && (int64_t)e3[j].step > newest &&
+                (!o->run_id || !strcmp(e3[j].run_id, o->run_id)))
+                newest = (int64_t)e3[j].step;
+        int rm = try_memory(s, newest, &fatal);
+        if (rm == 0 || fatal) {
+            free(e);
+            free(e3);
+            *resumed = rm == 0 && !fatal;
+            return fatal ? 1 : 0;
+        }
     }
     int result = -1;
     size_t bad = 0;       /* snapshots found corrupt now, set aside */

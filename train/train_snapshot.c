@@ -176,13 +176,37 @@ void train_poll_persists(state *s)
                                    ps.raw_bytes, ps.stored_bytes);
 }
 
+int train_snapshot_prepare(state *s, ckpt_buffer bufs[3], char **text)
+{
+    *text = NULL;
+    if (s->o->zero_stage == 3 && s->world > 1) {
+        int rc = train_gather_range_hook(s, 0, s->np); /* the record's params digest */
+        if (rc < 0) return rc;
+    }
+    int dr = train_moments_digest(s, s->moments_digest);
+    if (dr < 0) return dr;
+    size_t bytes = s->np * sizeof(float), off = s->lo * sizeof(float);
+    size_t sb = (s->hi - s->lo) * sizeof(float);
+    bufs[0] = (ckpt_buffer){"params", "f32", 4, bytes, off, sb, train_model_params(s->model) + s->lo};
+    bufs[1] = (ckpt_buffer){"adam_m", "f32", 4, bytes, off, sb, s->m + (s->lo - s->olo)};
+    bufs[2] = (ckpt_buffer){"adam_v", "f32", 4, bytes, off, sb, s->v + (s->lo - s->olo)};
+    json_t *rec = trainer_record(s);
+    *text = rec ? json_dumps(rec, JSON_COMPACT | JSON_REAL_PRECISION(17)) : NULL;
+    json_decref(rec);
+    return *text ? 0 : -ENOMEM;
+}
+
 /* Stage a snapshot of the current state; the engine persists it in the background. Every
  * rank stages its shard [lo, hi) of params, adam_m and adam_v (the same layout at every ZeRO
  * stage), so that a restore at any world size is range arithmetic. Collective: the ranks first
  * agree whether a persist is still running anywhere, so that all of them skip or wait alike.
+ * With the memory tier the stage is the memory snapshot: the state is copied once, into a slot
+ * of the own segment, and the persist reads it from there (ckpt_engine_persist_staged); when
+ * that copy fails, the engine's own staging copy is used as without the tier.
  * Returns 0, or a negative errno (a failed collective is fatal; a failed stage is logged). */
 int train_take_snapshot(state *s, int last)
 {
+    double t0 = clock_now_s();
     if (s->world > 1) {
         uint8_t *busy = calloc((size_t)s->world, 1);
         if (!busy) return -ENOMEM;
@@ -201,30 +225,28 @@ int train_take_snapshot(state *s, int last)
             if (s->rank == 0)
                 LOG_W(TAG, "snapshot of step %" PRId64 " skipped: the previous one still persists on "
                       "some rank (policy skip)", s->step);
-            return 0;
+            /* the memory snapshot of this step is still taken (main leaves it to us) */
+            return s->mem_every > 0 ? train_mem_take(s) : 0;
         }
         if (any && (rc = train_wait_engine(s, 3600.0)) == -ECONNRESET) return rc;
     }
-    if (s->o->zero_stage == 3 && s->world > 1) {
-        int rc = train_gather_range_hook(s, 0, s->np); /* the record's params digest */
-        if (rc < 0) return rc;
-    }
-    int dr = train_moments_digest(s, s->moments_digest);
-    if (dr < 0) return dr;
-    size_t bytes = s->np * sizeof(float), off = s->lo * sizeof(float);
-    size_t sb = (s->hi - s->lo) * sizeof(float);
-    ckpt_buffer bufs[3] = {
-        {"params", "f32", 4, bytes, off, sb, train_model_params(s->model) + s->lo},
-        {"adam_m", "f32", 4, bytes, off, sb, s->m + (s->lo - s->olo)},
-        {"adam_v", "f32", 4, bytes, off, sb, s->v + (s->lo - s->olo)},
-    };
-    json_t *rec = trainer_record(s);
-    char *text = rec ? json_dumps(rec, JSON_COMPACT | JSON_REAL_PRECISION(17)) : NULL;
-    json_decref(rec);
-    if (!text) return -ENOMEM;
+    ckpt_buffer bufs[3], staged[3];
+    char *text = NULL;
+    int rc = train_snapshot_prepare(s, bufs, &text);
+    if (rc < 0) return rc;
+    const size_t sb = (size_t)bufs[0].bytes;
     double stall = 0;
-    int rc = ckpt_engine_stage(s->engine, (uint64_t)s->step, s->run_id, s->config_hash, bufs, 3,
+    int slot = -1;
+    if (s->mem_every > 0 && train_mem_write(s, bufs, text, t0, staged, &slot) == 0) {
+        /* the copy's stall is the memory snapshot's (reported as such); this one is only the
+         * hand-over (and the wait for a persist in flight), so that the two add up */
+        rc = ckpt_engine_persist_staged(s->engine, (uint64_t)s->step, s->run_id, s->config_hash,
+                                        staged, 3, text, &stall);
+        if (rc == 0) s->mem_persist_slot = slot; /* untouched until the persist is done */
+    } else {
+        rc = ckpt_engine_stage(s->engine, (uint64_t)s->step, s->run_id, s->config_hash, bufs, 3,
                                text, &stall);
+    }
     free(text);
     if (rc < 0) {
         LOG_E(TAG, "snapshot of step %" PRId64 " to %s not taken: %s", s->step, s->o->ckpt_dir,
@@ -233,8 +255,11 @@ int train_take_snapshot(state *s, int last)
         return 0;
     }
     if (rc == 0) {
-        LOG_I(TAG, "snapshot step %" PRId64 " staged: stall %.1f ms for %.2f MiB; rss %.1f MiB",
-              s->step, stall * 1e3, 3.0 * (double)sb / 1048576.0, (double)rss_kib() / 1024.0);
+        char from[48] = "";
+        if (slot >= 0) snprintf(from, sizeof from, " (persisted from memory slot %d)", slot);
+        LOG_I(TAG, "snapshot step %" PRId64 " staged: stall %.1f ms for %.2f MiB%s; rss %.1f MiB",
+              s->step, stall * 1e3, 3.0 * (double)sb / 1048576.0, from,
+              (double)rss_kib() / 1024.0);
         train_report_snapshot_staged(s->report, s->step, stall, 3 * (uint64_t)sb);
     } else {
         train_report_snapshot_skipped(s->report, s->step); /* refused by the engine's policy */
@@ -271,7 +296,9 @@ int train_make_engine(state *s)
     eo.policy = o->policy;
     eo.keep_last = s->rank == 0 ? o->keep_last : 0; /* only rank 0 applies retention */
     eo.keep_every = s->rank == 0 ? (uint64_t)o->keep_every : 0;
-    eo.reserve_bytes = 3 * (s->hi - s->lo) * sizeof(float);
+    /* with a memory segment the persists read the slots: the staging area is only the
+     * fallback for a failed memory copy, allocated when first needed */
+    eo.reserve_bytes = s->mem_seg ? 0 : 3 * (s->hi - s->lo) * sizeof(float);
     eo.overlap = o->overlap;
     eo.group = s->world > 1 ? &s->group : NULL;
     if (s->uploader) {

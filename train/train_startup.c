@@ -133,7 +133,8 @@ static void settings_text(const state *s, char *buf, size_t len)
              "beta1=%.9g;beta2=%.9g;eps=%.9g;seed=%" PRIu64 ";eval-every=%d;val-samples=%d;"
              "ckpt-every=%d;resume=%s;run-id=%s;keep-last=%u;keep-every=%d;compress=%d;"
              "zstd-level=%d;shuffle=%d;chunk=%" PRIu64 ";policy=%d;comm-timeout=%g;s3=%.1000s;"
-             "s3-part=%" PRIu64 ";s3-signature=%d;s3-keep-last=%u;ckpt-dir=%.3000s;",
+             "s3-part=%" PRIu64 ";s3-signature=%d;s3-keep-last=%u;mem-every=%d;mem-budget=%" PRIu64
+             ";ckpt-dir=%.3000s;",
              s->train ? train_dataset_hash(s->train) : 0, s->val ? train_dataset_hash(s->val) : 0,
              o->model.vocab, o->model.seq_len, o->model.n_layer, o->model.n_embd, o->model.n_head,
              o->micro_batch, o->grad_accum, o->grad_accum_set ? "(given)" : "", o->global_batch,
@@ -143,7 +144,7 @@ static void settings_text(const state *s, char *buf, size_t len)
              o->eval_every, o->val_samples, o->ckpt_every, o->resume ? o->resume : "none",
              o->run_id ? o->run_id : "-", o->keep_last, o->keep_every, o->compress, o->zstd_level,
              o->filter, o->chunk_bytes, o->policy, o->comm_timeout, o->s3 ? o->s3 : "-",
-             o->s3_part_bytes, o->s3_signature, o->s3_keep_last, dir);
+             o->s3_part_bytes, o->s3_signature, o->s3_keep_last, o->mem_every, o->mem_budget, dir);
 }
 
 /* The first setting in which a and b differ, as "key (a vs b)". */

@@ -52,6 +52,12 @@ static void parser_events(void)
             ev.step == 43, "skipped");
     T_CHECK(parse("snapshot_failed step=45 result=-12", &ev) == 1 &&
             ev.kind == ELASTIC_REPORT_STAGE_FAILED && ev.result == -12, "stage failed");
+    T_CHECK(parse("mem_snapshot step=46 stall_seconds=0.003 bytes=4096 slot=1", &ev) == 1 &&
+            ev.kind == ELASTIC_REPORT_MEM_SNAPSHOT && ev.step == 46 && ev.stall_seconds == 0.003 &&
+            ev.bytes == 4096, "memory snapshot (slot: a key the agent does not use)");
+    T_CHECK(parse("mem_snapshot_failed step=47 result=-28", &ev) == 1 &&
+            ev.kind == ELASTIC_REPORT_MEM_FAILED && ev.result == -28, "memory snapshot failed");
+    T_CHECK(parse("mem_snapshot step=46", &ev) == -EINVAL, "memory snapshot without its stall");
     T_CHECK(parse("snapshot_done step=42 result=0 persist_seconds=0.75 raw_bytes=1449984 "
                   "stored_bytes=1235380", &ev) == 1, "done");
     T_CHECK(ev.kind == ELASTIC_REPORT_DONE && ev.result == 0 && ev.persist_seconds == 0.75 &&
@@ -641,6 +647,38 @@ static void upload_aggregation(void)
     elastic_metrics_free(m);
 }
 
+/* Memory snapshots (train's memory tier): the stall histogram of every local rank, the
+ * failures of any, the newest step of the first rank; the stall counts in the goodput. */
+static void mem_aggregation(void)
+{
+    elastic_metrics *m;
+    T_REQUIRE(elastic_metrics_create(&m, 0) == 0, "create");
+    elastic_metrics_round(m, 0, 0, 2, 0, 2, 1.0);
+    elastic_metrics_rank_up(m, 0, 1);
+    elastic_metrics_rank_up(m, 1, 1);
+    char *t = render(m, 1.5);
+    T_CHECK(value_of(t, "ckpt_mem_snapshot_stall_seconds_count") == 0, "none yet\n%s", t);
+    T_CHECK(isnan(value_of(t, "ckpt_mem_snapshot_step{node=\"0\"}")), "no step yet");
+    free(t);
+    for (int s = 1; s <= 3; s++) {
+        char l[128];
+        snprintf(l, sizeof l, "step %d seconds=0.25", s);
+        line(m, 0, l, 1.0 + 0.25 * s);
+        line(m, 1, l, 1.0 + 0.25 * s);
+        snprintf(l, sizeof l, "mem_snapshot step=%d stall_seconds=0.004 bytes=8192 slot=%d", s, s % 2);
+        line(m, 0, l, 1.0 + 0.25 * s);
+        line(m, 1, l, 1.0 + 0.25 * s);
+    }
+    line(m, 1, "mem_snapshot_failed step=4 result=-28", 2.0);
+    t = render(m, 2.0);
+    check_exposition(t);
+    T_CHECK(value_of(t, "ckpt_mem_snapshot_stall_seconds_count") == 6, "every local rank\n%s", t);
+    T_CHECK(value_of(t, "ckpt_mem_snapshot_step{node=\"0\"}") == 3, "newest step");
+    T_CHECK(value_of(t, "ckpt_mem_snapshot_failures_total") == 1, "failures");
+    free(t);
+    elastic_metrics_free(m);
+}
+
 /* ------------------------------------------------------------------ goodput */
 
 #define EV(k, t, s, d) {ELASTIC_GP_##k, t, s, d}
@@ -921,6 +959,7 @@ int main(void)
     expo_errors();
     aggregation();
     upload_aggregation();
+    mem_aggregation();
     goodput_sequences();
     goodput_long();
     http_server();

@@ -1,0 +1,352 @@
+"""The memory tier (issue 13), trainer side, always under a real `elastic --mem-dir` with a
+private segment folder under /dev/shm:
+
+- SIGKILL of a rank: the group restores from memory (the log says so), loses at most the
+  memory interval of steps (the disk interval is much larger), ends on the uninterrupted
+  run's digest; the agent's flush after the failure leaves a disk snapshot newer than the
+  newest one the run had written (ckpt-inspect list shows it); no segment outlives the job.
+- A flipped byte in the newest memory slot's payload: found by the chunk checksums, the
+  restore falls back to an older memory snapshot or to disk, digest still equal.
+- A kill during a memory copy (CKPT_FAULT_POINT=mid-mem-copy@S on one rank of the first
+  round only): the half-written slot is never used, the other slot (step S-1) is.
+- Node loss (two agents on loopback, one killed with its worker): the survivor restores the
+  lost node's shard from the peer replica, re-sharded to W=1, same digest.
+- An explicit --mem-budget too small: exit 2 with one line naming the need and the budget,
+  not retried; a bad --mem-budget value is a usage error; without CKPT_MEM_PATH there is no
+  tier (one info line); the flush mode's exit statuses.
+
+Synchronisation is by log lines, never by sleeping.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import struct
+import sys
+import tempfile
+import time
+
+import harness
+from harness import TempDirTest
+from test_elastic import Agent, FINAL_RE, procs_with
+
+ELASTIC = harness.ELASTIC
+SLOW = os.environ.get("CKPT_SANITIZED") == "1"
+
+# the same model and batch as test_elastic's WithTrain (24 sequences per step, W=1 and W=2
+# give identical bits)
+TRAIN_ARGS = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--seq-len", "64",
+              "--global-batch", "24", "--micro-batch", "3", "--steps", "30", "--lr", "3e-3",
+              "--warmup", "2", "--seed", "7", "--log-every", "1"]
+RESUMED_MEM_RE = re.compile(r"\[rank 0\] .*resumed from memory \((own|replica)\) at step (\d+) "
+                            r"\(run \S+, saved by \d+ ranks?\): loaded and checked in (\S+) ms")
+RESUMED_DISK_RE = re.compile(r"\[rank 0\] .*resumed from \S*step-(\d+) at step (\d+) .*in (\d+) ms")
+
+# common/shmseg.h: segment header 4096 bytes (magic, version, header_bytes, slot_bytes u64 at
+# offset 16, nslots); slot i's header at 4096 + i * (4096 + slot_bytes): state u32 (2 complete),
+# pad u32, seq u64, payload_bytes u64, payload_xxh3 u64, step u64; its payload 4096 bytes on
+SEG_HDR = 4096
+
+
+def slots_of(path):
+    """[(slot, state, seq, payload_bytes, step, payload_offset)] of a segment file."""
+    with open(path, "rb") as f:
+        hdr = f.read(SEG_HDR)
+        assert hdr[:8] == b"CKPTSEG1", (path, hdr[:8])
+        slot_bytes, = struct.unpack_from("<Q", hdr, 16)
+        out = []
+        for i in range(2):
+            base = SEG_HDR + i * (4096 + slot_bytes)
+            f.seek(base)
+            st, _, seq, pb, _, step = struct.unpack("<IIQQQQ", f.read(40))
+            out.append((i, st, seq, pb, step, base + 4096))
+        return out
+
+
+class MemTest(TempDirTest):
+    def setUp(self):
+        super().setUp()
+        self.marker = f"mem-test-{os.getpid()}-{self.id().split('.')[-1]}"
+        self.ckpt = os.path.join(self.tmp, "ck")
+        self.mem = tempfile.mkdtemp(prefix="ckpttest-", dir="/dev/shm")
+        self.agents = []
+
+    def tearDown(self):
+        for a in self.agents:
+            a.kill()
+        deadline = time.time() + 5
+        while procs_with(self.marker) and time.time() < deadline:
+            time.sleep(0.05)
+        for pid in procs_with(self.marker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        shutil.rmtree(self.mem, ignore_errors=True)
+        super().tearDown()
+
+    def agent(self, args, cmd, extra_env=None):
+        a = Agent(self.tmp, ["--mem-dir", self.mem] + list(args), cmd, extra_env)
+        self.agents.append(a)
+        return a
+
+    def train_cmd(self, extra=(), wrap_env=None):
+        """train under elastic; wrap_env: env set only for rank 1 of round 0 (through sh)."""
+        argv = [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS + [
+            "--ckpt-dir", self.ckpt, "--resume", "auto"] + list(extra)
+        if not wrap_env:
+            return ["/bin/sh", "-c", 'exec "$@"', self.marker] + argv
+        exports = " ".join(f"{k}={v}" for k, v in wrap_env.items())
+        script = (f'if [ "$ELASTIC_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ]; then export {exports}; '
+                  f'fi; exec "$@"')
+        return ["/bin/sh", "-c", script, self.marker] + argv
+
+    def reference(self):
+        p = harness.run([harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS, check=True)
+        return harness.final(p)["digest"]
+
+    def final(self, a):
+        m = FINAL_RE.search(a.out())
+        self.assertIsNotNone(m, a.out()[-2000:] + a.err()[-3000:])
+        return int(m.group(1)), m.group(4)
+
+    def segments(self):
+        return sorted(os.listdir(self.mem))
+
+    def listing(self):
+        return json.loads(harness.run([harness.INSPECT, "list", self.ckpt, "--json"],
+                                      check=True).stdout)["snapshots"]
+
+    def last_step(self, a):
+        steps = [int(x) for x in re.findall(r"\[rank 0\] .*step (\d+)/", a.err())]
+        return steps[-1] if steps else 0
+
+    def test_kill_rank_restores_from_memory(self):
+        """SIGKILL rank 1 at step >= 16 with disk snapshots every 7 steps and memory ones every
+        step: the restart restores from memory, at most 1 step behind the step rank 0 had
+        logged; the flush wrote a disk snapshot newer than step 14; same digest; no segment
+        left after the job."""
+        ref = self.reference()
+        a = self.agent(["--nproc-per-node", "2", "--max-restarts", "2"],
+                       self.train_cmd(["--ckpt-every", "7", "--mem-snapshot-every", "1"]))
+        a.wait_for(r"\[rank 0\] .*step 16/", timeout=120)
+        pids = a.pids(0)
+        self.assertEqual(len(pids), 2, a.err())
+        self.assertTrue(any(s.endswith(".own-0") for s in self.segments()), self.segments())
+        os.kill(pids[1], signal.SIGKILL)
+        killed_at = self.last_step(a)
+        self.assertEqual(a.wait(180), 0, a.err()[-4000:])
+        err = a.err()
+        m = RESUMED_MEM_RE.search(err)
+        self.assertIsNotNone(m, err[-4000:])
+        resumed = int(m.group(2))
+        self.assertGreaterEqual(resumed, killed_at - 1, f"killed at {killed_at}, resumed at {resumed}")
+        self.assertEqual(self.final(a), (30, ref))
+        # the flush after the failure: a disk snapshot newer than 14, not on the 7-step grid
+        steps = [s["step"] for s in self.listing() if s["status"] == "committed"]
+        flushed = [s for s in steps if s > 14 and s % 7 and s != 30]
+        self.assertTrue(flushed, f"no flushed snapshot in {steps}:\n{err[-3000:]}")
+        self.assertGreaterEqual(max(flushed), killed_at - 1)
+        self.assertEqual(self.segments(), [], "segments left after the job")
+        # figures: the memory restore vs a disk restore of the same state (a new job: its
+        # segment folder is empty, so --resume auto reads step 30 from disk)
+        b = self.agent(["--nproc-per-node", "2"], self.train_cmd(["--ckpt-every", "7"]))
+        self.assertEqual(b.wait(120), 0, b.err()[-3000:])
+        d = RESUMED_DISK_RE.search(b.err())
+        self.assertIsNotNone(d, b.err()[-3000:])
+        stalls = [float(x) for x in re.findall(r"memory snapshot step \d+ in slot \d of \S+: stall (\S+) ms",
+                                               err)]
+        print(f"\n  killed at step {killed_at}, resumed from memory at {resumed} ({m.group(1)}) in "
+              f"{m.group(3)} ms; a disk restore of step 30 took {d.group(3)} ms; first memory "
+              f"snapshot stall {stalls[0] if stalls else '?'} ms; flushed steps {flushed}",
+              file=sys.stderr)
+
+    def test_flipped_byte_in_newest_slot_is_detected(self):
+        """Stop both ranks, flip one payload byte (in rank 0's params shard) of the newest
+        memory snapshot both segments hold, kill both: the flush and the restore find it
+        corrupt by checksum and use an older memory snapshot or a disk one; same digest."""
+        ref = self.reference()
+        a = self.agent(["--nproc-per-node", "2", "--max-restarts", "2"],
+                       self.train_cmd(["--ckpt-every", "5", "--mem-snapshot-every", "1"]))
+        a.wait_for(r"\[rank 0\] .*step 12/", timeout=120)
+        pids = a.pids(0)
+        for p in pids:
+            os.kill(p, signal.SIGSTOP)
+        segs = {L: os.path.join(self.mem, s) for s in self.segments() for L in (0, 1)
+                if s.endswith(f".own-{L}")}
+        self.assertEqual(sorted(segs), [0, 1], self.segments())
+        complete = {L: {s[4]: s for s in slots_of(segs[L]) if s[1] == 2} for L in (0, 1)}
+        both = set(complete[0]) & set(complete[1])
+        self.assertTrue(both, complete)
+        bad_step = max(both)  # the newest memory snapshot complete on the node
+        _, _, _, pbytes, _, poff = complete[0][bad_step]
+        self.assertGreater(pbytes, 3 * 4096)
+        with open(segs[0], "r+b") as f:
+            f.seek(poff + 4096 + 123)  # in the first buffer's shard, past the payload header
+            b = f.read(1)
+            f.seek(poff + 4096 + 123)
+            f.write(bytes([b[0] ^ 0x5A]))
+        for p in reversed(pids):  # frozen: neither finishes a copy in progress
+            os.kill(p, signal.SIGKILL)
+        self.assertEqual(a.wait(180), 0, a.err()[-4000:])
+        err = a.err()
+        self.assertRegex(err, rf"memory snapshot mem:\S+/{bad_step}/2 not restored: "
+                              rf".*(corrupt|mismatch|checksum)")
+        m = RESUMED_MEM_RE.search(err)
+        d = RESUMED_DISK_RE.search(err)
+        self.assertTrue(m or d, err[-4000:])
+        got = int(m.group(2)) if m else int(d.group(2))
+        self.assertLess(got, bad_step, err[-3000:])
+        self.assertEqual(self.final(a), (30, ref))
+        self.assertEqual(self.segments(), [])
+        # the flush did not write the corrupt step to disk either (unless the run saved it
+        # itself later, on its 5-step grid)
+        if bad_step % 5:
+            self.assertNotIn(bad_step, [s["step"] for s in self.listing()])
+        print(f"\n  flipped a byte of step {bad_step}'s slot: restored step {got} from "
+              f"{'memory' if m else 'disk'}", file=sys.stderr)
+
+    def test_kill_during_memory_copy_uses_the_other_slot(self):
+        """Rank 1 of round 0 dies half-way through copying step 12 into a slot: that slot stays
+        'writing', the restart restores step 11 from memory (the other slot); same digest."""
+        ref = self.reference()
+        a = self.agent(["--nproc-per-node", "2", "--max-restarts", "2"],
+                       self.train_cmd(["--ckpt-every", "25", "--mem-snapshot-every", "1"],
+                                      wrap_env={"CKPT_FAULT_POINT": "mid-mem-copy@12"}))
+        self.assertEqual(a.wait(180), 0, a.err()[-4000:])
+        err = a.err()
+        self.assertIn("fault point mid-mem-copy reached at step 12", err)
+        m = RESUMED_MEM_RE.search(err)
+        self.assertIsNotNone(m, err[-4000:])
+        self.assertEqual(int(m.group(2)), 11, err[-3000:])
+        self.assertEqual(self.final(a), (30, ref))
+        self.assertEqual(self.segments(), [])
+
+    def test_memory_interval(self):
+        """--mem-snapshot-every 4 with an explicit budget that fits (1G): the restore is from a
+        step on that grid, at most 4 steps behind; same digest."""
+        ref = self.reference()
+        a = self.agent(["--nproc-per-node", "2", "--max-restarts", "2"],
+                       self.train_cmd(["--ckpt-every", "25", "--mem-snapshot-every", "4",
+                                       "--mem-budget", "1G"]))
+        a.wait_for(r"\[rank 0\] .*step 14/", timeout=120)
+        pids = a.pids(0)
+        os.kill(pids[0], signal.SIGKILL)
+        killed_at = self.last_step(a)
+        self.assertEqual(a.wait(180), 0, a.err()[-4000:])
+        self.assertRegex(a.err(), r"memory tier: a snapshot every 4 steps into \S+, \S+ \S+ per "
+                                  r"node of a budget of 1\.0 GiB\n")
+        m = RESUMED_MEM_RE.search(a.err())
+        self.assertIsNotNone(m, a.err()[-4000:])
+        resumed = int(m.group(2))
+        self.assertEqual(resumed % 4, 0)
+        self.assertGreaterEqual(resumed, killed_at - 4)
+        self.assertEqual(self.final(a), (30, ref))
+
+    def test_node_loss_restores_from_the_peer_replica(self):
+        """Two agents on loopback (--nnodes 1:2, one rank each, their own segment folders);
+        SIGKILL of agent B and its worker: A goes on alone (W=1) and restores B's shard from the
+        replica B sent it (memory (replica), saved by 2 ranks, re-sharded); the digest is the
+        uninterrupted run's (24 sequences per step: W=2 and W=1 give the same bits)."""
+        ref = self.reference()
+        mem_b = tempfile.mkdtemp(prefix="ckpttest-", dir="/dev/shm")
+        self.addCleanup(shutil.rmtree, mem_b, True)
+        port = harness.free_port()
+
+        def node(mem, name):
+            args = ["--mem-dir", mem, "--nnodes", "1:2", "--nproc-per-node", "1",
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "memjob",
+                    "--heartbeat-timeout", "2", "--last-call", "3", "--stop-grace", "3"]
+            # memory snapshots every 4 steps: the replica (polled every 100 ms) keeps up
+            x = Agent(self.tmp, args, self.train_cmd(["--ckpt-every", "25",
+                                                      "--mem-snapshot-every", "4"]), name=name)
+            self.agents.append(x)
+            return x
+
+        a = node(self.mem, "A")
+        a.wait_for(r"hosting the rendezvous store")
+        b = node(mem_b, "B")
+        for x in (a, b):
+            x.wait_for(r"round 0: node \d of 2", timeout=60)
+        deadline = time.time() + 120
+        rep = []
+        while time.time() < deadline:
+            rep = [os.path.join(self.mem, s) for s in self.segments() if ".rep-" in s]
+            steps = [sl[4] for sl in slots_of(rep[0]) if sl[1] == 2] if rep else []
+            if steps and max(steps) >= 8:
+                break
+            time.sleep(0.05)
+        self.assertTrue(rep, f"no replica in A's folder: {self.segments()}\n{a.err()[-2000:]}")
+        wpid = b.pids(0)
+        b.p.kill()  # the node: its agent and its worker
+        b.p.wait()
+        for p in wpid:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        self.assertEqual(a.wait(180), 0, a.err()[-4000:])
+        err = a.err()
+        m = RESUMED_MEM_RE.search(err)
+        self.assertIsNotNone(m, err[-4000:])
+        self.assertEqual(m.group(1), "replica", m.group(0))
+        self.assertRegex(m.group(0), r"saved by 2 ranks")
+        self.assertRegex(err, r"re-sharding: the snapshot was saved by 2 ranks, this run has 1")
+        self.assertEqual(self.final(a), (30, ref))
+        self.assertEqual(self.segments(), [])
+        print(f"\n  node lost: restored step {m.group(2)} from the peer replica in {m.group(3)} ms",
+              file=sys.stderr)
+
+    def test_explicit_budget_too_small(self):
+        """--mem-budget 64K cannot hold two slots of the state: exit 2 before the first step,
+        one line per node naming the need and the budget, not retried; nothing left."""
+        a = self.agent(["--nproc-per-node", "2", "--max-restarts", "3"],
+                       self.train_cmd(["--ckpt-every", "5", "--mem-budget", "64K"]))
+        self.assertEqual(a.wait(60), 2, a.err()[-3000:])
+        err = a.err()
+        lines = re.findall(r".*--mem-budget 65536 \(64\.0 KiB\) is too small for the memory tier: "
+                           r"it needs (\d+) bytes .*", err)
+        self.assertEqual(len(lines), 1, err[-3000:])
+        self.assertGreater(int(lines[0]), 65536)
+        self.assertIn("a usage or configuration error, not restarting", err)
+        self.assertNotRegex(err, r"step 1/")
+        self.assertEqual(self.segments(), [])
+
+    def test_budget_values_and_no_tier_without_elastic(self):
+        """A malformed --mem-budget is a usage error (2, one line); suffixes are accepted;
+        without CKPT_MEM_PATH train says once that there is no memory tier and trains."""
+        base = [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS + ["--steps", "2"]
+        for bad in ["12Q", "0", "-1", "G", "99999999999T"]:
+            p = harness.run(base + ["--mem-budget", bad])
+            self.assertEqual(p.returncode, 2, (bad, p.stderr))
+            self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+            self.assertIn("--mem-budget", p.stderr)
+        p = harness.run(base + ["--mem-budget", "512M", "--mem-snapshot-every", "1"],
+                        extra_env={"CKPT_MEM_PATH": ""})
+        self.assertEqual(p.returncode, 0, p.stderr[-2000:])
+        self.assertEqual(p.stderr.count("no memory tier: CKPT_MEM_PATH is not set"), 1, p.stderr)
+        self.assertIsNotNone(harness.FINAL_RE.search(p.stdout))
+
+
+    def test_flush_mode_exit_statuses(self):
+        """CKPT_MEM_FLUSH=1 (what the agent runs): one line and 2 without CKPT_MEM_PATH, 0 when
+        there is nothing to flush, 1 when the flush fails (a --ckpt-dir that is a file)."""
+        base = [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS
+        f = {"CKPT_MEM_FLUSH": "1"}
+        p = harness.run(base + ["--ckpt-dir", self.ckpt], extra_env=dict(f, CKPT_MEM_PATH=""))
+        self.assertEqual((p.returncode, len(p.stderr.strip().splitlines())), (2, 1), p.stderr)
+        self.assertIn("CKPT_MEM_PATH is not set", p.stderr)
+        mp = os.path.join(self.mem, "p")
+        p = harness.run(base + ["--ckpt-dir", self.ckpt], extra_env=dict(f, CKPT_MEM_PATH=mp))
+        self.assertEqual((p.returncode, len(p.stderr.strip().splitlines())), (0, 1), p.stderr)
+        self.assertIn("nothing to do", p.stderr)
+        self.assertEqual(harness.snapshot_dirs(self.ckpt), [])
+        file = os.path.join(self.tmp, "file")
+        open(file, "w").close()
+        p = harness.run(base + ["--ckpt-dir", file], extra_env=dict(f, CKPT_MEM_PATH=mp))
+        self.assertEqual((p.returncode, len(p.stderr.strip().splitlines())), (1, 1), p.stderr)
+        self.assertRegex(p.stderr, r"flush of \S+ into \S+ failed: .*Not a directory")
+
+if __name__ == "__main__":
+    harness.main()

@@ -1,0 +1,308 @@
+/* train_mem.c - the memory tier of the train program: the budget check, this rank's own
+ * shared-memory segment, memory snapshots, and the flush mode (see train_internal.h and
+ * docs/OPERATIONS.md, "Memory tier").
+ *
+ * Why the pieces sit where they do:
+ * - The tier is on or off for the whole group (train_mem_plan agrees on it): a memory snapshot
+ *   needs the same collectives as a disk one (the moments digest, at ZeRO-3 the parameter
+ *   gather), so every rank takes it at the same steps, also a rank whose segment could not be
+ *   created (it then skips only the local copy).
+ * - The own segment is created after the resume (train_mem_open): creating it with another
+ *   layout (another world size) clears its slots, which may hold the snapshot being restored.
+ * - A memory snapshot never changes the training bits: it only reads the state (DESIGN 4). */
+#include "ckpt.h"
+#include "ckpt_mem.h"
+#include "clock.h"
+#include "log.h"
+#include "shmseg.h"
+#include "train_internal.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <libgen.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/statvfs.h>
+
+#define TAG "train"
+
+/* Bytes of a segment with two slots of slot_bytes (common/shmseg.h). */
+static uint64_t segment_bytes(uint64_t slot_bytes)
+{
+    return shmseg_file_bytes(slot_bytes);
+}
+
+/* An upper bound of the trainer record's length (train_snapshot.c, trainer_record): a fixed
+ * part of well under 2 KiB plus one entry per tensor (name, shape, offset, decay), rounded up
+ * to whole pages so that the slot layout of a given model never changes between restarts. */
+static uint64_t trainer_len_max(const state *s)
+{
+    size_t nt = 0;
+    (void)train_model_tensors(s->model, &nt);
+    uint64_t n = 4096u + 256u * (uint64_t)nt;
+    return (n + 4095u) & ~(uint64_t)4095u;
+}
+
+/* "1.5 GiB"-style text of n bytes. */
+static void human_bytes(uint64_t n, char *out, size_t len)
+{
+    static const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    double x = (double)n;
+    int k = 0;
+    while (x >= 1024.0 && k < 4) {
+        x /= 1024.0;
+        k++;
+    }
+    snprintf(out, len, k ? "%.1f %s" : "%.0f %s", x, u[k]);
+}
+
+static int env_int(const char *name, int dflt)
+{
+    const char *v = getenv(name);
+    char *end;
+    if (!v || !*v) return dflt;
+    long x = strtol(v, &end, 10);
+    return *end || x < 0 || x > 1 << 20 ? dflt : (int)x;
+}
+
+/* The three buffers of this rank's shard, as train_take_snapshot saves them; data NULL when
+ * only the sizes are needed. shard_el: the elements of the shard. */
+static void shard_buffers(const state *s, size_t shard_el, ckpt_buffer bufs[3])
+{
+    const uint64_t total = (uint64_t)s->np * sizeof(float), sb = (uint64_t)shard_el * sizeof(float);
+    const char *names[3] = {"params", "adam_m", "adam_v"};
+    for (int i = 0; i < 3; i++)
+        bufs[i] = (ckpt_buffer){names[i], "f32", 4, total, (uint64_t)s->lo * sizeof(float), sb, NULL};
+}
+
+int train_mem_plan(state *s)
+{
+    const options *o = s->o;
+    s->mem_every = 0;
+    s->mem_persist_slot = -1;
+    const char *path = getenv("CKPT_MEM_PATH");
+    s->mem_path = path && *path ? path : NULL;
+    /* this rank's view: want = 1 the tier fits here, status = 2 an explicit budget too small */
+    int32_t mine[2] = {0, 0};
+    const uint64_t total = (uint64_t)s->np * sizeof(float);
+    const ckpt_buffer whole[3] = {{"params", "f32", 4, total, 0, total, NULL},
+                                  {"adam_m", "f32", 4, total, 0, total, NULL},
+                                  {"adam_v", "f32", 4, total, 0, total, NULL}};
+    s->mem_chunk = ckpt_fit_chunk_bytes(o->chunk_bytes, whole, 3, (uint32_t)s->world);
+    if (!s->mem_path) {
+        if (s->rank == 0)
+            LOG_I(TAG, "no memory tier: CKPT_MEM_PATH is not set (elastic sets it)%s",
+                  o->mem_every > 0 || o->mem_budget ? "; --mem-snapshot-every and --mem-budget "
+                  "are ignored" : "");
+    } else if (o->mem_every == 0) {
+        if (s->rank == 0) LOG_I(TAG, "memory tier off: --mem-snapshot-every 0");
+    } else if (s->mem_chunk == 0) {
+        if (s->rank == 0) LOG_W(TAG, "memory tier off: no chunk size fits this state");
+    } else {
+        /* the budget is per node: every local rank's segment, sized for the largest shard
+         * (rank 0's: the first nb % W ranks hold one block more), so that every rank of the
+         * group computes the same need */
+        ckpt_buffer mx[3], own[3];
+        shard_buffers(s, s->shard_el[0], mx);
+        shard_buffers(s, s->hi - s->lo, own);
+        const uint64_t tmax = trainer_len_max(s);
+        const uint64_t slot_max = ckpt_mem_need(mx, 3, tmax, s->mem_chunk);
+        s->mem_slot_bytes = ckpt_mem_need(own, 3, tmax, s->mem_chunk);
+        /* torchrun-style launchers set both; by hand, every rank counts as one node's */
+        int local_world = env_int("LOCAL_WORLD_SIZE", getenv("LOCAL_RANK") ? 1 : s->world);
+        if (local_world < 1) local_world = 1;
+        const int nodes = env_int("GROUP_WORLD_SIZE", 1);
+        const uint64_t need = (uint64_t)local_world * segment_bytes(slot_max) * (nodes > 1 ? 2u : 1u);
+        uint64_t budget = o->mem_budget;
+        char dir[CKPT_PATH_MAX], nb[32], bb[32], sb[32];
+        snprintf(dir, sizeof dir, "%s", s->mem_path);
+        const char *d = dirname(dir);
+        int fs_err = 0;
+        if (!budget) {
+            struct statvfs v;
+            if (statvfs(d, &v) == 0) budget = (uint64_t)v.f_bavail * (uint64_t)v.f_frsize / 2u;
+            else fs_err = errno;
+        }
+        human_bytes(need, nb, sizeof nb);
+        human_bytes(budget, bb, sizeof bb);
+        human_bytes(segment_bytes(slot_max), sb, sizeof sb);
+        /* the budget is the node's: its first local rank says why, once per node */
+        const int speaks = env_int("LOCAL_RANK", s->rank) == 0;
+        if (slot_max == 0 || s->mem_slot_bytes == 0 || segment_bytes(slot_max) == 0) {
+            if (speaks) LOG_W(TAG, "rank %d: memory tier off: a slot of this state's shard would "
+                              "exceed the format's limits", s->rank);
+        } else if (o->mem_budget && need > budget) {
+            if (speaks) LOG_E(TAG, "rank %d: --mem-budget %" PRIu64 " (%s) is too small for the memory tier: "
+                  "it needs %" PRIu64 " bytes (%s) per node = %d local rank%s x %s (2 slots of the "
+                  "state shard)%s; raise --mem-budget or pass --mem-snapshot-every 0", s->rank,
+                  budget, bb, need, nb, local_world, local_world == 1 ? "" : "s", sb,
+                  nodes > 1 ? " x 2 (the peer node's replicas live here too)" : "");
+            mine[1] = 2;
+        } else if (fs_err) {
+            LOG_W(TAG, "rank %d: memory tier off: cannot read the free space of %s: %s", s->rank,
+                  d, strerror(fs_err));
+        } else if (need > budget) {
+            if (speaks) LOG_W(TAG, "rank %d: memory tier off: it needs %s per node (%d local rank%s x %s%s), "
+                  "more than the default budget of %s (half the free space of %s); free memory "
+                  "there or give --mem-budget", s->rank, nb, local_world, local_world == 1 ? "" : "s",
+                  sb, nodes > 1 ? " x 2 for the peer's replicas" : "", bb, d);
+        } else {
+            mine[0] = 1;
+            if (s->rank == 0)
+                LOG_I(TAG, "memory tier: a snapshot every %d step%s into %s.own-*, %s per node "
+                      "of a budget of %s%s", o->mem_every > 0 ? o->mem_every : 1,
+                      o->mem_every > 1 ? "s" : "", s->mem_path, nb, bb,
+                      o->mem_budget ? "" : " (half the free space)");
+        }
+    }
+    int want = mine[0], status = mine[1];
+    if (s->world > 1) {
+        int32_t *all = calloc((size_t)s->world * 2, sizeof(int32_t));
+        if (!all) return 1;
+        memcpy(all + 2 * (size_t)s->rank, mine, sizeof mine);
+        int rc = train_gather_records(s, all, sizeof mine);
+        if (rc < 0) {
+            train_comm_failed(s, "agreement on the memory tier", rc);
+            free(all);
+            return 1;
+        }
+        int off = 0;
+        for (int r = 0; r < s->world; r++) {
+            if (all[2 * r + 1] > status) status = all[2 * r + 1];
+            if (!all[2 * r]) {
+                if (want && s->rank == 0 && !off)
+                    LOG_W(TAG, "memory tier off: rank %d cannot hold it (see its line)", r);
+                off |= !all[2 * r];
+            }
+        }
+        if (off) want = 0;
+        free(all);
+    }
+    if (status) return status;
+    if (want) s->mem_every = o->mem_every > 0 ? o->mem_every : 1;
+    return 0;
+}
+
+int train_mem_open(state *s)
+{
+    if (s->mem_every <= 0) return 0;
+    /* LOCAL_RANK from the launcher; without it (ranks started by hand on one machine) the
+     * rank itself, so that no two ranks share a segment */
+    snprintf(s->mem_own, sizeof s->mem_own, "%s.own-%d", s->mem_path,
+             env_int("LOCAL_RANK", s->rank));
+    int rc = shmseg_create(s->mem_own, s->mem_slot_bytes, &s->mem_seg);
+    if (rc < 0) {
+        /* this rank keeps taking part in the snapshots' collectives (mem_every stays): only
+         * its copy is missing, and a restore from memory then falls back to disk */
+        LOG_W(TAG, "rank %d: no memory snapshots on this rank: cannot create the segment %s "
+              "(%" PRIu64 " bytes per slot): %s", s->rank, s->mem_own, s->mem_slot_bytes,
+              strerror(-rc));
+        s->mem_seg = NULL;
+        return rc;
+    }
+    /* the tag of this launch's memory snapshots: slots of one snapshot share it (ckpt_mem.h) */
+    if (s->job_tag[0]) snprintf(s->mem_tag, sizeof s->mem_tag, "%s", s->job_tag);
+    else snprintf(s->mem_tag, sizeof s->mem_tag, "j%016" PRIx64 "%08x",
+                  (uint64_t)(clock_now_s() * 1e6), (unsigned)getpid());
+    return 0;
+}
+
+void train_mem_close(state *s)
+{
+    if (s->mem_seg && s->mem_count && s->rank == 0)
+        LOG_I(TAG, "memory snapshots: %" PRIu64 " taken, stall %.2f ms mean, %.2f ms max; %" PRIu64
+              " failed", s->mem_count, s->mem_stall_sum / (double)s->mem_count * 1e3,
+              s->mem_stall_max * 1e3, s->mem_failed);
+    shmseg_close(s->mem_seg);
+    s->mem_seg = NULL;
+}
+
+int train_mem_write(state *s, const ckpt_buffer bufs[3], const char *trainer_json, double t0,
+                    ckpt_buffer staged[3], int *slot_out)
+{
+    *slot_out = -1;
+    if (!s->mem_seg) return -ENODEV;
+    /* the slot a persist still reads stays untouched (ckpt_engine_persist_staged) */
+    if (s->mem_persist_slot >= 0 && (!s->engine || !ckpt_engine_busy(s->engine)))
+        s->mem_persist_slot = -1;
+    int slot = -1;
+    int rc = ckpt_mem_write(s->mem_seg, s->mem_persist_slot, (uint64_t)s->step, s->run_id,
+                            s->config_hash, s->mem_tag, (uint32_t)s->world, (uint32_t)s->rank, bufs,
+                            3, trainer_json, s->mem_chunk, &slot, staged);
+    double stall = clock_now_s() - t0;
+    if (rc < 0) {
+        s->mem_failed++;
+        if (!s->mem_failing)
+            LOG_W(TAG, "rank %d, step %" PRId64 ": memory snapshot into %s failed: %s; training "
+                  "goes on (the previous complete slot stays; logged again when it recovers)",
+                  s->rank, s->step, s->mem_own, strerror(-rc));
+        s->mem_failing = 1;
+        train_report_mem_snapshot_failed(s->report, s->step, rc);
+        return rc;
+    }
+    if (s->mem_failing)
+        LOG_I(TAG, "rank %d, step %" PRId64 ": memory snapshots work again", s->rank, s->step);
+    s->mem_failing = 0;
+    uint64_t bytes = bufs[0].bytes + bufs[1].bytes + bufs[2].bytes;
+    s->mem_count++;
+    s->mem_stall_sum += stall;
+    if (stall > s->mem_stall_max) s->mem_stall_max = stall;
+    if (s->mem_count == 1 && s->rank == 0)
+        LOG_I(TAG, "memory snapshot step %" PRId64 " in slot %d of %s: stall %.2f ms for %.2f MiB",
+              s->step, slot, s->mem_own, stall * 1e3, (double)bytes / 1048576.0);
+    else
+        LOG_D(TAG, "memory snapshot step %" PRId64 " in slot %d: stall %.2f ms", s->step, slot,
+              stall * 1e3);
+    train_report_mem_snapshot(s->report, s->step, stall, bytes, slot);
+    *slot_out = slot;
+    return 0;
+}
+
+int train_mem_take(state *s)
+{
+    double t0 = clock_now_s();
+    ckpt_buffer bufs[3];
+    char *text = NULL;
+    int rc = train_snapshot_prepare(s, bufs, &text);
+    if (rc < 0) return rc;
+    int slot;
+    (void)train_mem_write(s, bufs, text, t0, NULL, &slot); /* logged; not fatal */
+    free(text);
+    return 0;
+}
+
+int train_mem_flush_main(const options *o)
+{
+    const char *path = getenv("CKPT_MEM_PATH");
+    if (!path || !*path) {
+        LOG_E(TAG, "flush (CKPT_MEM_FLUSH=1): CKPT_MEM_PATH is not set: no memory tier to flush");
+        return 2;
+    }
+    if (!o->ckpt_dir) {
+        LOG_I(TAG, "flush of %s: nothing to do (no --ckpt-dir to flush into)", path);
+        return 0;
+    }
+    ckpt_save_opts so = CKPT_SAVE_OPTS_INIT;
+    so.dir = o->ckpt_dir;
+    so.chunk_bytes = o->chunk_bytes;
+    so.zstd_level = o->zstd_level;
+    so.filter = o->filter;
+    so.direct_io = o->direct_io;
+    double t0 = clock_now_s();
+    char why[600] = "";
+    int64_t rc = ckpt_mem_flush(path, o->ckpt_dir, &so, o->run_id, why, sizeof why);
+    double dt = clock_now_s() - t0;
+    if (rc < 0) {
+        LOG_E(TAG, "flush of %s into %s failed: %s", path, o->ckpt_dir,
+              why[0] ? why : strerror((int)-rc));
+        return 1;
+    }
+    if (rc == 0)
+        LOG_I(TAG, "flush of %s: nothing to do (%s)", path,
+              why[0] ? why : "no memory snapshot newer than the newest one in --ckpt-dir");
+    else
+        LOG_I(TAG, "flushed the memory snapshot of step %" PRId64 " from %s into %s in %.0f ms", rc,
+              path, o->ckpt_dir, dt * 1e3);
+    return 0;
+}
