@@ -23,11 +23,20 @@
  * 3 LOCAL (the receiver cannot keep it: no space, I/O error). The token is compared in
  * constant time and never logged. Every socket wait is bounded by IO_TIMEOUT_S without
  * progress; a connection is served at a time.
+ *
+ * Queries (magic "CKMQ", mem_wire.h; the client is mem_client.h): on the same socket, with the
+ * same token check, a worker of another node LISTs the complete slots of this node's segments
+ * (own and replicas, with each payload's first 4096 bytes) and GETs byte ranges of one, copied
+ * out with shmseg_copy_out pinned to the listed seq (a slot that changed answers STALE), so a
+ * restore can read a rank's shard that is only here. Payloads are bytes to this file: what they
+ * hold is ckpt/'s business. A GET is copied into a buffer first and only then sent, so the
+ * answer's status is known before its body: a torn copy is STALE, never mixed bytes.
  */
 #include "clock.h"
 #include "agent_internal.h"
 
 #include "log.h"
+#include "mem_wire.h"
 #include "shmseg.h"
 #include "thread.h"
 
@@ -69,6 +78,17 @@
 
 enum { ANS_OK = 0, ANS_DENIED = 1, ANS_BAD = 2, ANS_LOCAL = 3 };
 
+#define QCACHE 16              /* segments kept mapped for the queries (a restore reads a slot in
+                                  many GETs: a mapping per GET would fault in every page again) */
+
+/* A segment mapped for the queries; identified by path and inode (a rebuilt file is another). */
+typedef struct qseg {
+    char path[PATH_MAX + PREFIX_LEN + 40];
+    dev_t dev;
+    ino_t ino;
+    shmseg *seg;
+} qseg;
+
 struct elastic_mem {
     char dir[PATH_MAX];
     char prefix[PREFIX_LEN + 1];
@@ -106,6 +126,8 @@ struct elastic_mem {
 
     /* server-thread data */
     double refused_logged;     /* when a refusal was last logged */
+    qseg qcache[QCACHE];       /* segments the queries opened (mem_wire.h), by path and inode */
+    unsigned qnext;            /* the cache entry to replace next */
     unsigned *seen;            /* SEEN_MAX (src, slot) pairs + 1 logged at INFO once */
 };
 
@@ -692,12 +714,247 @@ static int room_for(const elastic_mem *m, const char *path, uint64_t slot_bytes)
     return need != 0 && need <= have;
 }
 
+/* ------------------------------------------------------------------ queries (mem_wire.h) */
+
+/* The segment at path, mapped read-only, from the cache when it is still the same file. */
+static int qseg_get(elastic_mem *m, const char *path, shmseg **out)
+{
+    struct stat st;
+    if (stat(path, &st) != 0) return -errno;
+    for (unsigned i = 0; i < QCACHE; i++) {
+        qseg *q = &m->qcache[i];
+        if (q->seg && !strcmp(q->path, path)) {
+            if (q->dev == st.st_dev && q->ino == st.st_ino) {
+                *out = q->seg;
+                return 0;
+            }
+            shmseg_close(q->seg);
+            q->seg = NULL;
+        }
+    }
+    shmseg *seg;
+    int rc = shmseg_open(path, 0, &seg);
+    if (rc < 0) return rc;
+    qseg *q = &m->qcache[m->qnext++ % QCACHE];
+    shmseg_close(q->seg);
+    snprintf(q->path, sizeof q->path, "%s", path);
+    q->dev = st.st_dev;
+    q->ino = st.st_ino;
+    q->seg = seg;
+    /* a restore reads every byte: the page tables in one batch, not a fault per page */
+    for (int i = 0; i < SHMSEG_NSLOTS; i++) (void)shmseg_prefault(seg, i, 0);
+    *out = seg;
+    return 0;
+}
+
+static void qcache_clear(elastic_mem *m)
+{
+    for (unsigned i = 0; i < QCACHE; i++) {
+        shmseg_close(m->qcache[i].seg);
+        m->qcache[i].seg = NULL;
+    }
+}
+
+/* Digits only (1..9 of them): 0 and the value, or -1. */
+static int digits_u32(const char *s, size_t n, uint32_t *v)
+{
+    if (n == 0 || n > 9) return -1;
+    uint32_t x = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9') return -1;
+        x = x * 10 + (uint32_t)(s[i] - '0');
+    }
+    *v = x;
+    return 0;
+}
+
+/* "own-<L>" -> kind 0, "rep-<N>-<L>" -> kind 1; -1 for any other name. */
+static int seg_name(const char *rest, uint32_t *node, uint32_t *local)
+{
+    *node = 0;
+    if (!strncmp(rest, "own-", 4)) return digits_u32(rest + 4, strlen(rest + 4), local) == 0 ? 0 : -1;
+    if (strncmp(rest, "rep-", 4) != 0) return -1;
+    const char *dash = strchr(rest + 4, '-');
+    if (!dash || digits_u32(rest + 4, (size_t)(dash - rest - 4), node) < 0 ||
+        digits_u32(dash + 1, strlen(dash + 1), local) < 0)
+        return -1;
+    return 1;
+}
+
+typedef struct qname {
+    char name[PREFIX_LEN + 40];
+    uint32_t kind, node, local;
+} qname;
+
+static int cmp_qname(const void *a, const void *b)
+{
+    return strcmp(((const qname *)a)->name, ((const qname *)b)->name);
+}
+
+static int send_answer(elastic_mem *m, int fd, uint32_t status, uint64_t body_len)
+{
+    unsigned char a[MEMQ_ANS_BYTES] = {0};
+    put32(a, status);
+    put64(a + 8, body_len);
+    return send_all(m, fd, a, sizeof a);
+}
+
+/* LIST: every complete slot of this node's segments, with its payload's head. */
+static void query_list(elastic_mem *m, int fd)
+{
+    DIR *d = opendir(m->dir);
+    if (!d) {
+        LOG_W(MEM_TAG, "memory tier: cannot list %s for a peer's query: %s", m->dir, strerror(errno));
+        send_answer(m, fd, MEMQ_ST_LOCAL, 0);
+        return;
+    }
+    size_t plen = strlen(m->prefix), nn = 0, cap = 0;
+    qname *names = NULL;
+    unsigned char *body = NULL;
+    size_t cnt = 0;
+    int ok = 1;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        qname q;
+        if (strncmp(e->d_name, m->prefix, plen) != 0 || e->d_name[plen] != '.' ||
+            strlen(e->d_name) >= sizeof q.name)
+            continue;
+        int kind = seg_name(e->d_name + plen + 1, &q.node, &q.local);
+        if (kind < 0) continue;
+        q.kind = (uint32_t)kind;
+        snprintf(q.name, sizeof q.name, "%s", e->d_name);
+        if (nn == cap) {
+            size_t nc = cap ? 2 * cap : 16;
+            void *p = realloc(names, nc * sizeof *names);
+            if (!p) {
+                ok = 0;
+                break;
+            }
+            names = p;
+            cap = nc;
+        }
+        names[nn++] = q;
+    }
+    closedir(d);
+    if (nn) qsort(names, nn, sizeof *names, cmp_qname);
+    if (ok && nn && !(body = calloc(nn * SHMSEG_NSLOTS, MEMQ_ENTRY_BYTES))) ok = 0;
+    for (size_t i = 0; ok && i < nn && cnt < MEMQ_LIST_MAX; i++) {
+        char path[sizeof m->path + 40];
+        snprintf(path, sizeof path, "%s/%s", m->dir, names[i].name);
+        shmseg *seg;
+        if (qseg_get(m, path, &seg) < 0) continue; /* gone, or being rebuilt */
+        for (int sl = 0; sl < SHMSEG_NSLOTS; sl++) {
+            shmseg_info in, in2;
+            if (shmseg_slot_info(seg, sl, &in) < 0 || in.state != SHMSEG_COMPLETE) continue;
+            unsigned char *en = body + cnt * MEMQ_ENTRY_BYTES;
+            uint64_t hl = in.payload_bytes < MEMQ_HEAD_BYTES ? in.payload_bytes : MEMQ_HEAD_BYTES;
+            uint64_t seq = in.seq;
+            if (shmseg_copy_out(seg, sl, en + 64, 0, hl, &seq) < 0) continue; /* being rewritten */
+            if (shmseg_slot_info(seg, sl, &in2) < 0 || in2.seq != in.seq) continue;
+            put32(en, names[i].kind);
+            put32(en + 4, names[i].node);
+            put32(en + 8, names[i].local);
+            put32(en + 12, (uint32_t)sl);
+            put64(en + 16, in.seq);
+            put64(en + 24, in.payload_bytes);
+            put64(en + 32, in.step);
+            put32(en + 40, (uint32_t)hl);
+            cnt++;
+        }
+    }
+    free(names);
+    if (!ok) {
+        LOG_W(MEM_TAG, "memory tier: out of memory answering a peer's listing");
+        send_answer(m, fd, MEMQ_ST_LOCAL, 0);
+    } else if (send_answer(m, fd, MEMQ_ST_OK, (uint64_t)cnt * MEMQ_ENTRY_BYTES) == 0 && cnt) {
+        send_all(m, fd, body, cnt * MEMQ_ENTRY_BYTES);
+    }
+    free(body);
+}
+
+/* GET: bytes of one complete slot at the listed seq. */
+static void query_get(elastic_mem *m, int fd, const unsigned char *f)
+{
+    uint32_t kind = get32(f + 4), node = get32(f + 8), local = get32(f + 12), sl = get32(f + 16);
+    uint64_t seq = get64(f + 24), off = get64(f + 32), len = get64(f + 40);
+    if (kind > 1 || sl >= SHMSEG_NSLOTS || node >= 4096 || local >= 4096 || seq == 0 ||
+        len > MEMQ_GET_MAX || off > UINT64_MAX - len) {
+        send_answer(m, fd, MEMQ_ST_BAD, 0);
+        return;
+    }
+    char path[sizeof m->path + 40];
+    int rc = kind == 0 ? shmseg_own_path(path, sizeof path, m->path, local)
+                       : shmseg_rep_path(path, sizeof path, m->path, node, local);
+    shmseg *seg = NULL;
+    if (rc == 0) rc = qseg_get(m, path, &seg);
+    if (rc < 0) {
+        send_answer(m, fd, MEMQ_ST_NOENT, 0);
+        return;
+    }
+    shmseg_info in;
+    if (shmseg_slot_info(seg, (int)sl, &in) < 0) {
+        send_answer(m, fd, MEMQ_ST_STALE, 0); /* a writer keeps changing it */
+        return;
+    }
+    if (in.state != SHMSEG_COMPLETE) {
+        /* being rewritten: the listed payload is gone; empty: there never was one */
+        send_answer(m, fd, in.state == SHMSEG_WRITING ? MEMQ_ST_STALE : MEMQ_ST_NOENT, 0);
+        return;
+    }
+    if (in.seq != seq) {
+        send_answer(m, fd, MEMQ_ST_STALE, 0);
+        return;
+    }
+    if (off > in.payload_bytes || len > in.payload_bytes - off) {
+        send_answer(m, fd, MEMQ_ST_RANGE, 0);
+        return;
+    }
+    unsigned char *buf = len ? malloc((size_t)len) : NULL;
+    if (len && !buf) {
+        send_answer(m, fd, MEMQ_ST_LOCAL, 0);
+        return;
+    }
+    uint64_t s2 = seq;
+    rc = len ? shmseg_copy_out(seg, (int)sl, buf, off, len, &s2) : 0;
+    if (rc < 0) send_answer(m, fd, rc == -EINVAL ? MEMQ_ST_RANGE : MEMQ_ST_STALE, 0);
+    else if (send_answer(m, fd, MEMQ_ST_OK, len) == 0 && len) send_all(m, fd, buf, (size_t)len);
+    free(buf);
+}
+
+/* A query connection after its first 12 bytes h (magic "CKMQ" checked by the caller). */
+static void serve_query(elastic_mem *m, int fd, const char *from, const unsigned char *h)
+{
+    unsigned char tok[TOKEN_MAX], f[MEMQ_REQ_BYTES];
+    uint32_t tl = get32(h + 8);
+    if (get32(h + 4) != MEMQ_VERSION || tl > TOKEN_MAX) {
+        refused(m, from, "not a query of version 1");
+        send_answer(m, fd, MEMQ_ST_BAD, 0);
+        return;
+    }
+    if (recv_all(m, fd, tok, tl) < 0 || recv_all(m, fd, f, sizeof f) < 0) return;
+    int ok = token_equal(tok, tl, (const unsigned char *)(m->token ? m->token : ""), m->token_len);
+    explicit_bzero(tok, sizeof tok);
+    if (!ok) {
+        refused(m, from, "wrong job token (query)");
+        send_answer(m, fd, MEMQ_ST_DENIED, 0);
+        return;
+    }
+    uint32_t op = get32(f);
+    if (op == MEMQ_OP_LIST) query_list(m, fd);
+    else if (op == MEMQ_OP_GET) query_get(m, fd, f);
+    else send_answer(m, fd, MEMQ_ST_BAD, 0);
+}
+
 static void serve_conn(elastic_mem *m, int fd, const char *from)
 {
     unsigned char h[12], tok[TOKEN_MAX], f[40];
     unsigned char ans = ANS_BAD;
     shmseg *seg = NULL;
     if (recv_all(m, fd, h, sizeof h) < 0) return;
+    if (!memcmp(h, MEMQ_MAGIC, 4)) {
+        serve_query(m, fd, from, h);
+        return;
+    }
     uint32_t tl = get32(h + 8);
     if (memcmp(h, "CKMR", 4) != 0 || get32(h + 4) != 1 || tl > TOKEN_MAX) {
         refused(m, from, "not a replica frame of version 1");
@@ -783,6 +1040,7 @@ static void *server_main(void *arg)
         serve_conn(m, fd, from);
         close(fd);
     }
+    qcache_clear(m);
     return NULL;
 }
 
