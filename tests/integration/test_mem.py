@@ -12,8 +12,9 @@ private segment folder under /dev/shm:
 - Node loss (two agents on loopback, one killed with its worker): the survivor restores the
   lost node's shard from the peer replica, re-sharded to W=1, same digest.
 - An explicit --mem-budget too small: exit 2 with one line naming the need and the budget,
-  not retried; a bad --mem-budget value is a usage error; without CKPT_MEM_PATH there is no
-  tier (one info line); the flush mode's exit statuses.
+  not retried; the default budget too small turns the tier off with one warning; a bad
+  --mem-budget value is a usage error; without CKPT_MEM_PATH there is no tier (one info
+  line); the flush mode's exit statuses.
 
 Synchronisation is by log lines, never by sleeping.
 """
@@ -328,6 +329,22 @@ class MemTest(TempDirTest):
         self.assertEqual(p.stderr.count("no memory tier: CKPT_MEM_PATH is not set"), 1, p.stderr)
         self.assertIsNotNone(harness.FINAL_RE.search(p.stdout))
 
+
+    def test_default_budget_too_small_turns_the_tier_off(self):
+        """No --mem-budget and a node whose need exceeds half the free space of the segment
+        folder (LOCAL_WORLD_SIZE as a launcher of 20000 local ranks would set it): one warning,
+        no segment, and training goes on with disk snapshots only (exit 0)."""
+        base = [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS + ["--steps", "3"]
+        p = harness.run(base + ["--ckpt-dir", self.ckpt, "--ckpt-every", "3"],
+                        extra_env={"CKPT_MEM_PATH": os.path.join(self.mem, "p"), "LOCAL_RANK": "0",
+                                   "LOCAL_WORLD_SIZE": "20000"})
+        self.assertEqual(p.returncode, 0, p.stderr[-2000:])
+        warn = re.findall(r"WARN .*memory tier off: it needs (\S+ \S+) per node \(20000 local "
+                          r"ranks x .*more than the default budget of .*", p.stderr)
+        self.assertEqual(len(warn), 1, p.stderr[-2000:])
+        self.assertNotIn("memory snapshot step", p.stderr)
+        self.assertEqual(self.segments(), [])
+        self.assertEqual(harness.snapshot_dirs(self.ckpt), ["step-000000003"])
 
     def test_flush_mode_exit_statuses(self):
         """CKPT_MEM_FLUSH=1 (what the agent runs): one line and 2 without CKPT_MEM_PATH, 0 when
