@@ -128,6 +128,8 @@ struct elastic_mem {
     double refused_logged;     /* when a refusal was last logged */
     qseg qcache[QCACHE];       /* segments the queries opened (mem_wire.h), by path and inode */
     unsigned qnext;            /* the cache entry to replace next */
+    unsigned char *qbuf;       /* a GET's copy (MEMQ_GET_MAX bytes, allocated at the first GET,
+                                  kept: a fresh 8 MiB per GET cost a page fault per page) */
     unsigned *seen;            /* SEEN_MAX (src, slot) pairs + 1 logged at INFO once */
 };
 
@@ -909,16 +911,14 @@ static void query_get(elastic_mem *m, int fd, const unsigned char *f)
         send_answer(m, fd, MEMQ_ST_RANGE, 0);
         return;
     }
-    unsigned char *buf = len ? malloc((size_t)len) : NULL;
-    if (len && !buf) {
+    if (len && !m->qbuf && !(m->qbuf = malloc(MEMQ_GET_MAX))) {
         send_answer(m, fd, MEMQ_ST_LOCAL, 0);
         return;
     }
     uint64_t s2 = seq;
-    rc = len ? shmseg_copy_out(seg, (int)sl, buf, off, len, &s2) : 0;
+    rc = len ? shmseg_copy_out(seg, (int)sl, m->qbuf, off, len, &s2) : 0;
     if (rc < 0) send_answer(m, fd, rc == -EINVAL ? MEMQ_ST_RANGE : MEMQ_ST_STALE, 0);
-    else if (send_answer(m, fd, MEMQ_ST_OK, len) == 0 && len) send_all(m, fd, buf, (size_t)len);
-    free(buf);
+    else if (send_answer(m, fd, MEMQ_ST_OK, len) == 0 && len) send_all(m, fd, m->qbuf, (size_t)len);
 }
 
 /* A query connection after its first 12 bytes h (magic "CKMQ" checked by the caller). */
@@ -1041,6 +1041,8 @@ static void *server_main(void *arg)
         close(fd);
     }
     qcache_clear(m);
+    free(m->qbuf);
+    m->qbuf = NULL;
     return NULL;
 }
 

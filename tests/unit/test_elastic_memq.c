@@ -79,15 +79,20 @@ int main(void)
     /* GET: the whole big payload (2 requests), a range inside, a range past the end */
     unsigned char *buf = malloc(big), *ref = malloc(big);
     T_REQUIRE(buf && ref, "buffers");
-    double t0 = t_now_s();
-    T_CHECK(elastic_mem_client_get(c, e5, 0, buf, big) == 0, "get all");
-    double tg = t_now_s() - t0;
+    memset(buf, 0, big); /* touched: the figures below are copies, not page faults */
+    memset(ref, 0, big);
+    double tg = 1e9, tl = 1e9, t0;
+    for (int rep = 0; rep < 3; rep++) { /* best of 3: the machine is shared */
+        t0 = t_now_s();
+        T_CHECK(elastic_mem_client_get(c, e5, 0, buf, big) == 0, "get all");
+        if (t_now_s() - t0 < tg) tg = t_now_s() - t0;
+        t0 = t_now_s();
+        uint64_t sq = e5->seq;
+        T_REQUIRE(shmseg_copy_out(so, s5, ref, 0, big, &sq) == 0, "local copy");
+        if (t_now_s() - t0 < tl) tl = t_now_s() - t0;
+    }
     T_CHECK(!memcmp(buf, shmseg_payload(so, s5), big), "same bytes");
-    t0 = t_now_s();
-    uint64_t sq = e5->seq;
-    T_REQUIRE(shmseg_copy_out(so, s5, ref, 0, big, &sq) == 0, "local copy");
-    double tl = t_now_s() - t0;
-    printf("# GET of %.1f MB through the server: %.0f MB/s; local shmseg_copy_out: %.0f MB/s\n",
+    printf("# GET of %.1f MB through the server (loopback): %.0f MB/s; local shmseg_copy_out: %.0f MB/s\n",
            big / 1e6, big / 1e6 / tg, big / 1e6 / tl);
     T_CHECK(elastic_mem_client_get(c, er, 1234, buf, 100) == 0 &&
             !memcmp(buf, (unsigned char *)shmseg_payload(sr, sr6) + 1234, 100), "a range of the replica");
