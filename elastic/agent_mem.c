@@ -845,7 +845,7 @@ static void query_list(elastic_mem *m, int fd)
         snprintf(path, sizeof path, "%s/%s", m->dir, names[i].name);
         shmseg *seg;
         if (qseg_get(m, path, &seg) < 0) continue; /* gone, or being rebuilt */
-        for (int sl = 0; sl < SHMSEG_NSLOTS; sl++) {
+        for (int sl = 0; sl < SHMSEG_NSLOTS && cnt < MEMQ_LIST_MAX; sl++) {
             shmseg_info in, in2;
             if (shmseg_slot_info(seg, sl, &in) < 0 || in.state != SHMSEG_COMPLETE) continue;
             unsigned char *en = body + cnt * MEMQ_ENTRY_BYTES;

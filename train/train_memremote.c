@@ -62,7 +62,7 @@ static int peer_list(void *ctx, ckpt_mem_remote_slot **out, size_t *n)
     pthread_mutex_lock(&p->mu);
     slot_key *k = cnt ? realloc(p->keys, (p->nkeys + cnt) * sizeof *k) : p->keys;
     if (k) p->keys = k;
-    if ((cnt && !o) || !k) {
+    if (cnt && (!o || !k)) {
         pthread_mutex_unlock(&p->mu);
         free(o);
         free(v);
