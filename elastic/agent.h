@@ -113,8 +113,9 @@
  *    slot of this node's own and replica segments with the payload's first 4096 bytes, GET a
  *    byte range of one slot copied out at the listed seq (a slot rewritten since: STALE), so
  *    that a restore reads a rank's slot that is only here. The server treats payloads as
- *    bytes. It serves one connection at a time: a peer that connects and stays silent delays
- *    the others by at most 10 s.
+ *    bytes. Queries are answered one at a time by the accepting thread, replica transfers one
+ *    at a time by a thread of their own (a restore's reads never wait behind a transfer); a
+ *    peer that connects and stays silent delays the next queries by at most 10 s.
  *  - Removal: at the end of the job (success, failure, preemption; after the flush) every
  *    <prefix>.* file is unlinked, the lease last. An agent killed with SIGKILL leaves them
  *    to the next agent of the same job.

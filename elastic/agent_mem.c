@@ -22,7 +22,9 @@
  * Answer codes: 0 OK, 1 DENIED (token), 2 BAD (magic, version, fields out of range),
  * 3 LOCAL (the receiver cannot keep it: no space, I/O error). The token is compared in
  * constant time and never logged. Every socket wait is bounded by IO_TIMEOUT_S without
- * progress; a connection is served at a time.
+ * progress. Transfers are served one at a time by a thread of their own (put_main); queries
+ * (below) by the accepting thread, one at a time, so a restore's reads never wait behind a
+ * replica transfer (and a silent connection delays the next ones by at most IO_TIMEOUT_S).
  *
  * Queries (magic "CKMQ", mem_wire.h; the client is mem_client.h): on the same socket, with the
  * same token check, a worker of another node LISTs the complete slots of this node's segments
@@ -81,6 +83,15 @@ enum { ANS_OK = 0, ANS_DENIED = 1, ANS_BAD = 2, ANS_LOCAL = 3 };
 #define QCACHE 16              /* segments kept mapped for the queries (a restore reads a slot in
                                   many GETs: a mapping per GET would fault in every page again) */
 
+#define PUTQ 8                 /* replica transfers waiting for the put thread */
+
+/* A replica transfer accepted by the server thread, its first 12 bytes read. */
+typedef struct put_job {
+    int fd;
+    unsigned char h[12];
+    char from[NI_MAXHOST + NI_MAXSERV + 4];
+} put_job;
+
 /* A segment mapped for the queries; identified by path and inode (a rebuilt file is another). */
 typedef struct qseg {
     char path[PATH_MAX + PREFIX_LEN + 40];
@@ -104,8 +115,8 @@ struct elastic_mem {
     size_t token_len;
     double rate;               /* bytes per second */
     elastic_metrics *metrics;
-    pthread_t srv_th, snd_th;
-    int srv_started, snd_started;
+    pthread_t srv_th, snd_th, put_th;
+    int srv_started, snd_started, put_started;
 
     pthread_mutex_t mu;        /* guards everything below */
     int quit;
@@ -128,6 +139,9 @@ struct elastic_mem {
     double refused_logged;     /* when a refusal was last logged */
     qseg qcache[QCACHE];       /* segments the queries opened (mem_wire.h), by path and inode */
     unsigned qnext;            /* the cache entry to replace next */
+    pthread_cond_t put_cv;     /* signals putq (with mu) */
+    put_job putq[PUTQ];        /* replica transfers accepted, for the put thread (with mu) */
+    unsigned put_head, put_n;
     unsigned char *qbuf;       /* a GET's copy (MEMQ_GET_MAX bytes, allocated at the first GET,
                                   kept: a fresh 8 MiB per GET cost a page fault per page) */
     unsigned *seen;            /* SEEN_MAX (src, slot) pairs + 1 logged at INFO once */
@@ -300,6 +314,7 @@ int elastic_mem_open(elastic_mem **out, const char *dir, const char *run_id, int
     m->lease_fd = m->listen_fd = m->send_fd = -1;
     m->nproc = nproc;
     pthread_mutex_init(&m->mu, NULL);
+    pthread_cond_init(&m->put_cv, NULL);
     int rc = 0, dfd = -1;
     struct stat st;
     if (!realpath(dir, m->dir)) {
@@ -326,6 +341,7 @@ int elastic_mem_open(elastic_mem **out, const char *dir, const char *run_id, int
 fail:
     LOG_E(MEM_TAG, "memory tier: cannot use the segment folder %s: %s", dir, strerror(-rc));
     if (dfd >= 0) close(dfd);
+    pthread_cond_destroy(&m->put_cv);
     pthread_mutex_destroy(&m->mu);
     free(m);
     return rc;
@@ -375,6 +391,7 @@ void elastic_mem_close(elastic_mem *m)
     free(m->sent_to);
     free(m->torn);
     free(m->seen);
+    pthread_cond_destroy(&m->put_cv);
     pthread_mutex_destroy(&m->mu);
     free(m);
 }
@@ -697,12 +714,20 @@ static void *sender_main(void *arg)
 
 /* ------------------------------------------------------------------ server */
 
-static void refused(elastic_mem *m, const char *from, const char *why)
+/* what: "replica connection" or "memory query" */
+static void refused_what(elastic_mem *m, const char *what, const char *from, const char *why)
 {
     double now = clock_now_s();
-    if (m->refused_logged > 0 && now - m->refused_logged < 10.0) return; /* a flood: 1 per 10 s */
-    m->refused_logged = now;
-    LOG_W(MEM_TAG, "memory tier: refused a replica connection from %s: %s", from, why);
+    pthread_mutex_lock(&m->mu); /* the server and the put thread */
+    int quiet = m->refused_logged > 0 && now - m->refused_logged < 10.0; /* a flood: 1 per 10 s */
+    if (!quiet) m->refused_logged = now;
+    pthread_mutex_unlock(&m->mu);
+    if (!quiet) LOG_W(MEM_TAG, "memory tier: refused a %s from %s: %s", what, from, why);
+}
+
+static void refused(elastic_mem *m, const char *from, const char *why)
+{
+    refused_what(m, "replica connection", from, why);
 }
 
 /* Does dir have room for a segment of slot_bytes at path (an existing file's size counts)? */
@@ -927,7 +952,7 @@ static void serve_query(elastic_mem *m, int fd, const char *from, const unsigned
     unsigned char tok[TOKEN_MAX], f[MEMQ_REQ_BYTES];
     uint32_t tl = get32(h + 8);
     if (get32(h + 4) != MEMQ_VERSION || tl > TOKEN_MAX) {
-        refused(m, from, "not a query of version 1");
+        refused_what(m, "memory query", from, "not a query of version 1");
         send_answer(m, fd, MEMQ_ST_BAD, 0);
         return;
     }
@@ -935,7 +960,7 @@ static void serve_query(elastic_mem *m, int fd, const char *from, const unsigned
     int ok = token_equal(tok, tl, (const unsigned char *)(m->token ? m->token : ""), m->token_len);
     explicit_bzero(tok, sizeof tok);
     if (!ok) {
-        refused(m, from, "wrong job token (query)");
+        refused_what(m, "memory query", from, "wrong job token");
         send_answer(m, fd, MEMQ_ST_DENIED, 0);
         return;
     }
@@ -945,16 +970,12 @@ static void serve_query(elastic_mem *m, int fd, const char *from, const unsigned
     else send_answer(m, fd, MEMQ_ST_BAD, 0);
 }
 
-static void serve_conn(elastic_mem *m, int fd, const char *from)
+/* A replica transfer after its first 12 bytes h (put thread). */
+static void serve_put(elastic_mem *m, int fd, const char *from, const unsigned char *h)
 {
-    unsigned char h[12], tok[TOKEN_MAX], f[40];
+    unsigned char tok[TOKEN_MAX], f[40];
     unsigned char ans = ANS_BAD;
     shmseg *seg = NULL;
-    if (recv_all(m, fd, h, sizeof h) < 0) return;
-    if (!memcmp(h, MEMQ_MAGIC, 4)) {
-        serve_query(m, fd, from, h);
-        return;
-    }
     uint32_t tl = get32(h + 8);
     if (memcmp(h, "CKMR", 4) != 0 || get32(h + 4) != 1 || tl > TOKEN_MAX) {
         refused(m, from, "not a replica frame of version 1");
@@ -1023,6 +1044,62 @@ out:
     shmseg_close(seg);
 }
 
+/* The replica transfers, one at a time in the order accepted (one writer per replica file),
+ * on a thread of their own so that a restore's queries never wait behind one. */
+static void *put_main(void *arg)
+{
+    elastic_mem *m = arg;
+    pthread_mutex_lock(&m->mu);
+    for (;;) {
+        while (!m->quit && m->put_n == 0) pthread_cond_wait(&m->put_cv, &m->mu);
+        if (m->quit) break;
+        put_job j = m->putq[m->put_head];
+        m->put_head = (m->put_head + 1) % PUTQ;
+        m->put_n--;
+        pthread_mutex_unlock(&m->mu);
+        serve_put(m, j.fd, j.from, j.h);
+        close(j.fd);
+        pthread_mutex_lock(&m->mu);
+    }
+    while (m->put_n) { /* stopped: the waiting ones get nothing (their senders see a reset) */
+        close(m->putq[m->put_head].fd);
+        m->put_head = (m->put_head + 1) % PUTQ;
+        m->put_n--;
+    }
+    pthread_mutex_unlock(&m->mu);
+    return NULL;
+}
+
+/* The first 12 bytes of a connection tell a query (served here) from a replica transfer
+ * (queued for the put thread). */
+static void serve_conn(elastic_mem *m, int fd, const char *from)
+{
+    unsigned char h[12];
+    if (recv_all(m, fd, h, sizeof h) < 0) {
+        close(fd);
+        return;
+    }
+    if (!memcmp(h, MEMQ_MAGIC, 4)) {
+        serve_query(m, fd, from, h);
+        close(fd);
+        return;
+    }
+    pthread_mutex_lock(&m->mu);
+    int queued = m->put_started && !m->quit && m->put_n < PUTQ;
+    if (queued) {
+        put_job *j = &m->putq[(m->put_head + m->put_n++) % PUTQ];
+        j->fd = fd;
+        memcpy(j->h, h, sizeof h);
+        snprintf(j->from, sizeof j->from, "%s", from);
+        pthread_cond_signal(&m->put_cv);
+    }
+    pthread_mutex_unlock(&m->mu);
+    if (!queued) {
+        refused(m, from, "too many replica transfers waiting");
+        close(fd);
+    }
+}
+
 static void *server_main(void *arg)
 {
     elastic_mem *m = arg;
@@ -1038,7 +1115,6 @@ static void *server_main(void *arg)
                     NI_NUMERICHOST | NI_NUMERICSERV);
         snprintf(from, sizeof from, "%s:%s", host, port);
         serve_conn(m, fd, from);
-        close(fd);
     }
     qcache_clear(m);
     free(m->qbuf);
@@ -1088,6 +1164,8 @@ int elastic_mem_replica_start(elastic_mem *m, const char *bind_host, const char 
         rc = -ENOMEM;
         goto fail;
     }
+    if ((rc = common_thread_start(&m->put_th, put_main, m)) < 0) goto fail;
+    m->put_started = 1;
     if ((rc = common_thread_start(&m->srv_th, server_main, m)) < 0) goto fail;
     m->srv_started = 1;
     if ((rc = common_thread_start(&m->snd_th, sender_main, m)) < 0) goto fail;
@@ -1101,7 +1179,7 @@ fail:
     LOG_W(MEM_TAG, "memory tier: cannot start the peer replica on %s: %s; running without it",
           bind_host, strerror(-rc));
     if (res) freeaddrinfo(res);
-    if (m->srv_started || m->snd_started) {
+    if (m->srv_started || m->snd_started || m->put_started) {
         m->listen_fd = fd;
         replica_stop(m);
     } else if (fd >= 0) {
@@ -1131,7 +1209,11 @@ static void replica_stop(elastic_mem *m)
     pthread_mutex_unlock(&m->mu);
     if (m->snd_started) pthread_join(m->snd_th, NULL);
     if (m->srv_started) pthread_join(m->srv_th, NULL);
-    m->snd_started = m->srv_started = 0;
+    pthread_mutex_lock(&m->mu);
+    pthread_cond_broadcast(&m->put_cv);
+    pthread_mutex_unlock(&m->mu);
+    if (m->put_started) pthread_join(m->put_th, NULL);
+    m->snd_started = m->srv_started = m->put_started = 0;
     m->replica = 0;
     if (m->listen_fd >= 0) close(m->listen_fd);
     m->listen_fd = -1;

@@ -149,6 +149,27 @@ int main(void)
     T_CHECK(elastic_mem_client_open(&sc, "127.0.0.1", "tok", 1) == -EINVAL, "no port");
     T_CHECK(elastic_mem_client_open(&sc, "127.0.0.1:1", "tok", 0) == -EINVAL, "timeout 0");
 
+    /* a replica transfer that stalls after its first bytes holds the put thread (up to 10 s),
+     * not the queries: a LIST is answered at once meanwhile */
+    {
+        int pfd = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in pa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        pa.sin_port = htons((uint16_t)atoi(strrchr(addr, ':') + 1));
+        unsigned char h[12] = {'C', 'K', 'M', 'R', 1, 0, 0, 0, 3, 0, 0, 0}; /* 3 token bytes never come */
+        T_REQUIRE(pfd >= 0 && connect(pfd, (struct sockaddr *)&pa, sizeof pa) == 0 &&
+                  write(pfd, h, sizeof h) == (ssize_t)sizeof h, "a stalled transfer");
+        struct timespec ts = {0, 200 * 1000 * 1000};
+        nanosleep(&ts, NULL); /* accepted and handed to the put thread */
+        t0 = t_now_s();
+        elastic_mem_slot *v3 = NULL;
+        size_t n3 = 0;
+        rc = elastic_mem_client_list(c, &v3, &n3);
+        double tq = t_now_s() - t0;
+        T_CHECK(rc == 0 && n3 == 3 && tq < 1.0, "a query during a stalled transfer: %d, %zu slots, %.2f s", rc, n3, tq);
+        free(v3);
+        close(pfd);
+    }
+
     /* the server still serves after all that */
     free(v);
     T_CHECK(elastic_mem_client_list(c, &v, &n) == 0 && n == 3, "list again: %zu", n);
