@@ -278,7 +278,8 @@ int train_mem_flush_main(const options *o);
 /* The other nodes' memory slots, read through their agents (elastic/mem_client.h) during
  * --resume auto: under elastic with several nodes (GROUP_WORLD_SIZE > 1), the addresses of
  * the agents of the other nodes of this round come from the store (rdzv/<ELASTIC_RUN_ID>/mem/
- * <ELASTIC_RESTART_COUNT>/<node>, waited for up to 5 s each; MASTER_ADDR:MASTER_PORT with
+ * <ELASTIC_RESTART_COUNT>/<node>, waited for up to 1 s each: the agents publish them before
+ * they start their workers; MASTER_ADDR:MASTER_PORT with
  * ELASTIC_STORE_TOKEN, which is also the agents' token). Built at the first need, freed by
  * train_memremote_close. A peer that cannot be reached is one warning and is left out. */
 typedef struct train_memremote train_memremote;

@@ -23,7 +23,12 @@
 #include <string.h>
 
 #define TAG "train"
-#define STORE_WAIT_S 5.0   /* for a peer agent's address in the store */
+#define STORE_CONNECT_S 5.0 /* to reach the store */
+/* For a peer agent's address in the store. Short on purpose: every agent publishes its address
+ * before it starts its workers (agent.c, mem_round), and the resume runs after every rank of the
+ * round joined the group, so a missing key means that agent has no replica server
+ * (--mem-replica-mbps 0): a long wait would only delay every restart of such a job. */
+#define STORE_WAIT_S 1.0
 #define PEER_TIMEOUT_S 10.0 /* each socket wait of a query without progress */
 
 /* What a read needs of a listed slot. */
@@ -127,7 +132,7 @@ static int build(state *s)
     r->peers = calloc((size_t)nnodes, sizeof *r->peers);
     r->remotes = calloc((size_t)nnodes, sizeof *r->remotes);
     elastic_store_client *c = NULL;
-    int rc = !r->peers || !r->remotes ? -ENOMEM : elastic_store_connect(&c, host, port, token, STORE_WAIT_S);
+    int rc = !r->peers || !r->remotes ? -ENOMEM : elastic_store_connect(&c, host, port, token, STORE_CONNECT_S);
     if (rc < 0) {
         LOG_W(TAG, "memory tier: cannot reach the store at %s:%d for the peer agents' addresses: %s", host,
               port, strerror(-rc));
