@@ -174,9 +174,9 @@ int ckpt_mem_list(const char *path_prefix, ckpt_mem_entry **out, size_t *n);
  * then a replica, then the remotes in their order), so "complete" counts a rank found only on
  * a remote (ranks_remote). A remote whose list() fails is skipped with one warning; a slot
  * whose header fails its checks is listed CORRUPT with the remote's `where` as name.
- * path_prefix NULL: remotes only. Returns 0, or -EINVAL (NULL out or n, nremotes without
- * remotes, a remote without list or read, both path_prefix and remotes absent is fine: 0
- * entries), the other errors of ckpt_mem_list. */
+ * path_prefix NULL: remotes only (neither a path nor a remote: 0 entries). Returns 0, or
+ * -EINVAL (NULL out or n, nremotes without remotes, a remote without list or read), -ENOMEM
+ * (also from a remote's list), the other errors of ckpt_mem_list. */
 int ckpt_mem_list_ex(const char *path_prefix, const ckpt_mem_remote *remotes, size_t nremotes,
                      ckpt_mem_entry **out, size_t *n);
 

@@ -743,7 +743,10 @@ static int room_for(const elastic_mem *m, const char *path, uint64_t slot_bytes)
 
 /* ------------------------------------------------------------------ queries (mem_wire.h) */
 
-/* The segment at path, mapped read-only, from the cache when it is still the same file. */
+/* The segment at path, mapped read-only, from the cache when it is still the same file. A file
+ * replaced under the same name (a worker's segment rebuilt with another layout) is unmapped
+ * when that name is next asked for; at most QCACHE mappings stay, all closed when the server
+ * stops (before the agent removes its files). */
 static int qseg_get(elastic_mem *m, const char *path, shmseg **out)
 {
     struct stat st;

@@ -648,7 +648,7 @@ static int try_memory(state *s, int64_t newest, int *fatal)
             continue;
         }
         if (m->status != CKPT_MEM_COMPLETE) {
-            LOG_I(TAG, "memory snapshot %s: only %u of its %u ranks' slots are on this node (%s); "
+            LOG_I(TAG, "memory snapshot %s: only %u of its %u ranks' slots are on this node or its peers (%s); "
                   "trying the next candidate", id, m->ranks_present, m->world_size, m->reason);
             continue;
         }
