@@ -33,6 +33,39 @@ static const elastic_mem_slot *find(const elastic_mem_slot *v, size_t n, uint32_
     return NULL;
 }
 
+/* One hand-made query to the server at port: its answer's status (u32), or -1 when none came. */
+static long raw_query(int port, uint32_t version, const char *token, uint32_t op, uint32_t kind, uint32_t slot,
+                      uint64_t seq, uint64_t off, uint64_t len)
+{
+    unsigned char q[12 + 64 + 48] = {'C', 'K', 'M', 'Q'};
+    size_t tl = strlen(token), k = 12 + tl;
+    memcpy(q + 4, &version, 4);
+    uint32_t tl32 = (uint32_t)tl;
+    memcpy(q + 8, &tl32, 4);
+    memcpy(q + 12, token, tl);
+    memcpy(q + k, &op, 4);
+    memcpy(q + k + 4, &kind, 4);
+    memcpy(q + k + 16, &slot, 4);
+    memcpy(q + k + 24, &seq, 8);
+    memcpy(q + k + 32, &off, 8);
+    memcpy(q + k + 40, &len, 8);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in pa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    pa.sin_port = htons((uint16_t)port);
+    struct timeval tv = {5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    unsigned char ans[16];
+    long st = -1;
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&pa, sizeof pa) == 0 && write(fd, q, k + 48) == (ssize_t)(k + 48) &&
+        recv(fd, ans, sizeof ans, MSG_WAITALL) == (ssize_t)sizeof ans) {
+        uint32_t v;
+        memcpy(&v, ans, 4);
+        st = v;
+    }
+    if (fd >= 0) close(fd);
+    return st;
+}
+
 int main(void)
 {
     char *dir = t_tmpdir("elastic-memq");
@@ -168,6 +201,20 @@ int main(void)
         T_CHECK(rc == 0 && n3 == 3 && tq < 1.0, "a query during a stalled transfer: %d, %zu slots, %.2f s", rc, n3, tq);
         free(v3);
         close(pfd);
+    }
+
+    /* malformed queries: refused with BAD (2), the server goes on */
+    {
+        int port = atoi(strrchr(addr, ':') + 1);
+        T_CHECK(raw_query(port, 1, "tok", 9, 0, 0, 0, 0, 0) == 2, "unknown op");
+        T_CHECK(raw_query(port, 2, "tok", 1, 0, 0, 0, 0, 0) == 2, "version 2");
+        T_CHECK(raw_query(port, 1, "tok", 2, 2, 0, 1, 0, 10) == 2, "kind 2");
+        T_CHECK(raw_query(port, 1, "tok", 2, 0, 2, 1, 0, 10) == 2, "slot 2");
+        T_CHECK(raw_query(port, 1, "tok", 2, 0, 0, 0, 0, 10) == 2, "seq 0");
+        T_CHECK(raw_query(port, 1, "tok", 2, 0, 0, 1, 0, (8u << 20) + 1) == 2, "len over the limit");
+        T_CHECK(raw_query(port, 1, "tok", 2, 0, 0, 1, UINT64_MAX, 10) == 2, "off + len overflows");
+        T_CHECK(raw_query(port, 1, "bad", 2, 0, 0, 1, 0, 10) == 1, "wrong token: DENIED before anything");
+        T_CHECK(raw_query(port, 1, "tok", 2, 0, (uint32_t)e6->slot, e6->seq, 0, 10) == 0, "a good one by hand");
     }
 
     /* the server still serves after all that */
