@@ -29,6 +29,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
+#include <jansson.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -64,6 +65,8 @@ static const char usage_text[] =
     "                   (for profiling)\n"
     "  --keep-state     leave DIR/state.bin (the state's bytes, for the zstd CLI)\n"
     "  --keep           leave every file written (snapshots too)\n"
+    "  --frames         write DIR/frames.zst: the zstd frames of the last zstd snapshot, in\n"
+    "                   file order (chunks stored raw left out), for the zstd -d baseline\n"
     "  --from SNAPSHOT  a snapshot folder (step-NNNNNNNNN) or a snapshot root (its newest\n"
     "                   committed snapshot is taken)\n"
     "  -h, --help       this text\n";
@@ -80,6 +83,7 @@ typedef struct bench_opts {
     const char *only; /* one mode key, or NULL for all */
     int keep_state;
     int keep;
+    int frames; /* write DIR/frames.zst: the zstd frames of the zstd mode's last snapshot */
 } bench_opts;
 
 /* The synthetic state: three f32 buffers of n elements each. */
@@ -284,6 +288,8 @@ typedef struct mode_result {
     double stall_first_s;            /* the first stage: also allocates the staging area */
     double stall_s, stall_max_s;     /* steady stages: best and worst */
     double persist_s, save_s, save_max_s, save_cpu_s; /* the best steady save, the worst */
+    double write_s, write_max_s;     /* steady saves from the end of the stage copy to the
+                                        commit (the disk path alone): best and worst */
     double load_s, load_max_s, load_cpu_s;            /* the best cold load, the worst */
     uint64_t raw_bytes, stored_bytes;
     int load_ok;
@@ -325,6 +331,98 @@ out:
     return rc;
 }
 
+/* One zstd frame of a snapshot: where it lies in its data file, its stored and raw bytes. */
+typedef struct frame_ref {
+    int64_t file_offset, stored, raw;
+} frame_ref;
+
+static int cmp_frame(const void *a, const void *b)
+{
+    const frame_ref *x = a, *y = b;
+    return x->file_offset < y->file_offset ? -1 : x->file_offset > y->file_offset;
+}
+
+/* Write the zstd frames of the world-of-one snapshot `snap` (its rank-00000.bin), in file
+ * order, to a new file `out`: what the zstd CLI decompresses for the restore baseline (a data
+ * file is concatenated frames, except chunks stored raw, which zstd cannot read). Prints
+ * "<key>.frames_bytes", "<key>.frames_raw_bytes" (the bytes they decode to) and
+ * "<key>.raw_chunks" (chunks left out). Returns 0 or -errno. */
+static int extract_frames(const char *snap, const char *out, const char *key)
+{
+    char path[CKPT_PATH_MAX];
+    json_error_t jerr;
+    frame_ref *f = NULL;
+    size_t n = 0, cap = 0, raw_chunks = 0;
+    int in = -1, fd = -1, rc = 0;
+    uint8_t *buf = NULL;
+    int64_t fbytes = 0, fraw = 0;
+    if ((rc = path_join(path, sizeof path, snap, "manifest.json")) < 0) return rc;
+    json_t *m = json_load_file(path, 0, &jerr);
+    json_t *bufs = json_object_get(m, "buffers"), *b, *sh, *c;
+    size_t i, j, k;
+    json_array_foreach(bufs, i, b) {
+        json_array_foreach(json_object_get(b, "shards"), j, sh) {
+            json_array_foreach(json_object_get(sh, "chunks"), k, c) {
+                const char *codec = json_string_value(json_object_get(c, "codec"));
+                if (!codec || strcmp(codec, "zstd") != 0) {
+                    raw_chunks++;
+                    continue;
+                }
+                if (n == cap) {
+                    cap = cap ? 2 * cap : 256;
+                    frame_ref *nf = realloc(f, cap * sizeof *f);
+                    if (!nf) {
+                        rc = -ENOMEM;
+                        goto out;
+                    }
+                    f = nf;
+                }
+                f[n++] = (frame_ref){json_integer_value(json_object_get(c, "file_offset")),
+                                     json_integer_value(json_object_get(c, "stored_bytes")),
+                                     json_integer_value(json_object_get(c, "bytes"))};
+            }
+        }
+    }
+    if (!m) {
+        LOG_E(TAG, "cannot parse %s: %s", path, jerr.text);
+        rc = -EBADMSG;
+        goto out;
+    }
+    qsort(f, n, sizeof *f, cmp_frame);
+    if ((rc = path_join(path, sizeof path, snap, "rank-00000.bin")) < 0) goto out;
+    in = open(path, O_RDONLY | O_CLOEXEC);
+    fd = open(out, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (in < 0 || fd < 0) {
+        rc = -errno;
+        goto out;
+    }
+    for (size_t q = 0; q < n; q++) {
+        uint8_t *nb = realloc(buf, (size_t)f[q].stored);
+        if (!nb) {
+            rc = -ENOMEM;
+            goto out;
+        }
+        buf = nb;
+        if (pread(in, buf, (size_t)f[q].stored, f[q].file_offset) != f[q].stored ||
+            write(fd, buf, (size_t)f[q].stored) != f[q].stored) {
+            rc = errno ? -errno : -EIO;
+            goto out;
+        }
+        fbytes += f[q].stored;
+        fraw += f[q].raw;
+    }
+    if (fsync(fd) != 0) rc = -errno;
+    printf("%s.frames_bytes %lld\n%s.frames_raw_bytes %lld\n%s.raw_chunks %zu\n", key,
+           (long long)fbytes, key, (long long)fraw, key, raw_chunks);
+out:
+    if (in >= 0) close(in);
+    if (fd >= 0 && close(fd) != 0 && rc == 0) rc = -errno;
+    free(buf);
+    free(f);
+    json_decref(m);
+    return rc;
+}
+
 /* Save the state reps + 1 times with one engine in folder snap-<key> of dir (the first save also
  * allocates the staging area; the others are steady), then load the last snapshot cold reps
  * times into dst and compare it with the state. Returns 0 or -errno. */
@@ -357,7 +455,7 @@ static int measure_mode(const bench_opts *bo, const state *st, uint8_t *dst, con
         LOG_E(TAG, "ckpt_engine_create: %s", strerror(-rc));
         goto out;
     }
-    res->stall_s = res->save_s = INFINITY;
+    res->stall_s = res->save_s = res->write_s = INFINITY;
     for (unsigned i = 1; i <= saves; i++) {
         double stall = 0, c0 = cpu_s();
         rc = ckpt_engine_stage(e, i, "bench", "synthetic", bufs, 3, TRAINER_JSON, &stall);
@@ -395,6 +493,9 @@ static int measure_mode(const bench_opts *bo, const state *st, uint8_t *dst, con
             res->stall_first_s = ps.stage_seconds;
             if (saves > 1) continue;
         }
+        double write = ps.persist_seconds - ps.stage_seconds;
+        if (write < res->write_s) res->write_s = write;
+        if (write > res->write_max_s) res->write_max_s = write;
         if (ps.stage_seconds < res->stall_s) res->stall_s = ps.stage_seconds;
         if (ps.stage_seconds > res->stall_max_s) res->stall_max_s = ps.stage_seconds;
         if (save > res->save_max_s) res->save_max_s = save;
@@ -430,6 +531,16 @@ static int measure_mode(const bench_opts *bo, const state *st, uint8_t *dst, con
             if (memcmp(dst + (size_t)b * st->n * 4, st->buf[b], (size_t)st->n * 4) != 0)
                 res->load_ok = 0;
     }
+    if (bo->frames && compress && filter == CKPT_FILTER_NONE) {
+        char fpath[CKPT_PATH_MAX];
+        if ((rc = path_join(fpath, sizeof fpath, bo->dir, "frames.zst")) < 0 ||
+            (rc = extract_frames(path, fpath, key)) < 0) {
+            /* the baseline row then says "not run"; the engine's figures stand */
+            LOG_E(TAG, "extracting the zstd frames of %s: %s", path, strerror(-rc));
+            unlink(fpath);
+            rc = 0;
+        }
+    }
 out:
     if (e) ckpt_engine_destroy(e);
     if (!bo->keep) store_remove_tree(snapdir);
@@ -445,6 +556,8 @@ static void print_mode(const char *key, const mode_result *r)
     printf("%s.save_s %.6f\n", key, r->save_s);
     printf("%s.save_max_s %.6f\n", key, r->save_max_s);
     printf("%s.save_cpu_s %.6f\n", key, r->save_cpu_s);
+    printf("%s.write_s %.6f\n", key, r->write_s);
+    printf("%s.write_max_s %.6f\n", key, r->write_max_s);
     printf("%s.raw_bytes %llu\n", key, (unsigned long long)r->raw_bytes);
     printf("%s.stored_bytes %llu\n", key, (unsigned long long)r->stored_bytes);
     printf("%s.load_s %.6f\n", key, r->load_s);
@@ -680,7 +793,7 @@ static int parse_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out)
 
 int main(int argc, char **argv)
 {
-    bench_opts bo = {NULL, NULL, 2048, 1, 0, 2, 0, 0, NULL, 0, 0};
+    bench_opts bo = {NULL, NULL, 2048, 1, 0, 2, 0, 0, NULL, 0, 0, 0};
     char tmpdir[] = "/tmp/ckpt-bench.XXXXXX";
     int own_dir = 0;
     uint64_t v;
@@ -691,6 +804,7 @@ int main(int argc, char **argv)
         {"overlap", no_argument, NULL, 'O'},
         {"only", required_argument, NULL, 'o'}, {"keep-state", no_argument, NULL, 'k'},
         {"keep", no_argument, NULL, 'K'},       {"from", required_argument, NULL, 'f'},
+        {"frames", no_argument, NULL, 'F'},
         {"help", no_argument, NULL, 'h'},       {NULL, 0, NULL, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
@@ -706,6 +820,7 @@ int main(int argc, char **argv)
             break;
         case 'k': bo.keep_state = 1; break;
         case 'K': bo.keep = 1; break;
+        case 'F': bo.frames = 1; break;
         case 's':
             if (parse_u64(optarg, 1, 1u << 20, &bo.size_mib) < 0) goto usage;
             break;

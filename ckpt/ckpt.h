@@ -399,8 +399,9 @@ int ckpt_snapshot_buffer_info(const ckpt_snapshot *s, size_t i, ckpt_buffer_info
 void ckpt_snapshot_sizes(const ckpt_snapshot *s, uint64_t *raw_bytes, uint64_t *stored_bytes);
 
 /* Threads that ckpt_snapshot_read and ckpt_snapshot_verify use to read and decode chunks in
- * parallel (each with its own io_uring reader and zstd context); default 2, range [1, 64].
- * Memory per thread: the largest stored chunk + 2 x the largest raw chunk.
+ * parallel (each with its own io_uring readers and zstd context, and the reads of its next
+ * two chunks in flight while it decodes one); default 2, range [1, 64].
+ * Memory per thread: 3 x (the largest stored chunk + 8 KiB) + 4 x the largest raw chunk.
  * Errors: -EINVAL. */
 int ckpt_snapshot_set_threads(ckpt_snapshot *s, unsigned threads);
 

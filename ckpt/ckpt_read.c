@@ -533,10 +533,12 @@ static void rctx_free(rctx *c, size_t nfiles)
 {
     if (!c) return;
     ZSTD_freeDCtx(c->dctx);
-    free(c->stored);
-    free(c->raw);
+    for (int j = 0; j < CKPT_READ_SLOTS; j++) {
+        free(c->stored[j]);
+        free(c->raw[j]);
+    }
     free(c->filt);
-    for (size_t i = 0; c->readers && i < nfiles; i++) store_reader_close(c->readers[i]);
+    for (size_t i = 0; c->readers && i < CKPT_READ_SLOTS * nfiles; i++) store_reader_close(c->readers[i]);
     free(c->readers);
 }
 
@@ -545,14 +547,26 @@ static int ensure_read_state(ckpt_snapshot *s)
     if (s->ctx) return 0;
     s->ctx = calloc(s->threads, sizeof *s->ctx);
     if (!s->ctx) return -ENOMEM;
-    for (unsigned t = 0; t < s->threads; t++) {
+    int ok = 1;
+    for (unsigned t = 0; t < s->threads && ok; t++) {
         rctx *c = &s->ctx[t];
         c->dctx = ZSTD_createDCtx();
-        c->stored = malloc(s->max_stored ? s->max_stored : 1);
-        c->raw = malloc(s->max_raw ? s->max_raw : 1);
+        for (int j = 0; j < CKPT_READ_SLOTS && ok; j++) {
+            /* a frame is read in whole aligned blocks around it (chunk_start) */
+            void *m = NULL;
+            ok = posix_memalign(&m, STORE_ALIGN, (size_t)s->max_stored + 2 * STORE_ALIGN) == 0;
+            c->stored[j] = ok ? m : NULL;
+            ok = ok && (c->raw[j] = malloc(s->max_raw ? s->max_raw : 1)) != NULL;
+        }
         c->filt = malloc(s->max_raw ? s->max_raw : 1);
-        c->readers = calloc(s->nfiles ? s->nfiles : 1, sizeof *c->readers);
-        if (!c->dctx || !c->stored || !c->raw || !c->filt || !c->readers) return -ENOMEM;
+        c->readers = calloc(s->nfiles ? CKPT_READ_SLOTS * s->nfiles : 1, sizeof *c->readers);
+        ok = ok && c->dctx && c->filt && c->readers;
+    }
+    if (!ok) { /* no half-made state for the next call to take as ready */
+        for (unsigned t = 0; t < s->threads; t++) rctx_free(&s->ctx[t], s->nfiles);
+        free(s->ctx);
+        s->ctx = NULL;
+        return -ENOMEM;
     }
     return 0;
 }
@@ -569,53 +583,131 @@ int ckpt_snapshot_set_threads(ckpt_snapshot *s, unsigned threads)
     return 0;
 }
 
-/* Read, check and decode chunk k of buffer b into out (k->bytes bytes): read the stored
- * bytes (io_uring), check their checksum, decode, unfilter, check the raw checksum. */
-static int load_chunk(const ckpt_snapshot *s, rctx *c, const buffer *b, const chunk *k,
-                      uint8_t *out, char *bad, size_t bad_len)
+/* One unit of work: a chunk and where its bytes go. dst NULL: check only (verify). */
+typedef struct work {
+    const buffer *b;
+    const chunk *k;
+    uint8_t *dst;    /* where range [from, to) of the buffer lands */
+    uint64_t from, to;
+} work;
+
+/* A chunk in the hands of a reading thread: started (its read in flight, on local files),
+ * then finished (waited for, checked, decoded). A thread keeps CKPT_READ_SLOTS of them, so
+ * that the next chunks are read while the current one is decoded. */
+typedef struct pending {
+    const work *w;
+    uint8_t *out;          /* k->bytes bytes: the destination (whole chunks) or c->raw[slot] */
+    uint8_t *stored;       /* where the stored bytes arrive */
+    store_reader *reader;  /* the reader with the read in flight, or NULL */
+    store_read_req req;
+    int rc;                /* a failure of the start, reported by the finish */
+    char bad[512];
+} pending;
+
+static uint64_t align_down(uint64_t x) { return x & ~(uint64_t)(STORE_ALIGN - 1); }
+
+/* Start loading w's chunk with the thread's buffers and readers of `slot`: open the
+ * data file's reader on first use and submit the read of the stored bytes (S3: fetch them).
+ * A chunk stored raw without filter is read straight into its destination; a frame is read
+ * whole 4096-byte blocks around it into the aligned slot buffer, so that O_DIRECT puts it
+ * there without a bounce copy. Failures go to pd->rc and pd->bad. */
+static void chunk_start(const ckpt_snapshot *s, rctx *c, unsigned slot, const work *w, pending *pd)
 {
+    const chunk *k = w->k;
+    const buffer *b = w->b;
     const file *f = &s->files[k->file];
+    int whole = w->dst && w->from == k->offset && w->to == k->offset + k->bytes;
     char p[CKPT_PATH_MAX];
-    int rc;
-    if (s->src_read) snprintf(p, sizeof p, "%s", f->name); /* names its place itself */
-    else if (ckpt_path_join(p, sizeof p, s->path, f->name) < 0) return -ENAMETOOLONG;
-    uint8_t *stored = (!k->codec_zstd && k->filter == CKPT_FILTER_NONE) ? out : c->stored;
-    if (s->src_read) {
-        rc = s->src_read(s->src_ctx, k->file, k->file_offset, k->stored_bytes, stored, bad, bad_len);
-        if (rc < 0) return rc;
-        goto check;
+    pd->w = w;
+    pd->out = whole ? w->dst : c->raw[slot];
+    pd->reader = NULL;
+    pd->rc = 0;
+    pd->bad[0] = '\0';
+    int in_place = !k->codec_zstd && k->filter == CKPT_FILTER_NONE;
+    if (s->src_read) { /* a byte source of its own (the memory tier): read now */
+        pd->stored = in_place ? pd->out : c->stored[slot];
+        pd->rc = s->src_read(s->src_ctx, k->file, k->file_offset, k->stored_bytes, pd->stored,
+                             pd->bad, sizeof pd->bad);
+        return;
     }
     if (s->os) {
-        rc = ckpt_s3_read_stored(s, k->file, k->file_offset, k->stored_bytes, stored, bad, bad_len);
-        if (rc < 0) return rc;
-        goto check;
+        pd->stored = in_place ? pd->out : c->stored[slot];
+        pd->rc = ckpt_s3_read_stored(s, k->file, k->file_offset, k->stored_bytes, pd->stored,
+                                     pd->bad, sizeof pd->bad);
+        return;
     }
-    if (!c->readers[k->file]) {
+    if (ckpt_path_join(p, sizeof p, s->path, f->name) < 0) {
+        pd->rc = -ENAMETOOLONG;
+        return;
+    }
+    if (in_place) {
+        pd->stored = pd->out;
+        pd->req = (store_read_req){k->file_offset, (size_t)k->stored_bytes, pd->out};
+    } else {
+        /* [a0, a1) within the file (its last block may be short): at most 2 x 4095 bytes
+         * more than the frame, which the slot buffer has room for */
+        uint64_t a0 = align_down(k->file_offset);
+        uint64_t a1 = align_down(k->file_offset + k->stored_bytes + STORE_ALIGN - 1);
+        if (a1 > f->bytes) a1 = f->bytes;
+        pd->stored = c->stored[slot] + (k->file_offset - a0);
+        pd->req = (store_read_req){a0, (size_t)(a1 - a0), c->stored[slot]};
+    }
+    store_reader **rd = &c->readers[(size_t)slot * s->nfiles + k->file];
+    int rc;
+    if (!*rd) {
         uint64_t size = 0;
-        rc = store_reader_open(&c->readers[k->file], p, 8, STORE_NOFOLLOW, &size);
+        rc = store_reader_open(rd, p, 8, STORE_NOFOLLOW, &size);
         if (rc == -ENOENT && folder_gone(s->path)) {
-            log_why(bad, bad_len, "%s: the snapshot folder was removed while it was read", p);
-            return -ENOENT;
+            log_why(pd->bad, sizeof pd->bad, "%s: the snapshot folder was removed while it was read", p);
+            pd->rc = -ENOENT;
+            return;
         }
         if (rc < 0) {
-            log_why(bad, bad_len, "%s: cannot open: %s", p, file_error_text(rc));
-            return file_error(rc);
+            log_why(pd->bad, sizeof pd->bad, "%s: cannot open: %s", p, file_error_text(rc));
+            pd->rc = file_error(rc);
+            return;
         }
         if (size != f->bytes) {
-            log_why(bad, bad_len, "%s: %llu bytes, manifest says %llu", p,
+            log_why(pd->bad, sizeof pd->bad, "%s: %llu bytes, manifest says %llu", p,
                     (unsigned long long)size, (unsigned long long)f->bytes);
-            return -EBADMSG;
+            pd->rc = -EBADMSG;
+            return;
         }
     }
-    /* a raw chunk without filter is read straight into its destination */
-    store_read_req req = {k->file_offset, (size_t)k->stored_bytes, stored};
-    rc = store_reader_read(c->readers[k->file], &req, 1);
-    if (rc < 0) {
-        log_why(bad, bad_len, "%s: chunk %u of %s (file offset %llu): read failed: %s", p,
-                k->index, b->name, (unsigned long long)k->file_offset, strerror(-rc));
-        return rc;
+    if ((rc = store_reader_submit(*rd, &pd->req, 1)) < 0) {
+        log_why(pd->bad, sizeof pd->bad, "%s: chunk %u of %s (file offset %llu): read failed: %s",
+                p, k->index, b->name, (unsigned long long)k->file_offset, strerror(-rc));
+        pd->rc = rc;
+        return;
     }
-check:
+    pd->reader = *rd;
+}
+
+/* Finish loading a started chunk into pd->out (k->bytes bytes): wait for its read, check the
+ * stored checksum, decode, unfilter, check the raw checksum; then copy the requested part of
+ * a chunk that is not wholly in the range. */
+static int chunk_finish(const ckpt_snapshot *s, rctx *c, pending *pd)
+{
+    const work *w = pd->w;
+    const buffer *b = w->b;
+    const chunk *k = w->k;
+    const file *f = &s->files[k->file];
+    char *bad = pd->bad;
+    size_t bad_len = sizeof pd->bad;
+    char p[CKPT_PATH_MAX];
+    uint8_t *out = pd->out, *stored = pd->stored;
+    if (s->src_read || ckpt_path_join(p, sizeof p, s->path, f->name) < 0)
+        snprintf(p, sizeof p, "%s", f->name); /* a byte source names its place itself */
+    if (pd->reader) {
+        int rc = store_reader_wait(pd->reader);
+        pd->reader = NULL;
+        if (rc < 0) {
+            log_why(bad, bad_len, "%s: chunk %u of %s (file offset %llu): read failed: %s", p,
+                    k->index, b->name, (unsigned long long)k->file_offset, strerror(-rc));
+            return rc;
+        }
+    }
+    if (pd->rc < 0) return pd->rc;
     if (XXH3_64bits(stored, (size_t)k->stored_bytes) != k->xxh_stored) {
         log_why(bad, bad_len, "%s: chunk %u of %s (file offset %llu, %llu bytes): stored checksum "
                 "mismatch", p, k->index, b->name, (unsigned long long)k->file_offset,
@@ -650,16 +742,10 @@ check:
                 k->index, b->name);
         return -EBADMSG;
     }
+    if (w->dst && out != w->dst)
+        memcpy(w->dst, out + (w->from - k->offset), (size_t)(w->to - w->from));
     return 0;
 }
-
-/* One unit of work: a chunk and where its bytes go. dst NULL: check only (verify). */
-typedef struct work {
-    const buffer *b;
-    const chunk *k;
-    uint8_t *dst;    /* where range [from, to) of the buffer lands */
-    uint64_t from, to;
-} work;
 
 typedef struct batch {
     const ckpt_snapshot *s;
@@ -673,34 +759,46 @@ typedef struct batch {
     pthread_mutex_t mu;
 } batch;
 
+/* Take the next work item: 1 and *i, or 0 when there is none or a chunk failed. */
+static int claim(batch *bt, size_t *i)
+{
+    pthread_mutex_lock(&bt->mu);
+    *i = bt->next++;
+    int go = !bt->failed && *i < bt->n;
+    pthread_mutex_unlock(&bt->mu);
+    return go;
+}
+
+/* A claimed chunk is always finished (its read may be in flight, and a bad chunk before the
+ * one that failed first must still be found). Up to CKPT_READ_SLOTS chunks are started
+ * before the oldest is finished, so the disk reads ahead while the core decodes. */
 static void do_work(batch *bt, rctx *c)
 {
-    char bad[512];
+    pending pd[CKPT_READ_SLOTS];
+    size_t idx[CKPT_READ_SLOTS];
+    unsigned head = 0, count = 0;
+    int more = 1;
     for (;;) {
-        pthread_mutex_lock(&bt->mu);
-        size_t i = bt->next++;
-        int stop = bt->failed || i >= bt->n;
-        pthread_mutex_unlock(&bt->mu);
-        if (stop) return;
-        const work *w = &bt->w[i];
-        const chunk *k = w->k;
-        int whole = w->dst && w->from == k->offset && w->to == k->offset + k->bytes;
-        uint8_t *out = whole ? w->dst : c->raw;
-        bad[0] = '\0';
-        int rc = load_chunk(bt->s, c, w->b, k, out, bad, sizeof bad);
-        if (rc == 0 && w->dst && !whole)
-            memcpy(w->dst, c->raw + (w->from - k->offset), (size_t)(w->to - w->from));
+        while (more && count < CKPT_READ_SLOTS) {
+            unsigned sl = (head + count) % CKPT_READ_SLOTS;
+            if (!(more = claim(bt, &idx[sl]))) break;
+            chunk_start(bt->s, c, sl, &bt->w[idx[sl]], &pd[sl]);
+            count++;
+        }
+        if (!count) break;
+        int rc = chunk_finish(bt->s, c, &pd[head]);
         if (rc < 0) {
             pthread_mutex_lock(&bt->mu);
-            if (!bt->failed || i < bt->bad_index) { /* report the first bad chunk in order */
+            if (!bt->failed || idx[head] < bt->bad_index) { /* the first bad chunk in order */
                 bt->failed = 1;
-                bt->bad_index = i;
+                bt->bad_index = idx[head];
                 bt->bad_rc = rc;
-                snprintf(bt->bad, sizeof bt->bad, "%s", bad);
+                snprintf(bt->bad, sizeof bt->bad, "%s", pd[head].bad);
             }
             pthread_mutex_unlock(&bt->mu);
-            return;
         }
+        head = (head + 1) % CKPT_READ_SLOTS;
+        count--;
     }
 }
 

@@ -36,11 +36,16 @@ typedef struct file {
     uint64_t bytes;
 } file;
 
-/* Decode state of one reading thread: zstd context, bounded buffers, one io_uring reader per
- * data file (opened on first use). */
+/* Chunks a reading thread has in hand at once: one decoded, the others' reads in flight. */
+#define CKPT_READ_SLOTS 3
+
+/* Decode state of one reading thread: zstd context, bounded buffers and io_uring readers for
+ * CKPT_READ_SLOTS chunks at a time: slot j has stored[j] (STORE_ALIGN-aligned, max_stored +
+ * 2 x STORE_ALIGN bytes), raw[j] and the readers readers[j * nfiles + file] (opened on first
+ * use); filt is used during a decode. */
 typedef struct rctx {
     ZSTD_DCtx *dctx;
-    uint8_t *stored, *raw, *filt;
+    uint8_t *stored[CKPT_READ_SLOTS], *raw[CKPT_READ_SLOTS], *filt;
     store_reader **readers;
 } rctx;
 

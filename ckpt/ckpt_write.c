@@ -378,15 +378,52 @@ static int plan_chunks(const ckpt_buffer *bufs, size_t nbufs, uint64_t chunk_byt
     return 0;
 }
 
+/* Chunks of an uncompressed save handed to the writer ahead of the one whose record is
+ * written: its bytes need no worker, only their checksums do, so the disk need not wait for
+ * the hashing (nice 10, starved on busy cores) and the hashing not for the disk. */
+#define RAW_AHEAD 16
+
+/* Progress of the appends of one save, for its fault points. */
+typedef struct append_state {
+    uint64_t step, raw_total, raw_done;
+    int half_reported;
+} append_state;
+
+/* Hand chunk i's stored bytes to the writer, with the fault points of the save path:
+ * in place (append_ref) when they lie in the job's buffers, which outlive the writer, else
+ * copied (a frame in a slot, which is reused at once). */
+static int append_chunk(store_writer *w, append_state *as, size_t i, size_t nchunks,
+                        const chunk_job *c, const uint8_t *stored, size_t len, int in_place)
+{
+    int (*append)(store_writer *, const void *, size_t) =
+        in_place ? store_writer_append_ref : store_writer_append;
+    int rc;
+    if (as->raw_done == 0) ckpt_fault_point("before-chunk-write", as->step);
+    /* the middle chunk goes in two halves, with a fault point between them */
+    size_t first = i == nchunks / 2 ? len / 2 : len;
+    if ((rc = append(w, stored, first)) < 0) return rc;
+    if (first < len) {
+        ckpt_fault_point("mid-chunk", as->step);
+        if ((rc = append(w, stored + first, len - first)) < 0) return rc;
+    }
+    as->raw_done += c->len;
+    if (!as->half_reported && as->raw_done * 2 >= as->raw_total) {
+        as->half_reported = 1;
+        ckpt_fault_point("mid-data", as->step);
+    }
+    return 0;
+}
+
 /* Write every chunk of the job through w, in order; chunk records go to jchunks[buf]. */
 static int run_pipeline(ckpt_pool *p, store_writer *w, const ckpt_save_opts *o, int compress,
                         uint64_t step, const ckpt_buffer *bufs, const chunk_job *chunks,
                         size_t nchunks, json_t **jchunks, uint64_t *stored_total)
 {
     int rc = 0;
-    uint64_t raw_total = 0, raw_done = 0;
-    int half_reported = 0;
-    for (size_t i = 0; i < nchunks; i++) raw_total += chunks[i].len;
+    append_state as = {step, 0, 0, 0};
+    uint64_t file_off = 0;
+    size_t appended = 0; /* chunks handed to the writer */
+    for (size_t i = 0; i < nchunks; i++) as.raw_total += chunks[i].len;
     pthread_mutex_lock(&p->mu);
     p->bufs = bufs;
     p->chunks = chunks;
@@ -408,6 +445,14 @@ static int run_pipeline(ckpt_pool *p, store_writer *w, const ckpt_save_opts *o, 
 
     for (size_t i = 0; i < nchunks && rc == 0; i++) {
         slot *s = &p->slots[i % p->nslots];
+        /* uncompressed: every chunk is stored raw, from the job's buffers */
+        for (; !compress && rc == 0 && appended < nchunks && appended <= i + RAW_AHEAD; appended++) {
+            const chunk_job *a = &chunks[appended];
+            const uint8_t *raw = (const uint8_t *)bufs[a->buf].data + a->off;
+            if (p->wait_ready && (rc = p->wait_ready(p->ready_ctx, raw + a->len)) < 0) break;
+            rc = append_chunk(w, &as, appended, nchunks, a, raw, a->len, 1);
+        }
+        if (rc < 0) break;
         struct timespec ts;
         ckpt_deadline(&ts, POOL_WAIT_S);
         pthread_mutex_lock(&p->mu);
@@ -425,19 +470,14 @@ static int run_pipeline(ckpt_pool *p, store_writer *w, const ckpt_save_opts *o, 
         }
         const chunk_job *c = &chunks[i];
         const ckpt_buffer *b = &bufs[c->buf];
-        uint64_t file_off = store_writer_offset(w);
-        if (raw_done == 0) ckpt_fault_point("before-chunk-write", step);
-        /* the middle chunk goes in two halves, with a fault point between them */
-        size_t first = i == nchunks / 2 ? s->stored_len / 2 : s->stored_len;
-        if ((rc = store_writer_append(w, s->stored, first)) < 0) break;
-        if (first < s->stored_len) {
-            ckpt_fault_point("mid-chunk", step);
-            if ((rc = store_writer_append(w, s->stored + first, s->stored_len - first)) < 0) break;
-        }
-        raw_done += c->len;
-        if (!half_reported && raw_done * 2 >= raw_total) {
-            half_reported = 1;
-            ckpt_fault_point("mid-data", step);
+        if (compress) {
+            /* a chunk stored raw lies in the job's buffers: written from there where its
+             * alignment allows; a frame is copied out of its slot */
+            if ((rc = append_chunk(w, &as, i, nchunks, c, s->stored, s->stored_len, !s->codec_zstd)) < 0)
+                break;
+        } else if (s->codec_zstd || s->stored_len != c->len) { /* written above as raw */
+            rc = -EIO;
+            break;
         }
         char hraw[17], hst[17];
         ckpt_hex64(s->xxh_raw, hraw);
@@ -451,6 +491,7 @@ static int run_pipeline(ckpt_pool *p, store_writer *w, const ckpt_save_opts *o, 
                                "xxh3_stored", hst);
         if (!jc || json_array_append_new(jchunks[c->buf], jc) != 0) rc = -ENOMEM;
         *stored_total += s->stored_len;
+        file_off += s->stored_len;
         pthread_mutex_lock(&p->mu);
         s->chunk = -1;
         s->ready = 0;
@@ -689,6 +730,8 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
         LOG_E(TAG, "cannot create %s: %s", path, strerror(-rc));
         goto out;
     }
+    /* no chunk is stored larger than it is raw: raw_total bounds the file */
+    store_writer_reserve(w, raw_total);
     rc = run_pipeline(pool, w, opts, compress, step, bufs, chunks, nchunks, jchunks, &stored_total);
     if (rc < 0) {
         LOG_E(TAG, "writing step %llu to %s failed: %s", (unsigned long long)step, path, strerror(-rc));

@@ -11,6 +11,7 @@
 #include "elastic_internal.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <limits.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -28,6 +29,8 @@
 
 struct elastic_store_client {
     int fd;
+    pthread_mutex_t fd_mu; /* guards fd's close against elastic_store_interrupt, which
+                              another thread calls: no shutdown of a closed (or reused) fd */
     int err;          /* sticky: the connection is gone; every call returns it */
     double timeout_s; /* deadline of the quick operations */
     uint32_t next_id;
@@ -58,8 +61,10 @@ static int status_errno(uint8_t st)
 /* Drop the connection; later calls return `sticky`; this one returns `ret`. */
 static int drop(elastic_store_client *c, int ret, int sticky)
 {
+    pthread_mutex_lock(&c->fd_mu);
     if (c->fd >= 0) close(c->fd);
     c->fd = -1;
+    pthread_mutex_unlock(&c->fd_mu);
     if (!c->err) c->err = sticky;
     return ret;
 }
@@ -325,6 +330,7 @@ int elastic_store_connect(elastic_store_client **out, const char *host, int port
         c = calloc(1, sizeof *c);
         if (!c) return -ENOMEM;
         c->fd = -1;
+        pthread_mutex_init(&c->fd_mu, NULL);
         c->timeout_s = timeout_s;
         c->next_id = 1;
         err = try_connect(c, host, port, deadline);
@@ -351,6 +357,7 @@ void elastic_store_close(elastic_store_client *c)
 {
     if (!c) return;
     if (c->fd >= 0) close(c->fd);
+    pthread_mutex_destroy(&c->fd_mu);
     free(c->ibuf);
     free(c);
 }
@@ -500,5 +507,8 @@ int elastic_store_local_addr(const elastic_store_client *c, char *host, size_t h
 
 void elastic_store_interrupt(elastic_store_client *c)
 {
-    if (c && c->fd >= 0) shutdown(c->fd, SHUT_RDWR);
+    if (!c) return;
+    pthread_mutex_lock(&c->fd_mu);
+    if (c->fd >= 0) shutdown(c->fd, SHUT_RDWR);
+    pthread_mutex_unlock(&c->fd_mu);
 }

@@ -203,15 +203,24 @@ struct store_writer {
     uint64_t logical;  /* bytes appended */
     uint64_t next_off; /* file offset of the slot being filled */
     wslot *slots;
+    wslot *refs;       /* qd writes straight from the caller's memory (store_writer_append_ref;
+                          data points there, fill unused); request user data qd + index */
+    uint64_t reserved; /* bytes preallocated by store_writer_reserve */
     char *path;
 };
 
 static void w_fail(store_writer *w, int err) { if (!w->err) w->err = err; }
 
-/* Queue the request for what remains of slot i. */
+/* The request of user data i: a buffer slot (i < qd) or a write from the caller's memory. */
+static wslot *w_req(store_writer *w, uint64_t i)
+{
+    return i < w->qd ? &w->slots[i] : &w->refs[i - w->qd];
+}
+
+/* Queue the request for what remains of request i (w_req). */
 static int w_queue(store_writer *w, unsigned i)
 {
-    wslot *s = &w->slots[i];
+    wslot *s = w_req(w, i);
     struct io_uring_sqe *sqe = ring_sqe(&w->ring);
     if (!sqe) {
         LOG_E(TAG, "no submission queue entry for %s", w->path);
@@ -231,9 +240,22 @@ static int w_queue(store_writer *w, unsigned i)
     return ring_submit(&w->ring, w->path);
 }
 
+static int w_reap(store_writer *w);
+
+/* Wait until fewer than qd requests are in flight (buffer slots and writes from the caller's
+ * memory together). Returns 0 or the sticky error. */
+static int w_room(store_writer *w)
+{
+    while (w->inflight >= w->qd)
+        if (w_reap(w)) return w->err;
+    return w->err;
+}
+
 static int w_submit_slot(store_writer *w, unsigned i)
 {
     wslot *s = &w->slots[i];
+    int rc = w_room(w);
+    if (rc) return rc;
     s->len = s->fill;
     if (w->direct && s->len % STORE_ALIGN) {
         size_t padded = (size_t)align_up(s->len);
@@ -246,7 +268,7 @@ static int w_submit_slot(store_writer *w, unsigned i)
     s->fresh = true;
     s->busy = true;
     w->inflight++;
-    int rc = w_queue(w, i);
+    rc = w_queue(w, i);
     if (rc) {
         s->busy = false;
         w->inflight--;
@@ -268,8 +290,8 @@ static void w_complete(store_writer *w, struct io_uring_cqe *cqe)
     uint64_t i = io_uring_cqe_get_data64(cqe);
     int res = cqe->res;
     io_uring_cqe_seen(&w->ring, cqe);
-    if (i >= w->qd) return; /* the cancel request itself */
-    wslot *s = &w->slots[i];
+    if (i >= 2 * (uint64_t)w->qd) return; /* the cancel request itself */
+    wslot *s = w_req(w, i);
     if (s->fault) {
         res = s->fault;
         s->fault = 0;
@@ -392,6 +414,7 @@ static void w_free(store_writer *w)
     if (w->owns_mem)
         for (unsigned i = 0; i < w->qd; i++) free(w->slots[i].data);
     free(w->slots);
+    free(w->refs);
     free(w->path);
     free(w);
 }
@@ -416,7 +439,8 @@ int store_writer_open(store_writer **out, const char *path, const store_writer_o
     w->qd = opts->queue_depth;
     w->path = strdup(path);
     w->slots = calloc(w->qd, sizeof *w->slots);
-    if (!w->path || !w->slots) {
+    w->refs = calloc(w->qd, sizeof *w->refs);
+    if (!w->path || !w->slots || !w->refs) {
         rc = -ENOMEM;
         goto fail;
     }
@@ -473,6 +497,7 @@ fail:
     if (w->slots && w->owns_mem)
         for (unsigned i = 0; i < w->qd; i++) free(w->slots[i].data);
     free(w->slots);
+    free(w->refs);
     free(w->path);
     free(w);
     return rc;
@@ -501,6 +526,95 @@ int store_writer_append(store_writer *w, const void *buf, size_t len)
             if (w_reap(w)) return w->err;
         if (w->err) return w->err;
     }
+    return 0;
+}
+
+/* Bytes of one write from the caller's memory: large requests, few system calls, but cut so
+ * that a queue of them still overlaps (the block layer splits them further anyway). */
+#define REF_PIECE_MAX (4u << 20)
+/* Below this, a store_writer_append_ref copies: a write of its own is not worth it. */
+#define REF_MIN (64u << 10)
+
+/* Submit the slot being filled although it is not full (its bytes end on an aligned file
+ * offset in O_DIRECT mode), so that the next bytes can go out from the caller's memory. */
+static int w_flush_partial(store_writer *w)
+{
+    wslot *s = &w->slots[w->cur];
+    if (!s->fill) return 0;
+    s->off = w->next_off;
+    w->next_off += s->fill;
+    if (w_submit_slot(w, w->cur)) return w->err;
+    w->cur = (w->cur + 1) % w->qd;
+    while (w->slots[w->cur].busy)
+        if (w_reap(w)) return w->err;
+    return w->err;
+}
+
+int store_writer_append_ref(store_writer *w, const void *buf, size_t len)
+{
+    if (!w || (len && !buf)) return -EINVAL;
+    if (w->err) return w->err;
+    const unsigned char *p = buf;
+    /* in O_DIRECT mode only memory that is aligned like the file offset it goes to can be
+     * written from where it is; the rest is copied */
+    if (len < REF_MIN || (w->direct && ((uintptr_t)p - w->logical) % STORE_ALIGN))
+        return store_writer_append(w, buf, len);
+    size_t head = w->direct ? (size_t)(align_up(w->logical) - w->logical) : 0;
+    int rc = store_writer_append(w, p, head);
+    if (rc) return rc;
+    p += head;
+    len -= head;
+    if ((rc = w_flush_partial(w))) return rc;
+    size_t mid = w->direct ? (size_t)align_down(len) : len;
+    while (mid) {
+        if ((rc = w_room(w))) return rc;
+        unsigned j = 0;
+        while (j < w->qd && w->refs[j].busy) j++;
+        if (j == w->qd) { /* cannot happen: fewer than qd requests are in flight */
+            w_fail(w, -EBUSY);
+            return w->err;
+        }
+        wslot *s = &w->refs[j];
+        size_t n = min_sz(mid, REF_PIECE_MAX);
+        s->data = (unsigned char *)p; /* only read: the kernel writes it to the file */
+        s->len = n;
+        s->off = w->next_off;
+        s->done = 0;
+        s->retries = 0;
+        s->fault = 0;
+        s->fresh = true;
+        s->busy = true;
+        w->inflight++;
+        if ((rc = w_queue(w, w->qd + j))) {
+            s->busy = false;
+            w->inflight--;
+            w_fail(w, rc);
+            return w->err;
+        }
+        w->next_off += n;
+        w->logical += n;
+        p += n;
+        len -= n;
+        mid -= n;
+        w_poll(w);
+        if (w->err) return w->err;
+    }
+    return store_writer_append(w, p, len);
+}
+
+int store_writer_reserve(store_writer *w, uint64_t bytes)
+{
+    if (!w) return -EINVAL;
+    if (bytes <= w->reserved || bytes > (uint64_t)INT64_MAX) return 0;
+    /* mode 0 also sets the file size: the writes then land inside the file, which ext4 runs
+     * in parallel, instead of extending it one write at a time; close truncates */
+    if (fallocate(w->fd, 0, 0, (off_t)bytes) != 0) {
+        /* only a hint: the writes will still find their space, or report why not */
+        LOG_D(TAG, "%s: no preallocation of %llu bytes: %s", w->path, (unsigned long long)bytes,
+              strerror(errno));
+        return 0;
+    }
+    w->reserved = bytes;
     return 0;
 }
 
@@ -569,6 +683,12 @@ struct store_reader {
     uint64_t size;
     rslot *slots;
     char *path;
+    /* the batch in progress (store_reader_submit until store_reader_wait) */
+    bool active;
+    const store_read_req *reqs;
+    size_t n, ri, rpos; /* next piece: request ri from byte rpos */
+    unsigned inflight;
+    int err;
 };
 
 int store_reader_open(store_reader **out, const char *path, unsigned queue_depth,
@@ -735,9 +855,35 @@ static bool read_fault_next(void)
     return nth && atomic_fetch_add(&fault_read_count, 1) + 1 == nth;
 }
 
-int store_reader_read(store_reader *r, const store_read_req *reqs, size_t n)
+/* Fill free slots with the next pieces of the batch; a failure becomes r->err. */
+static void r_fill(store_reader *r)
 {
-    if (!r || (n && !reqs)) return -EINVAL;
+    for (unsigned i = 0; !r->err && i < r->qd && r->ri < r->n; i++) {
+        rslot *s = &r->slots[i];
+        if (s->busy) continue;
+        while (r->ri < r->n && r->rpos == r->reqs[r->ri].len) { /* finished or empty */
+            r->ri++;
+            r->rpos = 0;
+        }
+        if (r->ri == r->n) break;
+        int rc = r_piece(r, s, &r->reqs[r->ri], &r->rpos);
+        if (!rc) rc = r_queue(r, i);
+        if (rc) {
+            r->err = rc;
+            break;
+        }
+        s->busy = true;
+        r->inflight++;
+    }
+    while (r->ri < r->n && r->rpos == r->reqs[r->ri].len) {
+        r->ri++;
+        r->rpos = 0;
+    }
+}
+
+int store_reader_submit(store_reader *r, const store_read_req *reqs, size_t n)
+{
+    if (!r || (n && !reqs) || r->active) return -EINVAL;
     if (r->stuck) return -EIO;
     for (size_t k = 0; k < n; k++)
         if ((reqs[k].len && !reqs[k].dst) || reqs[k].offset > UINT64_MAX - reqs[k].len)
@@ -746,34 +892,22 @@ int store_reader_read(store_reader *r, const store_read_req *reqs, size_t n)
         LOG_W(TAG, "injecting %s on a read of %s (CKPT_FAULT_STORE)", strerror(EIO), r->path);
         return -EIO;
     }
+    r->reqs = reqs;
+    r->n = n;
+    r->ri = r->rpos = 0;
+    r->inflight = 0;
+    r->err = 0;
+    r->active = true;
+    r_fill(r);
+    return 0;
+}
 
-    int err = 0;
-    unsigned inflight = 0;
-    size_t ri = 0, rpos = 0;
+int store_reader_wait(store_reader *r)
+{
+    if (!r || !r->active) return -EINVAL;
     for (;;) {
-        /* Fill free slots with the next pieces. */
-        for (unsigned i = 0; !err && i < r->qd && ri < n; i++) {
-            rslot *s = &r->slots[i];
-            if (s->busy) continue;
-            while (ri < n && rpos == reqs[ri].len) { /* skip finished or empty requests */
-                ri++;
-                rpos = 0;
-            }
-            if (ri == n) break;
-            int rc = r_piece(r, s, &reqs[ri], &rpos);
-            if (!rc) rc = r_queue(r, i);
-            if (rc) {
-                err = rc;
-                break;
-            }
-            s->busy = true;
-            inflight++;
-        }
-        while (ri < n && rpos == reqs[ri].len) {
-            ri++;
-            rpos = 0;
-        }
-        if (!inflight) break;
+        if (!r->err) r_fill(r);
+        if (!r->inflight) break;
 
         struct io_uring_cqe *cqe;
         int rc = ring_wait(&r->ring, &cqe, STORE_WAIT_TIMEOUT_S);
@@ -783,33 +917,42 @@ int store_reader_read(store_reader *r, const store_read_req *reqs, size_t n)
                       STORE_WAIT_TIMEOUT_S);
             else
                 LOG_E(TAG, "io_uring wait (%s): %s", r->path, strerror(-rc));
-            if (!err) err = rc;
+            if (!r->err) r->err = rc;
             ring_cancel_all(&r->ring);
-            while (inflight) {
+            while (r->inflight) {
                 if (ring_wait(&r->ring, &cqe, CANCEL_WAIT_S)) {
                     LOG_E(TAG, "%u reads of %s still in flight after cancel; abandoning",
-                          inflight, r->path);
+                          r->inflight, r->path);
                     r->stuck = true;
-                    return err;
+                    break;
                 }
-                if (r_complete(r, cqe, false) != 0) inflight--; /* 0: the cancel itself */
+                if (r_complete(r, cqe, false) != 0) r->inflight--; /* 0: the cancel itself */
             }
-            return err;
+            break;
         }
-        rc = r_complete(r, cqe, err == 0);
+        rc = r_complete(r, cqe, r->err == 0);
         if (rc == 1) {
-            inflight--;
+            r->inflight--;
         } else if (rc < 0) {
-            inflight--;
-            if (!err && rc != -ECANCELED) err = rc;
+            r->inflight--;
+            if (!r->err && rc != -ECANCELED) r->err = rc;
         }
     }
-    return err;
+    r->active = false;
+    r->reqs = NULL;
+    return r->err;
+}
+
+int store_reader_read(store_reader *r, const store_read_req *reqs, size_t n)
+{
+    int rc = store_reader_submit(r, reqs, n);
+    return rc ? rc : store_reader_wait(r);
 }
 
 void store_reader_close(store_reader *r)
 {
     if (!r) return;
+    if (r->active) store_reader_wait(r); /* the kernel must be done with the memory */
     close(r->fd);
     if (!r->stuck) { /* otherwise the kernel may still write to the bounce buffers */
         io_uring_queue_exit(&r->ring);

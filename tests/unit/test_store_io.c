@@ -555,12 +555,114 @@ static void test_canonical_path(const char *dir)
     free(link);
 }
 
+/* store_writer_append_ref: bytes written from the caller's memory, mixed with copied
+ * appends, from memory aligned like the file (written in place) and not (copied), with and
+ * without a preallocation larger than the file; the file must equal the pattern. */
+static void test_append_ref(const char *dir)
+{
+    static const size_t sizes[] = {5, 4 * MiB + 4096, 70000, 4091, 9 * MiB + 13, 1, 65536,
+                                   200003, 3 * MiB};
+    static const store_writer_opts opts[] = {
+        {4096, 1, 1, NULL}, {1u << 20, 8, 1, NULL}, {65536, 3, 1, NULL}, {8192, 2, 0, NULL}};
+    const size_t total = 20 * MiB;
+    unsigned char *mem = NULL;
+    T_REQUIRE(posix_memalign((void **)&mem, 4096, total + 4096) == 0, "posix_memalign");
+    unsigned seed = 900;
+    for (size_t oi = 0; oi < sizeof opts / sizeof *opts; oi++)
+        for (int shift = 0; shift <= 16; shift += 16)     /* aligned like the file, or not */
+            for (int reserve = 0; reserve <= 1; reserve++, seed++) {
+                unsigned char *src = mem + shift; /* src[i] is the byte at file offset i */
+                fill_pat(src, 0, total, seed);
+                char name[64];
+                snprintf(name, sizeof name, "ref-%zu-%d-%d.bin", oi, shift, reserve);
+                char *p = path_in(dir, name);
+                store_writer *w = NULL;
+                int rc = store_writer_open(&w, p, &opts[oi]);
+                T_CHECK(rc == 0, "open %s: %d", p, rc);
+                if (rc == 0 && reserve) rc = store_writer_reserve(w, total + 12345);
+                uint64_t off = 0;
+                for (size_t k = 0; rc == 0 && off < total; k++) {
+                    size_t n = sizes[k % (sizeof sizes / sizeof *sizes)];
+                    if (n > total - off) n = (size_t)(total - off);
+                    rc = k % 3 == 2 ? store_writer_append(w, src + off, n)
+                                    : store_writer_append_ref(w, src + off, n);
+                    off += n;
+                    if (rc == 0)
+                        T_CHECK(store_writer_offset(w) == off, "offset %llu != %llu",
+                                (unsigned long long)store_writer_offset(w), (unsigned long long)off);
+                }
+                T_CHECK(rc == 0, "append to %s: %d", p, rc);
+                int rc2 = w ? store_writer_close(w, 1) : -1;
+                T_CHECK(rc2 == 0, "close %s: %d", p, rc2);
+                if (rc == 0 && rc2 == 0)
+                    T_CHECK(file_matches(p, total, seed),
+                            "%s: size or bytes differ (buffer %zu, qd %u, direct %d, shift %d, "
+                            "reserve %d)", p, opts[oi].buffer_bytes, opts[oi].queue_depth,
+                            opts[oi].direct, shift, reserve);
+                unlink(p);
+                free(p);
+            }
+    T_CHECK(store_writer_append_ref(NULL, "x", 1) == -EINVAL, "NULL writer append_ref");
+    T_CHECK(store_writer_reserve(NULL, 1) == -EINVAL, "NULL writer reserve");
+    free(mem);
+}
+
+/* store_reader_submit / store_reader_wait: two readers of one file with batches in flight at
+ * once (more pieces than the queue depth, aligned and not), one batch at a time per reader,
+ * a past-the-end range reported by wait, and a close with a batch still in flight. */
+static void test_reader_async(const char *dir)
+{
+    const uint64_t size = 5 * MiB + 777;
+    char *p = path_in(dir, "reader-async.bin");
+    store_writer_opts o = {65536, 4, 1, NULL};
+    REQUIRE_OK(write_pattern(p, size, &o, 11), "write reader file");
+    unsigned char *ref = malloc(size), *a = NULL, *b = NULL;
+    T_REQUIRE(ref, "malloc");
+    fill_pat(ref, 0, size, 11);
+    REQUIRE_OK(posix_memalign((void **)&a, 4096, size + 4096), "memalign");
+    REQUIRE_OK(posix_memalign((void **)&b, 4096, size + 4096), "memalign");
+    store_reader *r1 = NULL, *r2 = NULL;
+    REQUIRE_OK(store_reader_open(&r1, p, 2, 0, NULL), "open r1");
+    REQUIRE_OK(store_reader_open(&r2, p, 3, 0, NULL), "open r2");
+    T_CHECK(store_reader_wait(r1) == -EINVAL, "wait without a batch");
+    store_read_req q1[4], q2[3];
+    for (int i = 0; i < 4; i++) /* aligned pieces, then the short tail */
+        q1[i] = (store_read_req){(uint64_t)i * (MiB + 4096), i < 3 ? MiB + 4096 : (size_t)(size - 3 * (MiB + 4096)),
+                                 a + (size_t)i * (MiB + 4096)};
+    q2[0] = (store_read_req){5, 3 * MiB, b + 7};           /* misaligned: bounce pieces */
+    q2[1] = (store_read_req){3 * MiB + 5, 0, NULL};
+    q2[2] = (store_read_req){3 * MiB + 5, (size_t)(size - 3 * MiB - 5), b + 7 + 3 * MiB};
+    T_CHECK(store_reader_submit(r1, q1, 4) == 0, "submit r1");
+    T_CHECK(store_reader_submit(r1, q1, 4) == -EINVAL, "second batch on a busy reader");
+    T_CHECK(store_reader_submit(r2, q2, 3) == 0, "submit r2");
+    T_CHECK(store_reader_wait(r2) == 0, "wait r2");
+    T_CHECK(store_reader_wait(r1) == 0, "wait r1");
+    T_CHECK(!memcmp(a, ref, size), "r1 bytes");
+    T_CHECK(!memcmp(b + 7, ref + 5, size - 5), "r2 bytes");
+    store_read_req past = {size - 10, 20, b};
+    T_CHECK(store_reader_submit(r1, &past, 1) == 0, "submit past the end");
+    T_CHECK(store_reader_wait(r1) == -EBADMSG, "past the end: -EBADMSG at wait");
+    T_CHECK(store_reader_read(r1, q1, 4) == 0, "read after a failed batch");
+    T_CHECK(store_reader_submit(r2, q2, 3) == 0, "submit before close");
+    store_reader_close(r2); /* waits for the batch */
+    store_reader_close(r1);
+    T_CHECK(store_reader_submit(NULL, q1, 1) == -EINVAL && store_reader_wait(NULL) == -EINVAL,
+            "NULL reader");
+    free(a);
+    free(b);
+    free(ref);
+    unlink(p);
+    free(p);
+}
+
 static void run_all(const char *dir)
 {
     printf("storage tests in %s\n", dir);
     test_round_trips(dir);
+    test_append_ref(dir);
     test_writer_errors(dir);
     test_reader(dir);
+    test_reader_async(dir);
     test_file_helpers(dir);
     test_file_types(dir);
     test_canonical_path(dir);
