@@ -17,6 +17,12 @@
  *       CKPT_MEM_PATH) - then ckpt_snapshot_read of its 1/W of every buffer into memory
  *       faulted beforehand (every chunk checked by the reader); wall time from the first open
  *       to the last byte.
+ *   tier_bench peer --from SNAP --dir DIR [--world W] [--threads T]
+ *       the remote read of issue 13: an agent's memory server (elastic_mem, as elastic runs it)
+ *       over a segment folder DIR on loopback, SNAP's ranks written into its own segments as
+ *       `mem` does, then `restore` of the "mem:..." id twice: from the segments directly
+ *       (own_restore_*) and with every rank's slot read through the server
+ *       (elastic/mem_client.h as a ckpt_mem remote; peer_restore_*), each chunk checked.
  * Each prints "key value" lines on stdout (seconds, bytes). Exit status: 0 done, 1 failure,
  * 2 usage error.
  */
@@ -26,6 +32,8 @@
 #include "clock.h"
 #include "objstore.h"
 #include "shmseg.h"
+#include "agent_internal.h"
+#include "mem_client.h"
 
 #include <errno.h>
 #include <getopt.h>
@@ -44,8 +52,11 @@ static const char usage_text[] =
     "usage: tier_bench mem --from SNAP --prefix P [--replica-prefix Q] [--reps R]\n"
     "       tier_bench restore --from SRC [--world W] [--threads T]\n"
     "  mem      memory snapshots of SNAP's ranks in P.own-<r> (and replicas in Q.rep-1-<r>)\n"
+    "       tier_bench peer --from SNAP --dir DIR [--world W] [--threads T]\n"
     "  restore  W (default 2, at most 8) ranks read their 1/W of every buffer of SRC (a step\n"
     "           folder, s3://BUCKET/PREFIX/step-N, or mem:... with CKPT_MEM_PATH set)\n"
+    "  peer     SNAP's memory snapshot restored from own segments and through an agent's\n"
+    "           memory server on loopback (DIR: a folder for the segments, e.g. in /dev/shm)\n"
     "Prints key value lines.\n";
 
 static double cpu_s(void)
@@ -66,8 +77,74 @@ static void share(uint64_t total, uint32_t w, uint32_t r, uint64_t *off, uint64_
     *len = (base + (r < rem)) * 4;
 }
 
+/* The peer of `tier_bench peer`: an agent's memory server read through its client. */
+typedef struct bench_peer {
+    elastic_mem_client *c;
+    pthread_mutex_t mu;
+    elastic_mem_slot *keys; /* every slot listed; ref = index */
+    size_t nkeys;
+} bench_peer;
+
+static const ckpt_mem_remote *g_remote; /* set: open "mem:..." ids through it alone */
+static const char *g_key = "";          /* prefix of restore's output keys */
+
+static int peer_list(void *ctx, ckpt_mem_remote_slot **out, size_t *n)
+{
+    bench_peer *p = ctx;
+    elastic_mem_slot *v = NULL;
+    size_t cnt = 0;
+    *out = NULL;
+    *n = 0;
+    int rc = elastic_mem_client_list(p->c, &v, &cnt);
+    if (rc < 0 || !cnt) {
+        free(v);
+        return rc;
+    }
+    ckpt_mem_remote_slot *o = calloc(cnt, sizeof *o);
+    pthread_mutex_lock(&p->mu);
+    elastic_mem_slot *k = realloc(p->keys, (p->nkeys + cnt) * sizeof *k);
+    if (k) p->keys = k;
+    if (o && k) {
+        for (size_t i = 0; i < cnt; i++) {
+            p->keys[p->nkeys] = v[i];
+            o[i].ref = p->nkeys++;
+            o[i].payload_bytes = v[i].payload_bytes;
+            memcpy(o[i].head, v[i].head, sizeof o[i].head);
+            snprintf(o[i].where, sizeof o[i].where, "peer agent %s slot %u of local %u",
+                     elastic_mem_client_addr(p->c), v[i].slot, v[i].local);
+        }
+    }
+    pthread_mutex_unlock(&p->mu);
+    free(v);
+    if (!o || !k) {
+        free(o);
+        return -ENOMEM;
+    }
+    *out = o;
+    *n = cnt;
+    return 0;
+}
+
+static int peer_read(void *ctx, uint64_t ref, uint64_t off, uint64_t len, void *dst)
+{
+    bench_peer *p = ctx;
+    pthread_mutex_lock(&p->mu);
+    elastic_mem_slot w = {0};
+    int have = ref < p->nkeys;
+    if (have) {
+        w.kind = p->keys[ref].kind;
+        w.node = p->keys[ref].node;
+        w.local = p->keys[ref].local;
+        w.slot = p->keys[ref].slot;
+        w.seq = p->keys[ref].seq;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return have ? elastic_mem_client_get(p->c, &w, off, dst, len) : -EINVAL;
+}
+
 static int open_src(ckpt_snapshot **s, const char *src, char *why, size_t len)
 {
+    if (g_remote && ckpt_mem_is_id(src)) return ckpt_mem_snapshot_open_ex(s, NULL, src, g_remote, 1, why, len);
     objstore_opts so = OBJSTORE_OPTS_INIT;
     return ckpt_snapshot_open_any(s, src, &so, why, len);
 }
@@ -275,8 +352,52 @@ static int cmd_restore(const char *src, uint32_t world, unsigned threads)
         rc = -EIO;
     }
     if (rc == 0)
-        printf("restore_s %.6f\nrestore_cpu_s %.3f\nrestore_raw_bytes %" PRIu64
-               "\nrestore_stored_bytes %" PRIu64 "\n", t, cpu, raw, stored);
+        printf("%srestore_s %.6f\n%srestore_cpu_s %.3f\n%srestore_raw_bytes %" PRIu64
+               "\n%srestore_stored_bytes %" PRIu64 "\n", g_key, t, g_key, cpu, g_key, raw, g_key, stored);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ peer */
+
+static int cmd_peer(const char *from, const char *dir, uint32_t world, unsigned threads)
+{
+    elastic_mem *m = NULL;
+    char addr[96];
+    int rc = elastic_mem_open(&m, dir, "tier-bench", (int)world);
+    if (rc < 0) return rc;
+    if ((rc = elastic_mem_replica_start(m, "127.0.0.1", "tier-bench-token", 1000, NULL, addr, sizeof addr)) < 0) {
+        elastic_mem_close(m);
+        return rc;
+    }
+    const char *prefix = elastic_mem_path(m);
+    ckpt_mem_entry *e = NULL;
+    size_t n = 0;
+    char id[CKPT_MEM_ID_MAX] = "";
+    if ((rc = cmd_mem(from, prefix, NULL, 1)) == 0 && (rc = ckpt_mem_list(prefix, &e, &n)) == 0) {
+        for (size_t i = 0; i < n && !id[0]; i++)
+            if (e[i].status == CKPT_MEM_COMPLETE) snprintf(id, sizeof id, "%s", e[i].id);
+        if (!id[0]) rc = -ENOENT;
+    }
+    free(e);
+    bench_peer p = {NULL, PTHREAD_MUTEX_INITIALIZER, NULL, 0};
+    if (rc == 0) rc = elastic_mem_client_open(&p.c, addr, "tier-bench-token", 10.0);
+    if (rc == 0) {
+        setenv(CKPT_MEM_PATH_ENV, prefix, 1);
+        g_key = "own_";
+        rc = cmd_restore(id, world, threads);
+    }
+    ckpt_mem_remote rm = {"peer agent", &p, peer_list, peer_read};
+    if (rc == 0) {
+        g_remote = &rm;
+        g_key = "peer_";
+        rc = cmd_restore(id, world, threads);
+        g_remote = NULL;
+    }
+    if (rc == 0) printf("peer_addr %s\n", addr);
+    else fprintf(stderr, "tier_bench peer: %s\n", strerror(-rc));
+    elastic_mem_client_close(p.c);
+    free(p.keys);
+    elastic_mem_close(m);
     return rc;
 }
 
@@ -298,11 +419,11 @@ int main(int argc, char **argv)
         fputs(usage_text, argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
     }
-    const char *cmd = argv[1], *from = NULL, *prefix = NULL, *rprefix = NULL;
+    const char *cmd = argv[1], *from = NULL, *prefix = NULL, *rprefix = NULL, *dir = NULL;
     uint64_t world = 2, threads = 0, reps = 3;
     static const struct option lo[] = {
         {"from", 1, 0, 'f'}, {"prefix", 1, 0, 'p'}, {"replica-prefix", 1, 0, 'q'},
-        {"world", 1, 0, 'w'}, {"threads", 1, 0, 't'}, {"reps", 1, 0, 'r'},
+        {"dir", 1, 0, 'd'}, {"world", 1, 0, 'w'}, {"threads", 1, 0, 't'}, {"reps", 1, 0, 'r'},
         {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
     int c, bad = 0;
     optind = 2;
@@ -311,6 +432,7 @@ int main(int argc, char **argv)
         case 'f': from = optarg; break;
         case 'p': prefix = optarg; break;
         case 'q': rprefix = optarg; break;
+        case 'd': dir = optarg; break;
         case 'w': bad |= parse_u64(optarg, 1, MAXW, &world); break;
         case 't': bad |= parse_u64(optarg, 1, 64, &threads); break;
         case 'r': bad |= parse_u64(optarg, 1, 100, &reps); break;
@@ -323,6 +445,8 @@ int main(int argc, char **argv)
     if (!bad && !strcmp(cmd, "mem") && from && prefix) rc = cmd_mem(from, prefix, rprefix, (unsigned)reps);
     else if (!bad && !strcmp(cmd, "restore") && from)
         rc = cmd_restore(from, (uint32_t)world, (unsigned)threads);
+    else if (!bad && !strcmp(cmd, "peer") && from && dir)
+        rc = cmd_peer(from, dir, (uint32_t)world, (unsigned)threads);
     else {
         fputs(usage_text, stderr);
         return 2;

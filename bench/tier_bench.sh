@@ -25,7 +25,10 @@
 #               the replicas: what a node that lost its peer restores from), the local disk
 #               after dropping the page cache (root; else marked warm), the local disk warm,
 #               S3 (an RGW on loopback, tests/integration/s3env.py; uploaded with s3_bench
-#               upload). Every chunk is checked against its checksum in every row.
+#               upload), and a peer agent's memory (tier_bench peer: the snapshot in an agent's
+#               own segments, every rank's slot read through its memory server on loopback,
+#               as a restore reads a slot held only on another node). Every chunk is checked
+#               against its checksum in every row.
 #   train       build/train on the demo model under elastic (the memory tier needs the agent's
 #               CKPT_MEM_PATH), one after another, alternating: memory snapshot every step
 #               (disk never), disk snapshot every step (memory off), no snapshot; median step
@@ -67,7 +70,7 @@ if [ "$TRAIN" -eq 1 ] && [ ! -f "$ROOT/data/brown/train_000000.bin" ]; then
     die "no training data in data/brown (scripts/demo prepares it; --no-train skips the training rows)"
 fi
 SHM=/dev/shm
-NEED_MIB=$((MIB * 2 * 2 * 2 + 256)) # own + replica segments, two slots each
+NEED_MIB=$((MIB * 2 * 2 * 3 + 256)) # own, replica and peer agent segments, two slots each
 FREE_MIB=$(df -P -k "$SHM" | awk 'NR == 2 { printf "%d", $4 / 1024 }')
 [ "$FREE_MIB" -ge "$NEED_MIB" ] || die "$SHM has $FREE_MIB MiB free, the run needs about $NEED_MIB MiB (try a smaller --mib-per-rank)"
 
@@ -117,6 +120,11 @@ for rep in $(seq "$REPS"); do
     say "restore repetition $rep of $REPS" >&2
     restore own "$ID" CKPT_MEM_PATH="$MEM/own"
     restore peer "$ID" CKPT_MEM_PATH="$MEM/peer"
+    # the remote read: every rank's slot through an agent's memory server (its own segments
+    # and this run's own_restore_s are written anew in $MEM/agent: only peer_restore_s counts)
+    mkdir -p "$MEM/agent"
+    out=$("$TB" peer --from "$SNAP" --dir "$MEM/agent" --world 2) || die "restore through a peer agent failed"
+    echo "$out" | awk '$1 == "peer_restore_s" { print "run.peer_agent", $2 } $1 == "peer_restore_raw_bytes" { print "bytes.peer_agent", $2 }' >>"$KV"
     if [ "$(id -u)" -eq 0 ]; then
         sync
         echo 3 >/proc/sys/vm/drop_caches
@@ -182,6 +190,7 @@ END {
     line = sprintf("%95s", ""); gsub(/ /, "-", line); print line
     row("own memory (segments on this node)", "own")
     row("peer replica (received from the peer node)", "peer")
+    row("peer agent memory (remote reads, loopback)", "peer_agent")
     row("local disk, page cache dropped (" v["disk_first"] ")", "disk_cold")
     row("local disk, warm", "disk_warm")
     row("S3 (RGW on loopback)", "s3")

@@ -53,6 +53,7 @@
 #define CKPT_MEM_MAX_BUFFERS 16u  /* buffers one memory snapshot holds */
 #define CKPT_MEM_HEADER_BYTES 4096u
 #define CKPT_MEM_ID_MAX 200       /* bytes of a "mem:..." id with the NUL */
+#define CKPT_MEM_WHERE_MAX 4200   /* bytes of a slot's place in messages, with the NUL */
 
 /* Environment variable holding the path prefix (set by the agent for its workers). */
 #define CKPT_MEM_PATH_ENV "CKPT_MEM_PATH"
@@ -105,8 +106,36 @@ int ckpt_mem_write(shmseg *seg, int avoid_slot, uint64_t step, const char *run_i
 /* Where a rank's slot was found. */
 enum ckpt_mem_source {
     CKPT_MEM_SRC_OWN = 0,    /* a "<prefix>.own-<L>" segment (this node's worker wrote it) */
-    CKPT_MEM_SRC_REPLICA = 1 /* a "<prefix>.rep-<N>-<L>" segment (a peer's, received) */
+    CKPT_MEM_SRC_REPLICA = 1, /* a "<prefix>.rep-<N>-<L>" segment (a peer's, received) */
+    CKPT_MEM_SRC_REMOTE = 2   /* a slot on another node, read through a ckpt_mem_remote */
 };
+
+/* Memory slots held elsewhere (another node's segments, read through its agent): a source the
+ * caller provides as callbacks, so that this module stays ignorant of how they are reached
+ * (train builds them on elastic/mem_client.h). A remote's slots are checked exactly as local
+ * ones: the payload header's checksum and fields when listed, every chunk's checksum when read
+ * (ckpt_snapshot_read), so a remote can lie only by failing. */
+typedef struct ckpt_mem_remote_slot {
+    uint64_t ref;            /* the remote's own name for the slot, given back to read() */
+    uint64_t payload_bytes;  /* bytes of the slot's payload */
+    uint8_t head[CKPT_MEM_HEADER_BYTES]; /* its first min(payload_bytes, 4096) bytes, zero after */
+    char where[CKPT_MEM_WHERE_MAX]; /* for messages, e.g. "peer agent 10.0.0.2:4100 rep-1-0 slot 1" */
+} ckpt_mem_remote_slot;
+
+typedef struct ckpt_mem_remote {
+    const char *name; /* for messages and ckpt_mem_snapshot_remote_name, e.g. "peer agent
+                         10.0.0.2:4100"; borrowed (must outlive the handles that use it) */
+    void *ctx;        /* passed to both callbacks; borrowed likewise */
+    /* The complete slots the remote holds now: *slots (malloc'ed by the callback, free()d by
+     * the caller) gets *n entries. Returns 0 or a negative errno (the remote is then skipped
+     * with a warning; -ENOMEM fails the call). */
+    int (*list)(void *ctx, ckpt_mem_remote_slot **slots, size_t *n);
+    /* len bytes at off of the payload of slot ref (as listed) into dst. Returns 0, -ESTALE
+     * (the slot was rewritten since it was listed), -ERANGE (past its payload), or another
+     * negative errno (-ETIMEDOUT, -ECONNRESET...). Called from several reading threads at once:
+     * must be thread-safe. */
+    int (*read)(void *ctx, uint64_t ref, uint64_t off, uint64_t len, void *dst);
+} ckpt_mem_remote;
 
 /* Status of a listed memory snapshot. */
 enum ckpt_mem_status {
@@ -124,8 +153,10 @@ typedef struct ckpt_mem_entry {
     uint32_t world_size;
     uint32_t ranks_present;   /* distinct ranks with a verified slot here */
     uint32_t ranks_own;       /* of those, found in an own segment (preferred) */
-    uint32_t ranks_replica;   /* the others: found only in a replica segment */
-    int source;               /* enum ckpt_mem_source: REPLICA when any rank comes from one */
+    uint32_t ranks_replica;   /* the others: found only in a replica segment ... */
+    uint32_t ranks_remote;    /* ... or only on a remote (ckpt_mem_list_ex) */
+    int source;               /* enum ckpt_mem_source: REMOTE when any rank comes from a
+                                 remote, else REPLICA when any from a replica, else OWN */
     int64_t created;          /* unix seconds (rank 0's slot, else the first found) */
     uint64_t raw_bytes;       /* shard bytes over the ranks present */
     char run_id[64], config_hash[64], tag[64];
@@ -144,6 +175,17 @@ typedef struct ckpt_mem_entry {
  * Thread-safe (no shared state). Returns 0, or -EINVAL (NULL, a prefix without a file
  * name part or too long), -ENOMEM, the -errno of opendir other than ENOENT. */
 int ckpt_mem_list(const char *path_prefix, ckpt_mem_entry **out, size_t *n);
+
+/* ckpt_mem_list with the slots of nremotes remotes as well: each remote's list() is called
+ * once; its slots take part in the grouping after the local ones (per rank the own segment,
+ * then a replica, then the remotes in their order), so "complete" counts a rank found only on
+ * a remote (ranks_remote). A remote whose list() fails is skipped with one warning; a slot
+ * whose header fails its checks is listed CORRUPT with the remote's `where` as name.
+ * path_prefix NULL: remotes only (neither a path nor a remote: 0 entries). Returns 0, or
+ * -EINVAL (NULL out or n, nremotes without remotes, a remote without list or read), -ENOMEM
+ * (also from a remote's list), the other errors of ckpt_mem_list. */
+int ckpt_mem_list_ex(const char *path_prefix, const ckpt_mem_remote *remotes, size_t nremotes,
+                     ckpt_mem_entry **out, size_t *n);
 
 /* Open memory snapshot `id` ("mem:<run_id>/<tag>/<step>/<world_size>", as listed) under
  * path_prefix as a ckpt_snapshot handle: its W "data files" are the ranks' slots (per rank
@@ -165,6 +207,27 @@ int ckpt_mem_list(const char *path_prefix, ckpt_mem_entry **out, size_t *n);
 int ckpt_mem_snapshot_open(ckpt_snapshot **out, const char *path_prefix, const char *id,
                            char *why, size_t why_len);
 
+/* ckpt_mem_snapshot_open where some ranks' slots may be on remotes: the local segments under
+ * path_prefix (NULL = none) are scanned first, then each remote is listed once; per rank a
+ * local slot is preferred (own, then replica), a remote's is used only for a rank not found
+ * here (the first remote listing one). Reads of a remote slot go through its read() from the
+ * handle's reading threads, and each chunk is checked against its checksum as for a local one
+ * (a flipped byte on the wire or on the peer is -EBADMSG naming the remote's `where`; a
+ * rewritten slot -ESTALE). The handle keeps a copy of the remotes array but borrows each
+ * remote's name and ctx: they must stay valid until ckpt_snapshot_close.
+ * Returns as ckpt_mem_snapshot_open; -EINVAL also for neither a path nor a remote, or a remote
+ * without list or read; the errors of a remote's read() (-ETIMEDOUT, -ECONNRESET...) while the
+ * handle is built. */
+int ckpt_mem_snapshot_open_ex(ckpt_snapshot **out, const char *path_prefix, const char *id,
+                              const ckpt_mem_remote *remotes, size_t nremotes, char *why,
+                              size_t why_len);
+
+/* For a handle from ckpt_mem_snapshot_open_ex: the number of ranks read from remotes, and the
+ * name of the remote rank `rank`'s slot is read from (NULL when it is local, or s is not a
+ * memory handle, or rank is out of range). */
+int ckpt_mem_snapshot_remotes(const ckpt_snapshot *s);
+const char *ckpt_mem_snapshot_remote_name(const ckpt_snapshot *s, uint32_t rank);
+
 /* For a handle from ckpt_mem_snapshot_open: where rank `rank`'s slot came from (enum
  * ckpt_mem_source), -EINVAL when s is not a memory handle or rank >= its world size. */
 int ckpt_mem_snapshot_source(const ckpt_snapshot *s, uint32_t rank);
@@ -177,7 +240,7 @@ int ckpt_mem_snapshot_replicas(const ckpt_snapshot *s);
 int ckpt_snapshot_is_mem(const ckpt_snapshot *s);
 int ckpt_mem_is_id(const char *id);
 
-/* "own" / "replica". */
+/* "own" / "replica" / "peer". */
 const char *ckpt_mem_source_name(int source);
 
 /* Persist the newest memory snapshot that is worth it to disk, as a world-of-one snapshot

@@ -108,6 +108,14 @@
  *    logged once per round. Metrics: ckpt_mem_replica_bytes_total, ckpt_mem_replica_step.
  *    A slot that changes faster than it can be sent (two memory snapshots during one transfer)
  *    is never replicated: one warning after 8 such transfers in a row.
+ *  - Remote reads: the same server (same socket, same token check) answers the workers of
+ *    other nodes (elastic/mem_client.h; wire format in mem_wire.h): LIST gives every complete
+ *    slot of this node's own and replica segments with the payload's first 4096 bytes, GET a
+ *    byte range of one slot copied out at the listed seq (a slot rewritten since: STALE), so
+ *    that a restore reads a rank's slot that is only here. The server treats payloads as
+ *    bytes. Queries are answered one at a time by the accepting thread, replica transfers one
+ *    at a time by a thread of their own (a restore's reads never wait behind a transfer); a
+ *    peer that connects and stays silent delays the next queries by at most 10 s.
  *  - Removal: at the end of the job (success, failure, preemption; after the flush) every
  *    <prefix>.* file is unlinked, the lease last. An agent killed with SIGKILL leaves them
  *    to the next agent of the same job.

@@ -22,12 +22,23 @@
  * Answer codes: 0 OK, 1 DENIED (token), 2 BAD (magic, version, fields out of range),
  * 3 LOCAL (the receiver cannot keep it: no space, I/O error). The token is compared in
  * constant time and never logged. Every socket wait is bounded by IO_TIMEOUT_S without
- * progress; a connection is served at a time.
+ * progress. Transfers are served one at a time by a thread of their own (put_main); queries
+ * (below) by the accepting thread, one at a time, so a restore's reads never wait behind a
+ * replica transfer (and a silent connection delays the next ones by at most IO_TIMEOUT_S).
+ *
+ * Queries (magic "CKMQ", mem_wire.h; the client is mem_client.h): on the same socket, with the
+ * same token check, a worker of another node LISTs the complete slots of this node's segments
+ * (own and replicas, with each payload's first 4096 bytes) and GETs byte ranges of one, copied
+ * out with shmseg_copy_out pinned to the listed seq (a slot that changed answers STALE), so a
+ * restore can read a rank's shard that is only here. Payloads are bytes to this file: what they
+ * hold is ckpt/'s business. A GET is copied into a buffer first and only then sent, so the
+ * answer's status is known before its body: a torn copy is STALE, never mixed bytes.
  */
 #include "clock.h"
 #include "agent_internal.h"
 
 #include "log.h"
+#include "mem_wire.h"
 #include "shmseg.h"
 #include "thread.h"
 
@@ -69,6 +80,26 @@
 
 enum { ANS_OK = 0, ANS_DENIED = 1, ANS_BAD = 2, ANS_LOCAL = 3 };
 
+#define QCACHE 16              /* segments kept mapped for the queries (a restore reads a slot in
+                                  many GETs: a mapping per GET would fault in every page again) */
+
+#define PUTQ 8                 /* replica transfers waiting for the put thread */
+
+/* A replica transfer accepted by the server thread, its first 12 bytes read. */
+typedef struct put_job {
+    int fd;
+    unsigned char h[12];
+    char from[NI_MAXHOST + NI_MAXSERV + 4];
+} put_job;
+
+/* A segment mapped for the queries; identified by path and inode (a rebuilt file is another). */
+typedef struct qseg {
+    char path[PATH_MAX + PREFIX_LEN + 40];
+    dev_t dev;
+    ino_t ino;
+    shmseg *seg;
+} qseg;
+
 struct elastic_mem {
     char dir[PATH_MAX];
     char prefix[PREFIX_LEN + 1];
@@ -84,8 +115,8 @@ struct elastic_mem {
     size_t token_len;
     double rate;               /* bytes per second */
     elastic_metrics *metrics;
-    pthread_t srv_th, snd_th;
-    int srv_started, snd_started;
+    pthread_t srv_th, snd_th, put_th;
+    int srv_started, snd_started, put_started;
 
     pthread_mutex_t mu;        /* guards everything below */
     int quit;
@@ -106,6 +137,13 @@ struct elastic_mem {
 
     /* server-thread data */
     double refused_logged;     /* when a refusal was last logged */
+    qseg qcache[QCACHE];       /* segments the queries opened (mem_wire.h), by path and inode */
+    unsigned qnext;            /* the cache entry to replace next */
+    pthread_cond_t put_cv;     /* signals putq (with mu) */
+    put_job putq[PUTQ];        /* replica transfers accepted, for the put thread (with mu) */
+    unsigned put_head, put_n;
+    unsigned char *qbuf;       /* a GET's copy (MEMQ_GET_MAX bytes, allocated at the first GET,
+                                  kept: a fresh 8 MiB per GET cost a page fault per page) */
     unsigned *seen;            /* SEEN_MAX (src, slot) pairs + 1 logged at INFO once */
 };
 
@@ -276,6 +314,7 @@ int elastic_mem_open(elastic_mem **out, const char *dir, const char *run_id, int
     m->lease_fd = m->listen_fd = m->send_fd = -1;
     m->nproc = nproc;
     pthread_mutex_init(&m->mu, NULL);
+    pthread_cond_init(&m->put_cv, NULL);
     int rc = 0, dfd = -1;
     struct stat st;
     if (!realpath(dir, m->dir)) {
@@ -302,6 +341,7 @@ int elastic_mem_open(elastic_mem **out, const char *dir, const char *run_id, int
 fail:
     LOG_E(MEM_TAG, "memory tier: cannot use the segment folder %s: %s", dir, strerror(-rc));
     if (dfd >= 0) close(dfd);
+    pthread_cond_destroy(&m->put_cv);
     pthread_mutex_destroy(&m->mu);
     free(m);
     return rc;
@@ -351,6 +391,7 @@ void elastic_mem_close(elastic_mem *m)
     free(m->sent_to);
     free(m->torn);
     free(m->seen);
+    pthread_cond_destroy(&m->put_cv);
     pthread_mutex_destroy(&m->mu);
     free(m);
 }
@@ -673,12 +714,20 @@ static void *sender_main(void *arg)
 
 /* ------------------------------------------------------------------ server */
 
-static void refused(elastic_mem *m, const char *from, const char *why)
+/* what: "replica connection" or "memory query" */
+static void refused_what(elastic_mem *m, const char *what, const char *from, const char *why)
 {
     double now = clock_now_s();
-    if (m->refused_logged > 0 && now - m->refused_logged < 10.0) return; /* a flood: 1 per 10 s */
-    m->refused_logged = now;
-    LOG_W(MEM_TAG, "memory tier: refused a replica connection from %s: %s", from, why);
+    pthread_mutex_lock(&m->mu); /* the server and the put thread */
+    int quiet = m->refused_logged > 0 && now - m->refused_logged < 10.0; /* a flood: 1 per 10 s */
+    if (!quiet) m->refused_logged = now;
+    pthread_mutex_unlock(&m->mu);
+    if (!quiet) LOG_W(MEM_TAG, "memory tier: refused a %s from %s: %s", what, from, why);
+}
+
+static void refused(elastic_mem *m, const char *from, const char *why)
+{
+    refused_what(m, "replica connection", from, why);
 }
 
 /* Does dir have room for a segment of slot_bytes at path (an existing file's size counts)? */
@@ -692,12 +741,244 @@ static int room_for(const elastic_mem *m, const char *path, uint64_t slot_bytes)
     return need != 0 && need <= have;
 }
 
-static void serve_conn(elastic_mem *m, int fd, const char *from)
+/* ------------------------------------------------------------------ queries (mem_wire.h) */
+
+/* The segment at path, mapped read-only, from the cache when it is still the same file. A file
+ * replaced under the same name (a worker's segment rebuilt with another layout) is unmapped
+ * when that name is next asked for; at most QCACHE mappings stay, all closed when the server
+ * stops (before the agent removes its files). */
+static int qseg_get(elastic_mem *m, const char *path, shmseg **out)
 {
-    unsigned char h[12], tok[TOKEN_MAX], f[40];
+    struct stat st;
+    if (stat(path, &st) != 0) return -errno;
+    for (unsigned i = 0; i < QCACHE; i++) {
+        qseg *q = &m->qcache[i];
+        if (q->seg && !strcmp(q->path, path)) {
+            if (q->dev == st.st_dev && q->ino == st.st_ino) {
+                *out = q->seg;
+                return 0;
+            }
+            shmseg_close(q->seg);
+            q->seg = NULL;
+        }
+    }
+    shmseg *seg;
+    int rc = shmseg_open(path, 0, &seg);
+    if (rc < 0) return rc;
+    qseg *q = &m->qcache[m->qnext++ % QCACHE];
+    shmseg_close(q->seg);
+    snprintf(q->path, sizeof q->path, "%s", path);
+    q->dev = st.st_dev;
+    q->ino = st.st_ino;
+    q->seg = seg;
+    /* a restore reads every byte: the page tables in one batch, not a fault per page */
+    for (int i = 0; i < SHMSEG_NSLOTS; i++) (void)shmseg_prefault(seg, i, 0);
+    *out = seg;
+    return 0;
+}
+
+static void qcache_clear(elastic_mem *m)
+{
+    for (unsigned i = 0; i < QCACHE; i++) {
+        shmseg_close(m->qcache[i].seg);
+        m->qcache[i].seg = NULL;
+    }
+}
+
+/* Digits only (1..9 of them): 0 and the value, or -1. */
+static int digits_u32(const char *s, size_t n, uint32_t *v)
+{
+    if (n == 0 || n > 9) return -1;
+    uint32_t x = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9') return -1;
+        x = x * 10 + (uint32_t)(s[i] - '0');
+    }
+    *v = x;
+    return 0;
+}
+
+/* "own-<L>" -> kind 0, "rep-<N>-<L>" -> kind 1; -1 for any other name. */
+static int seg_name(const char *rest, uint32_t *node, uint32_t *local)
+{
+    *node = 0;
+    if (!strncmp(rest, "own-", 4)) return digits_u32(rest + 4, strlen(rest + 4), local) == 0 ? 0 : -1;
+    if (strncmp(rest, "rep-", 4) != 0) return -1;
+    const char *dash = strchr(rest + 4, '-');
+    if (!dash || digits_u32(rest + 4, (size_t)(dash - rest - 4), node) < 0 ||
+        digits_u32(dash + 1, strlen(dash + 1), local) < 0)
+        return -1;
+    return 1;
+}
+
+typedef struct qname {
+    char name[PREFIX_LEN + 40];
+    uint32_t kind, node, local;
+} qname;
+
+static int cmp_qname(const void *a, const void *b)
+{
+    return strcmp(((const qname *)a)->name, ((const qname *)b)->name);
+}
+
+static int send_answer(elastic_mem *m, int fd, uint32_t status, uint64_t body_len)
+{
+    unsigned char a[MEMQ_ANS_BYTES] = {0};
+    put32(a, status);
+    put64(a + 8, body_len);
+    return send_all(m, fd, a, sizeof a);
+}
+
+/* LIST: every complete slot of this node's segments, with its payload's head. */
+static void query_list(elastic_mem *m, int fd)
+{
+    DIR *d = opendir(m->dir);
+    if (!d) {
+        LOG_W(MEM_TAG, "memory tier: cannot list %s for a peer's query: %s", m->dir, strerror(errno));
+        send_answer(m, fd, MEMQ_ST_LOCAL, 0);
+        return;
+    }
+    size_t plen = strlen(m->prefix), nn = 0, cap = 0;
+    qname *names = NULL;
+    unsigned char *body = NULL;
+    size_t cnt = 0;
+    int ok = 1;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        qname q;
+        if (strncmp(e->d_name, m->prefix, plen) != 0 || e->d_name[plen] != '.' ||
+            strlen(e->d_name) >= sizeof q.name)
+            continue;
+        int kind = seg_name(e->d_name + plen + 1, &q.node, &q.local);
+        if (kind < 0) continue;
+        q.kind = (uint32_t)kind;
+        snprintf(q.name, sizeof q.name, "%s", e->d_name);
+        if (nn == cap) {
+            size_t nc = cap ? 2 * cap : 16;
+            void *p = realloc(names, nc * sizeof *names);
+            if (!p) {
+                ok = 0;
+                break;
+            }
+            names = p;
+            cap = nc;
+        }
+        names[nn++] = q;
+    }
+    closedir(d);
+    if (nn) qsort(names, nn, sizeof *names, cmp_qname);
+    if (ok && nn && !(body = calloc(nn * SHMSEG_NSLOTS, MEMQ_ENTRY_BYTES))) ok = 0;
+    for (size_t i = 0; ok && i < nn && cnt < MEMQ_LIST_MAX; i++) {
+        char path[sizeof m->path + 40];
+        snprintf(path, sizeof path, "%s/%s", m->dir, names[i].name);
+        shmseg *seg;
+        if (qseg_get(m, path, &seg) < 0) continue; /* gone, or being rebuilt */
+        for (int sl = 0; sl < SHMSEG_NSLOTS && cnt < MEMQ_LIST_MAX; sl++) {
+            shmseg_info in, in2;
+            if (shmseg_slot_info(seg, sl, &in) < 0 || in.state != SHMSEG_COMPLETE) continue;
+            unsigned char *en = body + cnt * MEMQ_ENTRY_BYTES;
+            uint64_t hl = in.payload_bytes < MEMQ_HEAD_BYTES ? in.payload_bytes : MEMQ_HEAD_BYTES;
+            uint64_t seq = in.seq;
+            if (shmseg_copy_out(seg, sl, en + 64, 0, hl, &seq) < 0) continue; /* being rewritten */
+            if (shmseg_slot_info(seg, sl, &in2) < 0 || in2.seq != in.seq) continue;
+            put32(en, names[i].kind);
+            put32(en + 4, names[i].node);
+            put32(en + 8, names[i].local);
+            put32(en + 12, (uint32_t)sl);
+            put64(en + 16, in.seq);
+            put64(en + 24, in.payload_bytes);
+            put64(en + 32, in.step);
+            put32(en + 40, (uint32_t)hl);
+            cnt++;
+        }
+    }
+    free(names);
+    if (!ok) {
+        LOG_W(MEM_TAG, "memory tier: out of memory answering a peer's listing");
+        send_answer(m, fd, MEMQ_ST_LOCAL, 0);
+    } else if (send_answer(m, fd, MEMQ_ST_OK, (uint64_t)cnt * MEMQ_ENTRY_BYTES) == 0 && cnt) {
+        send_all(m, fd, body, cnt * MEMQ_ENTRY_BYTES);
+    }
+    free(body);
+}
+
+/* GET: bytes of one complete slot at the listed seq. */
+static void query_get(elastic_mem *m, int fd, const unsigned char *f)
+{
+    uint32_t kind = get32(f + 4), node = get32(f + 8), local = get32(f + 12), sl = get32(f + 16);
+    uint64_t seq = get64(f + 24), off = get64(f + 32), len = get64(f + 40);
+    if (kind > 1 || sl >= SHMSEG_NSLOTS || node >= 4096 || local >= 4096 || seq == 0 ||
+        len > MEMQ_GET_MAX || off > UINT64_MAX - len) {
+        send_answer(m, fd, MEMQ_ST_BAD, 0);
+        return;
+    }
+    char path[sizeof m->path + 40];
+    int rc = kind == 0 ? shmseg_own_path(path, sizeof path, m->path, local)
+                       : shmseg_rep_path(path, sizeof path, m->path, node, local);
+    shmseg *seg = NULL;
+    if (rc == 0) rc = qseg_get(m, path, &seg);
+    if (rc < 0) {
+        send_answer(m, fd, MEMQ_ST_NOENT, 0);
+        return;
+    }
+    shmseg_info in;
+    if (shmseg_slot_info(seg, (int)sl, &in) < 0) {
+        send_answer(m, fd, MEMQ_ST_STALE, 0); /* a writer keeps changing it */
+        return;
+    }
+    if (in.state != SHMSEG_COMPLETE) {
+        /* being rewritten: the listed payload is gone; empty: there never was one */
+        send_answer(m, fd, in.state == SHMSEG_WRITING ? MEMQ_ST_STALE : MEMQ_ST_NOENT, 0);
+        return;
+    }
+    if (in.seq != seq) {
+        send_answer(m, fd, MEMQ_ST_STALE, 0);
+        return;
+    }
+    if (off > in.payload_bytes || len > in.payload_bytes - off) {
+        send_answer(m, fd, MEMQ_ST_RANGE, 0);
+        return;
+    }
+    if (len && !m->qbuf && !(m->qbuf = malloc(MEMQ_GET_MAX))) {
+        send_answer(m, fd, MEMQ_ST_LOCAL, 0);
+        return;
+    }
+    uint64_t s2 = seq;
+    rc = len ? shmseg_copy_out(seg, (int)sl, m->qbuf, off, len, &s2) : 0;
+    if (rc < 0) send_answer(m, fd, rc == -EINVAL ? MEMQ_ST_RANGE : MEMQ_ST_STALE, 0);
+    else if (send_answer(m, fd, MEMQ_ST_OK, len) == 0 && len) send_all(m, fd, m->qbuf, (size_t)len);
+}
+
+/* A query connection after its first 12 bytes h (magic "CKMQ" checked by the caller). */
+static void serve_query(elastic_mem *m, int fd, const char *from, const unsigned char *h)
+{
+    unsigned char tok[TOKEN_MAX], f[MEMQ_REQ_BYTES];
+    uint32_t tl = get32(h + 8);
+    if (get32(h + 4) != MEMQ_VERSION || tl > TOKEN_MAX) {
+        refused_what(m, "memory query", from, "not a query of version 1");
+        send_answer(m, fd, MEMQ_ST_BAD, 0);
+        return;
+    }
+    if (recv_all(m, fd, tok, tl) < 0 || recv_all(m, fd, f, sizeof f) < 0) return;
+    int ok = token_equal(tok, tl, (const unsigned char *)(m->token ? m->token : ""), m->token_len);
+    explicit_bzero(tok, sizeof tok);
+    if (!ok) {
+        refused_what(m, "memory query", from, "wrong job token");
+        send_answer(m, fd, MEMQ_ST_DENIED, 0);
+        return;
+    }
+    uint32_t op = get32(f);
+    if (op == MEMQ_OP_LIST) query_list(m, fd);
+    else if (op == MEMQ_OP_GET) query_get(m, fd, f);
+    else send_answer(m, fd, MEMQ_ST_BAD, 0);
+}
+
+/* A replica transfer after its first 12 bytes h (put thread). */
+static void serve_put(elastic_mem *m, int fd, const char *from, const unsigned char *h)
+{
+    unsigned char tok[TOKEN_MAX], f[40];
     unsigned char ans = ANS_BAD;
     shmseg *seg = NULL;
-    if (recv_all(m, fd, h, sizeof h) < 0) return;
     uint32_t tl = get32(h + 8);
     if (memcmp(h, "CKMR", 4) != 0 || get32(h + 4) != 1 || tl > TOKEN_MAX) {
         refused(m, from, "not a replica frame of version 1");
@@ -766,6 +1047,62 @@ out:
     shmseg_close(seg);
 }
 
+/* The replica transfers, one at a time in the order accepted (one writer per replica file),
+ * on a thread of their own so that a restore's queries never wait behind one. */
+static void *put_main(void *arg)
+{
+    elastic_mem *m = arg;
+    pthread_mutex_lock(&m->mu);
+    for (;;) {
+        while (!m->quit && m->put_n == 0) pthread_cond_wait(&m->put_cv, &m->mu);
+        if (m->quit) break;
+        put_job j = m->putq[m->put_head];
+        m->put_head = (m->put_head + 1) % PUTQ;
+        m->put_n--;
+        pthread_mutex_unlock(&m->mu);
+        serve_put(m, j.fd, j.from, j.h);
+        close(j.fd);
+        pthread_mutex_lock(&m->mu);
+    }
+    while (m->put_n) { /* stopped: the waiting ones get nothing (their senders see a reset) */
+        close(m->putq[m->put_head].fd);
+        m->put_head = (m->put_head + 1) % PUTQ;
+        m->put_n--;
+    }
+    pthread_mutex_unlock(&m->mu);
+    return NULL;
+}
+
+/* The first 12 bytes of a connection tell a query (served here) from a replica transfer
+ * (queued for the put thread). */
+static void serve_conn(elastic_mem *m, int fd, const char *from)
+{
+    unsigned char h[12];
+    if (recv_all(m, fd, h, sizeof h) < 0) {
+        close(fd);
+        return;
+    }
+    if (!memcmp(h, MEMQ_MAGIC, 4)) {
+        serve_query(m, fd, from, h);
+        close(fd);
+        return;
+    }
+    pthread_mutex_lock(&m->mu);
+    int queued = m->put_started && !m->quit && m->put_n < PUTQ;
+    if (queued) {
+        put_job *j = &m->putq[(m->put_head + m->put_n++) % PUTQ];
+        j->fd = fd;
+        memcpy(j->h, h, sizeof h);
+        snprintf(j->from, sizeof j->from, "%s", from);
+        pthread_cond_signal(&m->put_cv);
+    }
+    pthread_mutex_unlock(&m->mu);
+    if (!queued) {
+        refused(m, from, "too many replica transfers waiting");
+        close(fd);
+    }
+}
+
 static void *server_main(void *arg)
 {
     elastic_mem *m = arg;
@@ -781,8 +1118,10 @@ static void *server_main(void *arg)
                     NI_NUMERICHOST | NI_NUMERICSERV);
         snprintf(from, sizeof from, "%s:%s", host, port);
         serve_conn(m, fd, from);
-        close(fd);
     }
+    qcache_clear(m);
+    free(m->qbuf);
+    m->qbuf = NULL;
     return NULL;
 }
 
@@ -828,6 +1167,8 @@ int elastic_mem_replica_start(elastic_mem *m, const char *bind_host, const char 
         rc = -ENOMEM;
         goto fail;
     }
+    if ((rc = common_thread_start(&m->put_th, put_main, m)) < 0) goto fail;
+    m->put_started = 1;
     if ((rc = common_thread_start(&m->srv_th, server_main, m)) < 0) goto fail;
     m->srv_started = 1;
     if ((rc = common_thread_start(&m->snd_th, sender_main, m)) < 0) goto fail;
@@ -841,7 +1182,7 @@ fail:
     LOG_W(MEM_TAG, "memory tier: cannot start the peer replica on %s: %s; running without it",
           bind_host, strerror(-rc));
     if (res) freeaddrinfo(res);
-    if (m->srv_started || m->snd_started) {
+    if (m->srv_started || m->snd_started || m->put_started) {
         m->listen_fd = fd;
         replica_stop(m);
     } else if (fd >= 0) {
@@ -871,7 +1212,11 @@ static void replica_stop(elastic_mem *m)
     pthread_mutex_unlock(&m->mu);
     if (m->snd_started) pthread_join(m->snd_th, NULL);
     if (m->srv_started) pthread_join(m->srv_th, NULL);
-    m->snd_started = m->srv_started = 0;
+    pthread_mutex_lock(&m->mu);
+    pthread_cond_broadcast(&m->put_cv);
+    pthread_mutex_unlock(&m->mu);
+    if (m->put_started) pthread_join(m->put_th, NULL);
+    m->snd_started = m->srv_started = m->put_started = 0;
     m->replica = 0;
     if (m->listen_fd >= 0) close(m->listen_fd);
     m->listen_fd = -1;

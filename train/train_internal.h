@@ -28,6 +28,7 @@
 #include "vote.h"
 #include "ckpt_s3.h"
 #include "shmseg.h"
+#include "ckpt_mem.h"
 
 #include <signal.h>
 #include <stddef.h>
@@ -140,6 +141,8 @@ typedef struct state {
     uint64_t mem_count, mem_failed;
     double mem_stall_sum, mem_stall_max;
     int mem_restored;         /* rank 0: the resume came from memory */
+    struct train_memremote *mem_remote; /* the other nodes' memory slots (train_memremote.c);
+                                 NULL until a resume needs them */
 } state;
 
 /* ------------------------------------------------------------------ train_opts.c */
@@ -273,6 +276,36 @@ int train_mem_take(state *s);
  * newest committed one there (ckpt_mem_flush). One log line. Returns the exit status: 0
  * flushed or nothing to do, 1 failed, 2 no CKPT_MEM_PATH. */
 int train_mem_flush_main(const options *o);
+
+/* ------------------------------------------------------------------ train_memremote.c */
+
+/* The other nodes' memory slots, read through their agents (elastic/mem_client.h) during
+ * --resume auto: under elastic with several nodes (GROUP_WORLD_SIZE > 1), the addresses of
+ * the agents of the other nodes of this round come from the store (rdzv/<ELASTIC_RUN_ID>/mem/
+ * <ELASTIC_RESTART_COUNT>/<node>, waited for up to 1 s each: the agents publish them before
+ * they start their workers; MASTER_ADDR:MASTER_PORT with
+ * ELASTIC_STORE_TOKEN, which is also the agents' token). Built at the first need, freed by
+ * train_memremote_close. A peer that cannot be reached is one warning and is left out. */
+typedef struct train_memremote train_memremote;
+
+/* Rank 0: ckpt_mem_list of mem_path; when a PARTIAL entry of step >= newest (of --run-id's
+ * run when given) is listed, the peer agents are asked as well (ckpt_mem_list_ex) and that
+ * listing replaces this node's. Returns 0 (*out, *n as ckpt_mem_list's) or its -errno. */
+int train_memremote_list(state *s, const char *mem_path, int64_t newest, ckpt_mem_entry **out, size_t *n);
+
+/* Every rank: open memory snapshot id from this node's segments ($CKPT_MEM_PATH), or, when
+ * some rank's slot is not here (-ENOENT), with the peer agents' slots for those ranks
+ * (ckpt_mem_snapshot_open_ex); logs one line per peer read from: "... from memory (peer agent
+ * host:port)". Returns ckpt_mem_snapshot_open_ex's result; -ENOENT with why set when there is
+ * no peer to ask. */
+int train_memremote_open(state *s, ckpt_snapshot **out, const char *id, char *why, size_t why_len);
+
+/* After the reads of a handle from train_memremote_open: one line per peer with the bytes read
+ * from it and the rate. No-op for other handles. */
+void train_memremote_done(state *s, const ckpt_snapshot *snap);
+
+/* Close the peer clients; accepts a state without them. */
+void train_memremote_close(state *s);
 
 /* ------------------------------------------------------------------ train_s3.c */
 

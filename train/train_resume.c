@@ -242,7 +242,8 @@ static int load_part(state *s, const char *path, char *why, size_t why_len)
     ckpt_snapshot *snap;
     objstore_opts so;
     train_s3_store_opts(s->o, &so);
-    int rc = ckpt_snapshot_open_any(&snap, path, &so, why, why_len);
+    int rc = ckpt_mem_is_id(path) ? train_memremote_open(s, &snap, path, why, why_len)
+                                   : ckpt_snapshot_open_any(&snap, path, &so, why, why_len);
     if (rc < 0) return rc == -EPROTONOSUPPORT ? -EINVAL : rc;
     if (ckpt_is_s3_url(path) && s->o->ckpt_dir) {
         /* the chunks this rank fetches also go into the local copy that local_copy completes
@@ -298,6 +299,7 @@ static int load_part(state *s, const char *path, char *why, size_t why_len)
     }
     char *digest_copy = rc == 0 ? strdup(rec.params_digest) : NULL;
     json_decref(tr);
+    train_memremote_done(s, snap);
     ckpt_snapshot_close(snap);
     if (rc == 0) {
         if (!digest_copy) return -ENOMEM;
@@ -646,7 +648,7 @@ static int try_memory(state *s, int64_t newest, int *fatal)
     const options *o = s->o;
     ckpt_mem_entry *me = NULL;
     size_t nm = 0;
-    int rc = ckpt_mem_list(s->mem_path, &me, &nm);
+    int rc = train_memremote_list(s, s->mem_path, newest, &me, &nm);
     if (rc < 0) {
         LOG_W(TAG, "cannot list the memory snapshots of %s: %s; resuming from the disk tiers",
               s->mem_path, strerror(-rc));
@@ -668,7 +670,7 @@ static int try_memory(state *s, int64_t newest, int *fatal)
             continue;
         }
         if (m->status != CKPT_MEM_COMPLETE) {
-            LOG_I(TAG, "memory snapshot %s: only %u of its %u ranks' slots are on this node (%s); "
+            LOG_I(TAG, "memory snapshot %s: only %u of its %u ranks' slots are on this node or its peers (%s); "
                   "trying the next candidate", id, m->ranks_present, m->world_size, m->reason);
             continue;
         }
@@ -948,8 +950,17 @@ static int local_copy(state *s, const char *url)
     return 0;
 }
 
+static int resume_all(state *s);
+
 /* Every rank: the resume decided by rank 0 (collective). Returns 0, 1 or 2 (exit status). */
 int train_resume(state *s)
+{
+    int status = resume_all(s);
+    train_memremote_close(s);
+    return status;
+}
+
+static int resume_all(state *s)
 {
     char why[600];
     fresh_start(s);

@@ -664,6 +664,129 @@ static void test_prefix_rule(void)
     free(longp);
 }
 
+/* ------------------------------------------------------------------ remotes */
+
+/* A remote in this process: ranks 2 and 3's segments, moved out of the prefix's folder. */
+typedef struct fake_remote {
+    shmseg *seg[2];
+    uint64_t seq[4]; /* per ref = seg * 2 + slot, as listed */
+    int fail_list, flip, stale;
+    int reads;
+} fake_remote;
+
+static int fake_list(void *ctx, ckpt_mem_remote_slot **out, size_t *n)
+{
+    fake_remote *f = ctx;
+    *out = NULL;
+    *n = 0;
+    if (f->fail_list) return -ETIMEDOUT;
+    ckpt_mem_remote_slot *v = calloc(4, sizeof *v);
+    if (!v) return -ENOMEM;
+    for (int g = 0; g < 2; g++)
+        for (int sl = 0; sl < 2; sl++) {
+            shmseg_info in;
+            if (shmseg_slot_info(f->seg[g], sl, &in) < 0 || in.state != SHMSEG_COMPLETE) continue;
+            ckpt_mem_remote_slot *e = &v[*n];
+            uint64_t seq = 0, hl = in.payload_bytes < 4096 ? in.payload_bytes : 4096;
+            if (shmseg_copy_out(f->seg[g], sl, e->head, 0, hl, &seq) < 0) continue;
+            e->ref = (uint64_t)(g * 2 + sl);
+            e->payload_bytes = in.payload_bytes;
+            f->seq[e->ref] = seq;
+            snprintf(e->where, sizeof e->where, "fake remote seg %d slot %d", g, sl);
+            (*n)++;
+        }
+    *out = v;
+    return 0;
+}
+
+static int fake_read(void *ctx, uint64_t ref, uint64_t off, uint64_t len, void *dst)
+{
+    fake_remote *f = ctx;
+    __atomic_add_fetch(&f->reads, 1, __ATOMIC_RELAXED);
+    if (f->stale) return -ESTALE;
+    uint64_t seq = f->seq[ref];
+    int rc = shmseg_copy_out(f->seg[ref / 2], (int)(ref % 2), dst, off, len, &seq);
+    if (rc == -EINVAL) return -ERANGE;
+    if (rc < 0) return -ESTALE;
+    if (f->flip && len > 4096 && off >= 4096) ((uint8_t *)dst)[len / 2] ^= 0x10; /* a data chunk */
+    return 0;
+}
+
+static void test_remote(void)
+{
+    make_whole(5000);
+    write_step(5000, NULL);
+    /* ranks 2 and 3's segments leave the folder (their mappings stay): here only 0 and 1 */
+    char *away = t_tmpdir("ckpt-mem-away");
+    char *own2 = seg_path("own-2"), *own3 = seg_path("own-3"), *a2 = t_path_in(away, "2"), *a3 = t_path_in(away, "3");
+    T_REQUIRE(rename(own2, a2) == 0 && rename(own3, a3) == 0, "move ranks 2, 3 away");
+    /* the replicas other tests left of ranks 2, 3 are of older steps: step 5000 is partial here */
+    fake_remote f = {{segs[2], segs[3]}, {0}, 0, 0, 0, 0};
+    ckpt_mem_remote rm = {"fake remote", &f, fake_list, fake_read};
+    ckpt_mem_entry *e = NULL;
+    size_t n = 0;
+    T_REQUIRE(ckpt_mem_list(prefix, &e, &n) == 0 && n > 0, "list local");
+    T_CHECK(e[0].step == 5000 && e[0].status == CKPT_MEM_PARTIAL && e[0].ranks_present == 2,
+            "local: step 5000 partial (%d, %u ranks)", e[0].status, e[0].ranks_present);
+    char id[CKPT_MEM_ID_MAX];
+    snprintf(id, sizeof id, "%s", e[0].id);
+    free(e);
+    T_REQUIRE(ckpt_mem_list_ex(prefix, &rm, 1, &e, &n) == 0 && n > 0, "list with the remote");
+    T_CHECK(e[0].step == 5000 && e[0].status == CKPT_MEM_COMPLETE && e[0].ranks_present == W &&
+                e[0].ranks_own == 2 && e[0].ranks_remote == 2 && e[0].source == CKPT_MEM_SRC_REMOTE,
+            "with the remote: complete, 2 own + 2 remote (%d, %u/%u/%u)", e[0].status, e[0].ranks_own,
+            e[0].ranks_replica, e[0].ranks_remote);
+    free(e);
+    ckpt_snapshot *s = NULL;
+    char why[512] = "";
+    T_CHECK(ckpt_mem_snapshot_open(&s, prefix, id, why, sizeof why) == -ENOENT && !s, "local open: -ENOENT");
+    int rc = ckpt_mem_snapshot_open_ex(&s, prefix, id, &rm, 1, why, sizeof why);
+    T_REQUIRE(rc == 0, "open with the remote: %d %s", rc, why);
+    T_CHECK(ckpt_mem_snapshot_remotes(s) == 2 && ckpt_mem_snapshot_source(s, 3) == CKPT_MEM_SRC_REMOTE &&
+                ckpt_mem_snapshot_source(s, 0) == CKPT_MEM_SRC_OWN, "sources");
+    T_CHECK(ckpt_mem_snapshot_remote_name(s, 0) == NULL && ckpt_mem_snapshot_remote_name(s, 2) &&
+                !strcmp(ckpt_mem_snapshot_remote_name(s, 2), "fake remote"), "remote names");
+    T_CHECK(!strcmp(ckpt_mem_source_name(CKPT_MEM_SRC_REMOTE), "peer"), "source name");
+    f.reads = 0;
+    check_reshard(s, 3); /* re-sharded to 3: ranges across the local and the remote slots */
+    check_reshard(s, 1);
+    T_CHECK(f.reads > 0, "reads went through the remote (%d)", f.reads);
+    T_CHECK(ckpt_snapshot_verify(s, why, sizeof why, NULL, NULL) == 0, "verify: %s", why);
+    /* a flipped byte on the way: the chunk checksum finds it, naming the remote's slot */
+    f.flip = 1;
+    uint8_t *dst = malloc(totals[0]);
+    char bad[512] = "";
+    rc = ckpt_snapshot_read(s, "params", 0, totals[0], dst, bad, sizeof bad);
+    T_CHECK(rc == -EBADMSG && strstr(bad, "fake remote"), "flipped on a remote: %d %s", rc, bad);
+    f.flip = 0;
+    f.stale = 1;
+    rc = ckpt_snapshot_read(s, "params", 0, totals[0], dst, bad, sizeof bad);
+    T_CHECK(rc == -ESTALE, "stale remote: %d %s", rc, bad);
+    f.stale = 0;
+    /* only the local ranges: no remote read */
+    f.reads = 0;
+    T_CHECK(ckpt_snapshot_read(s, "params", 0, 4096, dst, bad, sizeof bad) == 0 && f.reads == 0,
+            "rank 0's range reads no remote (%d)", f.reads);
+    ckpt_snapshot_close(s);
+    free(dst);
+    /* a remote that cannot list: skipped, the snapshot is not complete */
+    f.fail_list = 1;
+    T_CHECK(ckpt_mem_snapshot_open_ex(&s, prefix, id, &rm, 1, why, sizeof why) == -ENOENT, "remote down");
+    f.fail_list = 0;
+    /* remotes only (no local path): ranks 0, 1 missing */
+    T_CHECK(ckpt_mem_snapshot_open_ex(&s, NULL, id, &rm, 1, why, sizeof why) == -ENOENT, "remote only: %s", why);
+    ckpt_mem_remote nofn = {"x", &f, NULL, fake_read};
+    T_CHECK(ckpt_mem_snapshot_open_ex(&s, prefix, id, &nofn, 1, why, sizeof why) == -EINVAL, "no list fn");
+    T_CHECK(ckpt_mem_list_ex(prefix, &nofn, 1, &e, &n) == -EINVAL, "no list fn (list)");
+    T_REQUIRE(rename(a2, own2) == 0 && rename(a3, own3) == 0, "move back");
+    t_rmrf(away);
+    free(away);
+    free(own2);
+    free(own3);
+    free(a2);
+    free(a3);
+}
+
 int main(void)
 {
     /* only the child of test_crash_mid_copy writes step 999 (the value is read once) */
@@ -681,6 +804,7 @@ int main(void)
     test_flush();
     test_stale();
     test_hostile_headers();
+    test_remote();
     for (int r = 0; r < W; r++) shmseg_close(segs[r]);
     for (int b = 0; b < NB; b++) free(whole[b]);
     free(lease);
