@@ -435,12 +435,16 @@ class S3(TempDirTest):
                                      "--s3", self.url(), "--s3-attempts", "12"], e)
             refused = sorted(ev["time"] for ev in proxy.events if ev["fault"])
         self.assertGreaterEqual(rule.hits, 8, logs[-3000:])
-        # full jitter: the refused attempts do not come in lockstep; most 100 ms windows hold
-        # at most a few of them
+        # full jitter: the retries do not come in lockstep; most 100 ms windows hold at most a
+        # few of them. The first attempts come together by nature (the ranks commit the same
+        # snapshot at the same moment: 4 ranks x their objects within ~100 ms), so they are
+        # left out: only what comes 200 ms after the first refusal is judged
+        retries = [t for t in refused if t > refused[0] + 0.2]
+        self.assertGreaterEqual(len(retries), 4, refused)
         windows = {}
-        for t in refused:
+        for t in retries:
             windows[int(t * 10)] = windows.get(int(t * 10), 0) + 1
-        self.assertLessEqual(max(windows.values()), max(4, len(refused) // 3), refused)
+        self.assertLessEqual(max(windows.values()), max(3, len(retries) // 3), refused)
         self.assertEqual(self.s3_steps().get(9), "committed")
         times = [float(x) for x in re.findall(r"step \d+/9 loss \S+ lr \S+ grad_norm \S+ (\d+) ms", logs)]
         self.assertLess(max(times), 5000, "a training step waited for S3")
