@@ -89,7 +89,9 @@ def main():
     t_start = time.time()
     with open(log_path, "w") as log:
         agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    launch_re = re.compile(r"(fresh start|resumed from \S+ at step (\d+))")
+    # "resumed from DIR/step-N at step N" (disk, S3) or "resumed from memory (own|replica|peer) at
+    # step N" (the memory tier, on by default under elastic)
+    launch_re = re.compile(r"(fresh start|resumed from (?:memory \(\w+\)|\S+) at step (\d+))")
     step_re = re.compile(r"\] .*step (\d+)/")
     kills, resumed = 0, []
     try:
@@ -121,6 +123,7 @@ def main():
             agent.wait()
     text = open(log_path).read()
     resumed = [int(m.group(2)) for m in launch_re.finditer(text) if m.group(2)]
+    from_mem = len(re.findall(r"resumed from memory \(", text))
     launches = len(launch_re.findall(text))
     m = re.search(r"params_digest=([0-9a-f]{32})", out)
     got = m.group(1) if m else None
@@ -129,7 +132,7 @@ def main():
     want = m.group(1) if m else None
     equal = got is not None and got == want
     print(f"kills={kills} restarts={max(0, launches - 1)} "
-          f"resumed_from={','.join(map(str, resumed)) or '-'} "
+          f"resumed_from={','.join(map(str, resumed)) or '-'} from_memory={from_mem} "
           f"digest_equal={'yes' if equal else 'no'}", flush=True)
     # every kill lands in a running round, so each must have caused exactly one restart
     ok = agent.returncode == 0 and kills == a.kills and launches - 1 == kills and equal
