@@ -113,9 +113,14 @@
  *    slot of this node's own and replica segments with the payload's first 4096 bytes, GET a
  *    byte range of one slot copied out at the listed seq (a slot rewritten since: STALE), so
  *    that a restore reads a rank's slot that is only here. The server treats payloads as
- *    bytes. Queries are answered one at a time by the accepting thread, replica transfers one
- *    at a time by a thread of their own (a restore's reads never wait behind a transfer); a
- *    peer that connects and stays silent delays the next queries by at most 10 s.
+ *    bytes. Each connection is served by a thread of its own (at most 64 at once; more are
+ *    closed at once, logged at most once per 10 s) and must complete its handshake (magic,
+ *    version, token, fixed header) within 5 s of the accept, progress or not, so silent or
+ *    trickling connections without the token delay neither transfers nor queries. Queries
+ *    are answered one at a time, replica transfers one at a time by a thread of their own (a
+ *    restore's reads never wait behind a transfer); after the handshake each socket wait has
+ *    10 s without progress. A peer that takes a transfer's connection and does not answer
+ *    within 10 s is logged as such ("took the connection but did not answer"), once a round.
  *  - Removal: at the end of the job (success, failure, preemption; after the flush) every
  *    <prefix>.* file is unlinked, the lease last. An agent killed with SIGKILL leaves them
  *    to the next agent of the same job.

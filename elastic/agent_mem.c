@@ -21,10 +21,16 @@
  *   receiver -> sender   1 byte: 0 committed into <its prefix>.rep-<src_node>-<slot>, or a code
  * Answer codes: 0 OK, 1 DENIED (token), 2 BAD (magic, version, fields out of range),
  * 3 LOCAL (the receiver cannot keep it: no space, I/O error). The token is compared in
- * constant time and never logged. Every socket wait is bounded by IO_TIMEOUT_S without
- * progress. Transfers are served one at a time by a thread of their own (put_main); queries
- * (below) by the accepting thread, one at a time, so a restore's reads never wait behind a
- * replica transfer (and a silent connection delays the next ones by at most IO_TIMEOUT_S).
+ * constant time and never logged. Each accepted connection gets a thread of its own (at most
+ * CONN_MAX at once; past that a connection is closed at once, the refusal logged as the
+ * others), which must read the whole handshake (magic, version, token, fixed header) within
+ * HANDSHAKE_S of the accept, progress or not: whoever can reach the port without the token
+ * (anyone on the machine) cannot hold the server with silent connections or a byte now and
+ * then, nor delay a transfer or a query that authenticates. After the handshake every socket
+ * wait is bounded by IO_TIMEOUT_S without progress. Authenticated transfers go to a thread of
+ * their own (put_main), one at a time (one writer per replica file); queries (below) are
+ * answered by their connection's thread, one at a time (qmu), so a restore's reads never wait
+ * behind a replica transfer.
  *
  * Queries (magic "CKMQ", mem_wire.h; the client is mem_client.h): on the same socket, with the
  * same token check, a worker of another node LISTs the complete slots of this node's segments
@@ -69,7 +75,12 @@
 #define RAND_HEX 16
 /* "ckptmem-" + 16 + "-" + 16 */
 #define PREFIX_LEN (8 + HASH_HEX + 1 + RAND_HEX)
-#define IO_TIMEOUT_S 10.0      /* every socket wait without progress */
+#define IO_TIMEOUT_S 10.0      /* every socket wait without progress, after the handshake */
+#define HANDSHAKE_S 5.0        /* from accept to the end of the fixed header (magic, version,
+                                  token, fields), progress or not: a client sending a byte now
+                                  and then cannot hold a connection */
+#define CONN_MAX 64            /* connections served at once (a thread each); more are refused
+                                  at once */
 #define CONNECT_TIMEOUT_S 3.0
 #define POLL_S 0.1             /* the sender's look at the own segments */
 #define CHUNK (256u * 1024u)   /* the sender's piece: copy_out, then send; the bucket's depth */
@@ -85,12 +96,21 @@ enum { ANS_OK = 0, ANS_DENIED = 1, ANS_BAD = 2, ANS_LOCAL = 3 };
 
 #define PUTQ 8                 /* replica transfers waiting for the put thread */
 
-/* A replica transfer accepted by the server thread, its first 12 bytes read. */
+/* A replica transfer whose handshake (magic, version, token, fixed header f) a connection
+ * thread read and accepted, for the put thread. */
 typedef struct put_job {
     int fd;
-    unsigned char h[12];
+    unsigned char f[40];
     char from[NI_MAXHOST + NI_MAXSERV + 4];
 } put_job;
+
+/* One accepted connection, for its thread. */
+typedef struct conn_job {
+    struct elastic_mem *m;
+    int fd;
+    double deadline;           /* of the handshake (clock_now_s) */
+    char from[NI_MAXHOST + NI_MAXSERV + 4];
+} conn_job;
 
 /* A segment mapped for the queries; identified by path and inode (a rebuilt file is another). */
 typedef struct qseg {
@@ -139,6 +159,10 @@ struct elastic_mem {
     double refused_logged;     /* when a refusal was last logged */
     qseg qcache[QCACHE];       /* segments the queries opened (mem_wire.h), by path and inode */
     unsigned qnext;            /* the cache entry to replace next */
+    unsigned nconn;            /* connection threads running (with mu) */
+    pthread_cond_t conn_cv;    /* signals nconn reaching 0 (with mu) */
+    pthread_mutex_t qmu;       /* the queries' state below (qcache, qnext, qbuf): queries of
+                                  several connections are answered one at a time */
     pthread_cond_t put_cv;     /* signals putq (with mu) */
     put_job putq[PUTQ];        /* replica transfers accepted, for the put thread (with mu) */
     unsigned put_head, put_n;
@@ -315,6 +339,8 @@ int elastic_mem_open(elastic_mem **out, const char *dir, const char *run_id, int
     m->nproc = nproc;
     pthread_mutex_init(&m->mu, NULL);
     pthread_cond_init(&m->put_cv, NULL);
+    pthread_cond_init(&m->conn_cv, NULL);
+    pthread_mutex_init(&m->qmu, NULL);
     int rc = 0, dfd = -1;
     struct stat st;
     if (!realpath(dir, m->dir)) {
@@ -342,6 +368,8 @@ fail:
     LOG_E(MEM_TAG, "memory tier: cannot use the segment folder %s: %s", dir, strerror(-rc));
     if (dfd >= 0) close(dfd);
     pthread_cond_destroy(&m->put_cv);
+    pthread_cond_destroy(&m->conn_cv);
+    pthread_mutex_destroy(&m->qmu);
     pthread_mutex_destroy(&m->mu);
     free(m);
     return rc;
@@ -392,6 +420,8 @@ void elastic_mem_close(elastic_mem *m)
     free(m->torn);
     free(m->seen);
     pthread_cond_destroy(&m->put_cv);
+    pthread_cond_destroy(&m->conn_cv);
+    pthread_mutex_destroy(&m->qmu);
     pthread_mutex_destroy(&m->mu);
     free(m);
 }
@@ -443,8 +473,9 @@ static int send_all(elastic_mem *m, int fd, const void *buf, size_t n)
     return 0;
 }
 
-/* Read exactly n bytes; -ECONNRESET at an early end of the stream. */
-static int recv_all(elastic_mem *m, int fd, void *buf, size_t n)
+/* Read exactly n bytes; -ECONNRESET at an early end of the stream. deadline 0: each wait at
+ * most IO_TIMEOUT_S without progress; else (clock_now_s) all of it by then, progress or not. */
+static int recv_dl(elastic_mem *m, int fd, void *buf, size_t n, double deadline)
 {
     char *p = buf;
     while (n) {
@@ -457,10 +488,17 @@ static int recv_all(elastic_mem *m, int fd, void *buf, size_t n)
         if (r == 0) return -ECONNRESET;
         if (errno == EINTR) continue;
         if (errno != EAGAIN) return errno == EFAULT ? -EFAULT : -ECONNRESET;
-        int rc = wait_io(m, fd, POLLIN, 0);
+        double left = deadline > 0 ? deadline - clock_now_s() : 0;
+        if (deadline > 0 && left <= 0) return -ETIMEDOUT;
+        int rc = wait_io(m, fd, POLLIN, deadline > 0 && left < IO_TIMEOUT_S ? left : 0);
         if (rc < 0) return rc;
     }
     return 0;
+}
+
+static int recv_all(elastic_mem *m, int fd, void *buf, size_t n)
+{
+    return recv_dl(m, fd, buf, n, 0);
 }
 
 static void put32(unsigned char *p, uint32_t v)
@@ -554,8 +592,9 @@ static const char *answer_text(int a)
 }
 
 /* Send slot `slot` of seg (info: its complete header) to the peer. 0 sent and committed,
- * -EAGAIN torn (try later), -ECONNREFUSED & co: the peer is unreachable (*answer -1) or
- * answered a refusal (*answer > 0). */
+ * -EAGAIN torn (try later), -ECONNREFUSED & co: the peer is unreachable (*answer -1), took the
+ * connection but answered nothing within IO_TIMEOUT_S (-ETIMEDOUT, *answer -2), or answered a
+ * refusal (*answer > 0). */
 static int send_slot(elastic_mem *m, const round_view *rv, int local, shmseg *seg, int slot,
                      const shmseg_info *info, int *answer, unsigned char *buf)
 {
@@ -583,7 +622,7 @@ static int send_slot(elastic_mem *m, const round_view *rv, int local, shmseg *se
     unsigned char a = 0;
     int rc = send_all(m, fd, hdr, k);
     explicit_bzero(hdr, sizeof hdr);
-    if (rc == 0) rc = recv_all(m, fd, &a, 1);
+    if (rc == 0 && (rc = recv_all(m, fd, &a, 1)) == -ETIMEDOUT) *answer = -2;
     if (rc == 0 && a != ANS_OK) {
         *answer = a;
         rc = -EACCES;
@@ -609,7 +648,7 @@ static int send_slot(elastic_mem *m, const round_view *rv, int local, shmseg *se
         double now = clock_now_s();
         next = (next > now ? next : now) + (double)len / m->rate;
     }
-    if (rc == 0) rc = recv_all(m, fd, &a, 1);
+    if (rc == 0 && (rc = recv_all(m, fd, &a, 1)) == -ETIMEDOUT) *answer = -2;
     if (rc == 0 && a != ANS_OK) {
         *answer = a;
         rc = -EIO;
@@ -619,7 +658,7 @@ static int send_slot(elastic_mem *m, const round_view *rv, int local, shmseg *se
     pthread_mutex_unlock(&m->mu);
     close(fd);
     if (rc == -EAGAIN) return rc;
-    if (rc < 0 && *answer < 0 && rc != -ECANCELED) rc = rc == -ETIMEDOUT ? rc : -ECONNRESET;
+    if (rc < 0 && *answer == -1 && rc != -ECANCELED) rc = rc == -ETIMEDOUT ? rc : -ECONNRESET;
     return rc;
 }
 
@@ -674,6 +713,13 @@ static void poll_one(elastic_mem *m, const round_view *rv, int L, unsigned char 
     if (answer > 0)
         LOG_W(MEM_TAG, "memory tier: peer node %d at %s %s; no replica this round", dst, rv->peer,
               answer_text(answer));
+    else if (answer == -2)
+        LOG_W(MEM_TAG, "memory tier: peer node %d at %s took the connection but did not answer "
+              "within %.0f s; retrying quietly this round", dst, rv->peer, IO_TIMEOUT_S);
+    else if (rc == -ETIMEDOUT)
+        LOG_W(MEM_TAG, "memory tier: peer node %d at %s is unreachable (no connection within "
+              "%.0f s, or it stopped taking the bytes for %.0f s); retrying quietly this round",
+              dst, rv->peer, CONNECT_TIMEOUT_S, IO_TIMEOUT_S);
     else
         LOG_W(MEM_TAG, "memory tier: peer node %d at %s is unreachable (%s); retrying quietly "
               "this round", dst, rv->peer, strerror(-rc));
@@ -949,8 +995,10 @@ static void query_get(elastic_mem *m, int fd, const unsigned char *f)
     else if (send_answer(m, fd, MEMQ_ST_OK, len) == 0 && len) send_all(m, fd, m->qbuf, (size_t)len);
 }
 
-/* A query connection after its first 12 bytes h (magic "CKMQ" checked by the caller). */
-static void serve_query(elastic_mem *m, int fd, const char *from, const unsigned char *h)
+/* A query connection after its first 12 bytes h (magic "CKMQ" checked by the caller); the
+ * token and the request by the handshake's deadline. */
+static void serve_query(elastic_mem *m, int fd, const char *from, const unsigned char *h,
+                        double deadline)
 {
     unsigned char tok[TOKEN_MAX], f[MEMQ_REQ_BYTES];
     uint32_t tl = get32(h + 8);
@@ -959,7 +1007,12 @@ static void serve_query(elastic_mem *m, int fd, const char *from, const unsigned
         send_answer(m, fd, MEMQ_ST_BAD, 0);
         return;
     }
-    if (recv_all(m, fd, tok, tl) < 0 || recv_all(m, fd, f, sizeof f) < 0) return;
+    int rc = recv_dl(m, fd, tok, tl, deadline);
+    if (rc == 0) rc = recv_dl(m, fd, f, sizeof f, deadline);
+    if (rc < 0) {
+        if (rc == -ETIMEDOUT) refused_what(m, "memory query", from, "no complete request in time");
+        return;
+    }
     int ok = token_equal(tok, tl, (const unsigned char *)(m->token ? m->token : ""), m->token_len);
     explicit_bzero(tok, sizeof tok);
     if (!ok) {
@@ -968,31 +1021,49 @@ static void serve_query(elastic_mem *m, int fd, const char *from, const unsigned
         return;
     }
     uint32_t op = get32(f);
+    pthread_mutex_lock(&m->qmu);
     if (op == MEMQ_OP_LIST) query_list(m, fd);
     else if (op == MEMQ_OP_GET) query_get(m, fd, f);
     else send_answer(m, fd, MEMQ_ST_BAD, 0);
+    pthread_mutex_unlock(&m->qmu);
 }
 
-/* A replica transfer after its first 12 bytes h (put thread). */
-static void serve_put(elastic_mem *m, int fd, const char *from, const unsigned char *h)
+/* A replica transfer's handshake after its first 12 bytes h, by the deadline: 0 and its fixed
+ * header in f (token accepted), or -1 (answered or dropped; the caller closes fd). */
+static int put_handshake(elastic_mem *m, int fd, const char *from, const unsigned char *h,
+                         unsigned char f[40], double deadline)
 {
-    unsigned char tok[TOKEN_MAX], f[40];
+    unsigned char tok[TOKEN_MAX];
     unsigned char ans = ANS_BAD;
-    shmseg *seg = NULL;
     uint32_t tl = get32(h + 8);
     if (memcmp(h, "CKMR", 4) != 0 || get32(h + 4) != 1 || tl > TOKEN_MAX) {
         refused(m, from, "not a replica frame of version 1");
-        goto answer;
+        send_all(m, fd, &ans, 1);
+        return -1;
     }
-    if (recv_all(m, fd, tok, tl) < 0 || recv_all(m, fd, f, sizeof f) < 0) goto out;
+    int rc = recv_dl(m, fd, tok, tl, deadline);
+    if (rc == 0) rc = recv_dl(m, fd, f, 40, deadline);
+    if (rc < 0) {
+        if (rc == -ETIMEDOUT) refused(m, from, "no complete frame header in time");
+        return -1;
+    }
     int ok = token_equal(tok, tl, (const unsigned char *)(m->token ? m->token : ""),
                          m->token_len);
     explicit_bzero(tok, sizeof tok);
     if (!ok) {
         ans = ANS_DENIED;
         refused(m, from, "wrong job token");
-        goto answer;
+        send_all(m, fd, &ans, 1);
+        return -1;
     }
+    return 0;
+}
+
+/* A replica transfer after its accepted handshake (f: the fixed header; put thread). */
+static void serve_put(elastic_mem *m, int fd, const char *from, const unsigned char *f)
+{
+    unsigned char ans = ANS_BAD;
+    shmseg *seg = NULL;
     uint32_t src = get32(f), L = get32(f + 4);
     uint64_t slot_bytes = get64(f + 8), payload = get64(f + 16), step = get64(f + 24);
     if (src >= 4096 || L >= 4096 || slot_bytes == 0 || slot_bytes % SHMSEG_PAGE ||
@@ -1047,8 +1118,8 @@ out:
     shmseg_close(seg);
 }
 
-/* The replica transfers, one at a time in the order accepted (one writer per replica file),
- * on a thread of their own so that a restore's queries never wait behind one. */
+/* The replica transfers, one at a time in the order their handshakes ended (one writer per
+ * replica file), on a thread of their own so that a restore's queries never wait behind one. */
 static void *put_main(void *arg)
 {
     elastic_mem *m = arg;
@@ -1060,7 +1131,7 @@ static void *put_main(void *arg)
         m->put_head = (m->put_head + 1) % PUTQ;
         m->put_n--;
         pthread_mutex_unlock(&m->mu);
-        serve_put(m, j.fd, j.from, j.h);
+        serve_put(m, j.fd, j.from, j.f);
         close(j.fd);
         pthread_mutex_lock(&m->mu);
     }
@@ -1073,34 +1144,38 @@ static void *put_main(void *arg)
     return NULL;
 }
 
-/* The first 12 bytes of a connection tell a query (served here) from a replica transfer
- * (queued for the put thread). */
-static void serve_conn(elastic_mem *m, int fd, const char *from)
+/* One connection (a thread of its own): the handshake by its deadline, then a query served
+ * here or a replica transfer queued for the put thread. */
+static void *conn_main(void *arg)
 {
-    unsigned char h[12];
-    if (recv_all(m, fd, h, sizeof h) < 0) {
-        close(fd);
-        return;
+    conn_job *c = arg;
+    elastic_mem *m = c->m;
+    int fd = c->fd;
+    unsigned char h[12], f[40];
+    int rc = recv_dl(m, fd, h, sizeof h, c->deadline);
+    if (rc == -ETIMEDOUT) refused(m, c->from, "no frame header in time");
+    if (rc == 0 && !memcmp(h, MEMQ_MAGIC, 4)) {
+        serve_query(m, fd, c->from, h, c->deadline);
+    } else if (rc == 0 && put_handshake(m, fd, c->from, h, f, c->deadline) == 0) {
+        pthread_mutex_lock(&m->mu);
+        int queued = m->put_started && !m->quit && m->put_n < PUTQ;
+        if (queued) {
+            put_job *j = &m->putq[(m->put_head + m->put_n++) % PUTQ];
+            j->fd = fd;
+            memcpy(j->f, f, sizeof f);
+            snprintf(j->from, sizeof j->from, "%s", c->from);
+            pthread_cond_signal(&m->put_cv);
+            fd = -1;
+        }
+        pthread_mutex_unlock(&m->mu);
+        if (!queued) refused(m, c->from, "too many replica transfers waiting");
     }
-    if (!memcmp(h, MEMQ_MAGIC, 4)) {
-        serve_query(m, fd, from, h);
-        close(fd);
-        return;
-    }
+    if (fd >= 0) close(fd);
+    free(c);
     pthread_mutex_lock(&m->mu);
-    int queued = m->put_started && !m->quit && m->put_n < PUTQ;
-    if (queued) {
-        put_job *j = &m->putq[(m->put_head + m->put_n++) % PUTQ];
-        j->fd = fd;
-        memcpy(j->h, h, sizeof h);
-        snprintf(j->from, sizeof j->from, "%s", from);
-        pthread_cond_signal(&m->put_cv);
-    }
+    if (--m->nconn == 0) pthread_cond_broadcast(&m->conn_cv);
     pthread_mutex_unlock(&m->mu);
-    if (!queued) {
-        refused(m, from, "too many replica transfers waiting");
-        close(fd);
-    }
+    return NULL;
 }
 
 static void *server_main(void *arg)
@@ -1113,15 +1188,34 @@ static void *server_main(void *arg)
         socklen_t sl = sizeof ss;
         int fd = accept4(m->listen_fd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) continue;
+        double deadline = clock_now_s() + HANDSHAKE_S;
         char host[NI_MAXHOST] = "?", port[NI_MAXSERV] = "?", from[NI_MAXHOST + NI_MAXSERV + 4];
         getnameinfo((struct sockaddr *)&ss, sl, host, sizeof host, port, sizeof port,
                     NI_NUMERICHOST | NI_NUMERICSERV);
         snprintf(from, sizeof from, "%s:%s", host, port);
-        serve_conn(m, fd, from);
+        pthread_mutex_lock(&m->mu);
+        int room = m->nconn < CONN_MAX;
+        if (room) m->nconn++;
+        pthread_mutex_unlock(&m->mu);
+        conn_job *c = room ? malloc(sizeof *c) : NULL;
+        pthread_t th;
+        int rc = -ENOMEM;
+        if (c) {
+            *c = (conn_job){m, fd, deadline, ""};
+            snprintf(c->from, sizeof c->from, "%s", from);
+            if ((rc = common_thread_start(&th, conn_main, c)) == 0) pthread_detach(th);
+        }
+        if (rc == 0) continue;
+        free(c);
+        if (room) {
+            pthread_mutex_lock(&m->mu);
+            if (--m->nconn == 0) pthread_cond_broadcast(&m->conn_cv);
+            pthread_mutex_unlock(&m->mu);
+        }
+        refused_what(m, "connection", from, room ? "cannot start a thread for it"
+                                                 : "too many connections in flight");
+        close(fd);
     }
-    qcache_clear(m);
-    free(m->qbuf);
-    m->qbuf = NULL;
     return NULL;
 }
 
@@ -1213,9 +1307,14 @@ static void replica_stop(elastic_mem *m)
     if (m->snd_started) pthread_join(m->snd_th, NULL);
     if (m->srv_started) pthread_join(m->srv_th, NULL);
     pthread_mutex_lock(&m->mu);
+    /* the connection threads see quit within 0.2 s (wait_io) */
+    while (m->nconn) pthread_cond_wait(&m->conn_cv, &m->mu);
     pthread_cond_broadcast(&m->put_cv);
     pthread_mutex_unlock(&m->mu);
     if (m->put_started) pthread_join(m->put_th, NULL);
+    qcache_clear(m);
+    free(m->qbuf);
+    m->qbuf = NULL;
     m->snd_started = m->srv_started = m->put_started = 0;
     m->replica = 0;
     if (m->listen_fd >= 0) close(m->listen_fd);

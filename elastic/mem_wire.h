@@ -1,8 +1,9 @@
 /* mem_wire.h - the memory tier's query protocol between a worker (mem_client.c) and an agent's
  * replica server (agent_mem.c). Internal to elastic/; mem_client.h documents the behaviour.
  *
- * Version 1, little-endian, one request per TCP connection (the server serves a connection at
- * a time, the replica PUTs of agent_mem.c on the same socket included):
+ * Version 1, little-endian, one request per TCP connection (on the socket of agent_mem.c's
+ * replica transfers; each connection has 5 s from its accept to send everything up to the
+ * request's last byte, else it is closed; queries are answered one at a time):
  *   client -> server  magic "CKMQ" | version u32 = 1 | token_len u32 (<= MEMQ_TOKEN_MAX) |
  *                     token[token_len] | op u32 (MEMQ_OP_*) | kind u32 (0 own, 1 rep) |
  *                     node u32 | local u32 | slot u32 | pad u32 | seq u64 | off u64 | len u64
