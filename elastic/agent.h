@@ -187,7 +187,10 @@ typedef struct elastic_agent_opts {
     const char *mem_dir;        /* the memory tier's segment folder (see "Memory tier"); NULL =
                                    "/dev/shm", and the tier is then off (a warning) when that
                                    folder is unusable; a given folder that is unusable fails the
-                                   start (ELASTIC_EXIT_USAGE, one line) */
+                                   start (ELASTIC_EXIT_USAGE, one line): missing, not writable,
+                                   or a real path over 3989 bytes (the workers' prefix, folder +
+                                   "/" + 41, must stay under 4032 bytes, ckpt_mem_prefix_ok's
+                                   rule) */
     int mem_replica_mbps;       /* cap of the peer replica sender, MB/s (10^6 bytes/s),
                                    [0, 1000000]; default 1000; 0 = no replica */
 } elastic_agent_opts;

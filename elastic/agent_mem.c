@@ -75,6 +75,11 @@
 #define RAND_HEX 16
 /* "ckptmem-" + 16 + "-" + 16 */
 #define PREFIX_LEN (8 + HASH_HEX + 1 + RAND_HEX)
+/* The longest CKPT_MEM_PATH the workers' readers take: ckpt_mem_prefix_ok (ckpt/ckpt_mem.h)
+ * wants fewer than CKPT_PATH_MAX - 64 = 4032 bytes. elastic/ does not include ckpt/: the
+ * bound is repeated here (test_ckpt_mem test_prefix_rule pins the reader's edge, test_mem_agent
+ * this one's). */
+#define WORKER_PREFIX_MAX 4031
 #define IO_TIMEOUT_S 10.0      /* every socket wait without progress, after the handshake */
 #define HANDSHAKE_S 5.0        /* from accept to the end of the fixed header (magic, version,
                                   token, fields), progress or not: a client sending a byte now
@@ -355,6 +360,21 @@ int elastic_mem_open(elastic_mem **out, const char *dir, const char *run_id, int
     if (access(m->dir, W_OK | X_OK) != 0) {
         rc = -errno;
         goto fail;
+    }
+    if (strlen(m->dir) + 1 + PREFIX_LEN > WORKER_PREFIX_MAX) {
+        /* the start of the path only: the logger's line would cut the whole one */
+        LOG_E(MEM_TAG, "memory tier: cannot use the segment folder %.64s...: its path is %zu "
+              "bytes long, the workers' prefix <folder>/" NAME_PREFIX "... would be %zu; at most "
+              "%d (the folder at most %d bytes)", m->dir, strlen(m->dir),
+              strlen(m->dir) + 1 + PREFIX_LEN, WORKER_PREFIX_MAX,
+              WORKER_PREFIX_MAX - 1 - PREFIX_LEN);
+        close(dfd);
+        pthread_cond_destroy(&m->put_cv);
+        pthread_cond_destroy(&m->conn_cv);
+        pthread_mutex_destroy(&m->qmu);
+        pthread_mutex_destroy(&m->mu);
+        free(m);
+        return -ENAMETOOLONG;
     }
     elastic_mem_jobhash((unsigned)getuid(), run_id, m->hash);
     if ((rc = make_lease(m, dfd, run_id)) < 0) goto fail;

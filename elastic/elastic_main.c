@@ -49,7 +49,8 @@ static const char usage_text[] =
     "                          only; 0.0.0.0 or :: for every interface)\n"
     "  --mem-dir DIR           the memory tier's segment folder (default /dev/shm): workers\n"
     "                          get CKPT_MEM_PATH=DIR/ckptmem-<job>-<random>; stale segments of\n"
-    "                          this job's dead agents are removed at start, this agent's at end\n"
+    "                          this job's dead agents are removed at start, this agent's at end;\n"
+    "                          its real path must be at most 3989 bytes\n"
     "  --mem-replica-mbps N    several nodes: send each memory snapshot to the next node at\n"
     "                          most N MB/s (default 1000; 0 = no replica)\n"
     "  -h, --help              this text\n";

@@ -96,6 +96,37 @@ class MemAgent(ElasticTest):
         self.assertRegex(err, r"ERROR .*memory tier: cannot use the segment folder .*missing: No such "
                          r"file or directory")
 
+    def test_mem_dir_too_long_for_the_workers_prefix_is_a_usage_error(self):
+        """A folder whose prefix "<dir>/ckptmem-<16>-<16>" (dir + 42 bytes) would fail the
+        readers' rule (ckpt_mem_prefix_ok: under 4032 bytes) is refused at start in one line,
+        exit 2; one byte shorter is taken."""
+        base = os.path.realpath(self.shm)
+        def deep(total):  # a folder under self.shm whose real path is `total` bytes
+            d = base
+            while len(d) < total:
+                d = os.path.join(d, "d" * min(200, total - len(d) - 1))
+            os.makedirs(d, exist_ok=True)
+            self.assertEqual(len(d), total)
+            return d
+        try:
+            ok = deep(3989)
+            rc, _, err = self.run_agent(["--nproc-per-node", "1", "--mem-dir", ok],
+                                        self.stub("--beats", "1"))
+            self.assertEqual(rc, 0, err)
+            os.makedirs(ok + "x")
+            rc, _, err = self.run_agent(["--nproc-per-node", "1", "--mem-dir", ok + "x"],
+                                        self.stub("--beats", "1"))
+            self.assertEqual(rc, 2, err)
+            lines = [l for l in err.splitlines() if "ERROR" in l]
+            self.assertEqual(len(lines), 1, err)
+            self.assertRegex(lines[0], r"memory tier: cannot use the segment folder .*: its path "
+                             r"is 3990 bytes long, .* at most 4031 \(the folder at most 3989 bytes\)")
+            self.assertEqual(os.listdir(ok + "x"), [])
+        finally:
+            top = os.path.join(base, "d" * 200)
+            if os.path.isdir(top):
+                subprocess.run(["rm", "-rf", top])
+
     def test_stale_segments_of_a_dead_agent_of_this_job_are_removed(self):
         """An agent SIGKILLed with its segments leaves them; the next agent of the same job
         removes them (one line with count and bytes), but neither those of a live agent of the
