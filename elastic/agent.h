@@ -73,7 +73,9 @@
  *    0600 and created O_EXCL|O_NOFOLLOW (the segments by common/shmseg.c): <prefix>.lease
  *    (flock LOCK_EX held for the agent's life; its text "pid=<pid> run=<id>" is for people),
  *    <prefix>.own-<L> (written by the worker of local rank L, never by the agent),
- *    <prefix>.rep-<N>-<L> (the replica of node N's local slot L, written by this agent).
+ *    <prefix>.rep-<A>-<L> (the replica of local slot L of the node whose agent's id is A,
+ *    written by this agent; A = that agent's rand16, which stays for its life, unlike its
+ *    node rank: a survivor re-sending under a dead node's old rank writes its own file).
  *  - Stale clean-up at start: every other prefix of the same job hash in the folder whose
  *    lease nobody holds (flock LOCK_EX|LOCK_NB succeeds: its agent is dead), or that has no
  *    lease left (a removal cut short), loses all its files of this uid, the lease last; one
@@ -102,7 +104,7 @@
  *    own segments every 0.1 s and sends each newly completed slot (a seq the peer does not
  *    have; all again to a new peer) at most mem_replica_mbps MB/s, with the job token (the
  *    store's; a job without a token accepts any sender, as its store does). The
- *    receiver keeps it in <its prefix>.rep-<src node>-<L> through shmseg (begin, the bytes,
+ *    receiver keeps it in <its prefix>.rep-<sender's rand16>-<L> through shmseg (begin, the bytes,
  *    commit): a transfer cut short, or a slot that changed at the source meanwhile, commits
  *    nothing. The protocol is in agent_mem.c. A peer that cannot be reached or refuses is
  *    logged once per round. Metrics: ckpt_mem_replica_bytes_total, ckpt_mem_replica_step.

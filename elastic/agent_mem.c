@@ -12,13 +12,18 @@
  * changed is never committed on the peer (the connection is closed before the last byte; the
  * receiver's slot stays "writing", its other slot keeps the previous replica).
  *
- * Replica protocol (version 1, little-endian, one transfer per TCP connection):
- *   sender -> receiver   magic "CKMR" | version u32 = 1 | token_len u32 (<= 1024) |
+ * Replica protocol (version 2, little-endian, one transfer per TCP connection):
+ *   sender -> receiver   magic "CKMR" | version u32 = 2 | token_len u32 (<= 1024) |
  *                        token[token_len] | src_node u32 | slot u32 (local rank L) |
- *                        slot_bytes u64 | payload_bytes u64 | step u64 | seq u64
+ *                        slot_bytes u64 | payload_bytes u64 | step u64 | seq u64 |
+ *                        src_agent u64 (the sender's id: its prefix's random part)
  *   receiver -> sender   1 byte: 0 go on, or an answer code below (then it closes)
  *   sender -> receiver   payload_bytes bytes (closing early = abandoned: nothing committed)
- *   receiver -> sender   1 byte: 0 committed into <its prefix>.rep-<src_node>-<slot>, or a code
+ *   receiver -> sender   1 byte: 0 committed into <its prefix>.rep-<src_agent 16 hex>-<slot>,
+ *                        or a code
+ * Version 1 (no src_agent) named the file by src_node; node ranks change between rounds, so a
+ * survivor re-sending under its new node rank overwrote the replica of the dead node that had
+ * held that rank - while a restore read it. It is refused (BAD). src_node is for the logs.
  * Answer codes: 0 OK, 1 DENIED (token), 2 BAD (magic, version, fields out of range),
  * 3 LOCAL (the receiver cannot keep it: no space, I/O error). The token is compared in
  * constant time and never logged. Each accepted connection gets a thread of its own (at most
@@ -105,7 +110,7 @@ enum { ANS_OK = 0, ANS_DENIED = 1, ANS_BAD = 2, ANS_LOCAL = 3 };
  * thread read and accepted, for the put thread. */
 typedef struct put_job {
     int fd;
-    unsigned char f[40];
+    unsigned char f[48];
     char from[NI_MAXHOST + NI_MAXSERV + 4];
 } put_job;
 
@@ -132,6 +137,7 @@ struct elastic_mem {
     char hash[HASH_HEX + 1];
     int lease_fd;
     int nproc;
+    uint64_t agent;            /* this agent's id: the prefix's rand16 (replica file names) */
 
     /* replica */
     int replica;               /* the threads run */
@@ -152,8 +158,8 @@ struct elastic_mem {
 
     /* sender-thread data */
     uint64_t *sent_seq;        /* per local slot: the seq the peer sent_to has */
-    uint64_t *sent_to;         /* ... XXH3 of "<peer> <our node rank>" (a new peer or a new
-                                  node rank of ours, i.e. another rep file name: send again) */
+    uint64_t *sent_to;         /* ... XXH3 of "<peer>" (a new peer: send again; a new node
+                                  rank of ours is not, the file is named by m->agent) */
     double retry_at;           /* after a failed connection or a refusal: not before */
     unsigned retry_serial;     /* the round retry_at belongs to (a new round tries at once) */
     unsigned *torn;            /* torn transfers in a row */
@@ -173,7 +179,7 @@ struct elastic_mem {
     unsigned put_head, put_n;
     unsigned char *qbuf;       /* a GET's copy (MEMQ_GET_MAX bytes, allocated at the first GET,
                                   kept: a fresh 8 MiB per GET cost a page fault per page) */
-    unsigned *seen;            /* SEEN_MAX (src, slot) pairs + 1 logged at INFO once */
+    uint64_t *seen;            /* SEEN_MAX XXH3s of (src agent, slot) logged at INFO once */
 };
 
 /* ------------------------------------------------------------------ names */
@@ -379,6 +385,7 @@ int elastic_mem_open(elastic_mem **out, const char *dir, const char *run_id, int
     elastic_mem_jobhash((unsigned)getuid(), run_id, m->hash);
     if ((rc = make_lease(m, dfd, run_id)) < 0) goto fail;
     snprintf(m->path, sizeof m->path, "%s/%s", m->dir, m->prefix);
+    m->agent = strtoull(m->prefix + 8 + HASH_HEX + 1, NULL, 16);
     clean_stale(m, dfd);
     close(dfd);
     LOG_I(MEM_TAG, "memory tier: segments in %s, prefix %s (lease held)", m->dir, m->prefix);
@@ -598,7 +605,7 @@ typedef struct round_view {
     int gen, node_rank, nnodes;
     char peer[96];
     unsigned serial;
-    uint64_t to;               /* XXH3 of "<peer> <node_rank>" */
+    uint64_t to;               /* XXH3 of "<peer>" */
 } round_view;
 
 static const char *answer_text(int a)
@@ -624,10 +631,10 @@ static int send_slot(elastic_mem *m, const round_view *rv, int local, shmseg *se
     pthread_mutex_lock(&m->mu);
     m->send_fd = fd;
     pthread_mutex_unlock(&m->mu);
-    unsigned char hdr[12 + TOKEN_MAX + 40];
+    unsigned char hdr[12 + TOKEN_MAX + 48];
     size_t k = 0;
     memcpy(hdr, "CKMR", 4);
-    put32(hdr + 4, 1);
+    put32(hdr + 4, 2);
     put32(hdr + 8, (uint32_t)m->token_len);
     k = 12;
     if (m->token_len) memcpy(hdr + k, m->token, m->token_len);
@@ -638,7 +645,8 @@ static int send_slot(elastic_mem *m, const round_view *rv, int local, shmseg *se
     put64(hdr + k + 16, info->payload_bytes);
     put64(hdr + k + 24, info->step);
     put64(hdr + k + 32, info->seq);
-    k += 40;
+    put64(hdr + k + 40, m->agent);
+    k += 48;
     unsigned char a = 0;
     int rc = send_all(m, fd, hdr, k);
     explicit_bzero(hdr, sizeof hdr);
@@ -763,7 +771,7 @@ static void *sender_main(void *arg)
         rv.serial = m->serial;
         pthread_mutex_unlock(&m->mu);
         char key[128];
-        int kl = snprintf(key, sizeof key, "%s %d", rv.peer, rv.node_rank);
+        int kl = snprintf(key, sizeof key, "%s", rv.peer);
         rv.to = XXH3_64bits(key, (size_t)kl);
         if (rv.serial != m->retry_serial) {
             m->retry_serial = rv.serial;
@@ -864,22 +872,23 @@ static int digits_u32(const char *s, size_t n, uint32_t *v)
     return 0;
 }
 
-/* "own-<L>" -> kind 0, "rep-<N>-<L>" -> kind 1; -1 for any other name. */
-static int seg_name(const char *rest, uint32_t *node, uint32_t *local)
+/* "own-<L>" -> kind 0, "rep-<agent16>-<L>" -> kind 1; -1 for any other name. */
+static int seg_name(const char *rest, uint64_t *agent, uint32_t *local)
 {
-    *node = 0;
+    *agent = 0;
     if (!strncmp(rest, "own-", 4)) return digits_u32(rest + 4, strlen(rest + 4), local) == 0 ? 0 : -1;
     if (strncmp(rest, "rep-", 4) != 0) return -1;
-    const char *dash = strchr(rest + 4, '-');
-    if (!dash || digits_u32(rest + 4, (size_t)(dash - rest - 4), node) < 0 ||
-        digits_u32(dash + 1, strlen(dash + 1), local) < 0)
+    if (strlen(rest) < 4 + RAND_HEX + 2 || !is_hex(rest + 4, RAND_HEX) || rest[4 + RAND_HEX] != '-' ||
+        digits_u32(rest + 4 + RAND_HEX + 1, strlen(rest + 4 + RAND_HEX + 1), local) < 0)
         return -1;
+    *agent = strtoull(rest + 4, NULL, 16);
     return 1;
 }
 
 typedef struct qname {
     char name[PREFIX_LEN + 40];
-    uint32_t kind, node, local;
+    uint32_t kind, local;
+    uint64_t agent;
 } qname;
 
 static int cmp_qname(const void *a, const void *b)
@@ -915,7 +924,7 @@ static void query_list(elastic_mem *m, int fd)
         if (strncmp(e->d_name, m->prefix, plen) != 0 || e->d_name[plen] != '.' ||
             strlen(e->d_name) >= sizeof q.name)
             continue;
-        int kind = seg_name(e->d_name + plen + 1, &q.node, &q.local);
+        int kind = seg_name(e->d_name + plen + 1, &q.agent, &q.local);
         if (kind < 0) continue;
         q.kind = (uint32_t)kind;
         snprintf(q.name, sizeof q.name, "%s", e->d_name);
@@ -948,7 +957,7 @@ static void query_list(elastic_mem *m, int fd)
             if (shmseg_copy_out(seg, sl, en + 64, 0, hl, &seq) < 0) continue; /* being rewritten */
             if (shmseg_slot_info(seg, sl, &in2) < 0 || in2.seq != in.seq) continue;
             put32(en, names[i].kind);
-            put32(en + 4, names[i].node);
+            put64(en + 48, names[i].agent);
             put32(en + 8, names[i].local);
             put32(en + 12, (uint32_t)sl);
             put64(en + 16, in.seq);
@@ -971,16 +980,16 @@ static void query_list(elastic_mem *m, int fd)
 /* GET: bytes of one complete slot at the listed seq. */
 static void query_get(elastic_mem *m, int fd, const unsigned char *f)
 {
-    uint32_t kind = get32(f + 4), node = get32(f + 8), local = get32(f + 12), sl = get32(f + 16);
-    uint64_t seq = get64(f + 24), off = get64(f + 32), len = get64(f + 40);
-    if (kind > 1 || sl >= SHMSEG_NSLOTS || node >= 4096 || local >= 4096 || seq == 0 ||
+    uint32_t kind = get32(f + 4), local = get32(f + 12), sl = get32(f + 16);
+    uint64_t seq = get64(f + 24), off = get64(f + 32), len = get64(f + 40), agent = get64(f + 48);
+    if (kind > 1 || sl >= SHMSEG_NSLOTS || local >= 4096 || seq == 0 ||
         len > MEMQ_GET_MAX || off > UINT64_MAX - len) {
         send_answer(m, fd, MEMQ_ST_BAD, 0);
         return;
     }
     char path[sizeof m->path + 40];
     int rc = kind == 0 ? shmseg_own_path(path, sizeof path, m->path, local)
-                       : shmseg_rep_path(path, sizeof path, m->path, node, local);
+                       : shmseg_rep_path(path, sizeof path, m->path, agent, local);
     shmseg *seg = NULL;
     if (rc == 0) rc = qseg_get(m, path, &seg);
     if (rc < 0) {
@@ -1023,7 +1032,7 @@ static void serve_query(elastic_mem *m, int fd, const char *from, const unsigned
     unsigned char tok[TOKEN_MAX], f[MEMQ_REQ_BYTES];
     uint32_t tl = get32(h + 8);
     if (get32(h + 4) != MEMQ_VERSION || tl > TOKEN_MAX) {
-        refused_what(m, "memory query", from, "not a query of version 1");
+        refused_what(m, "memory query", from, "not a query of version 2");
         send_answer(m, fd, MEMQ_ST_BAD, 0);
         return;
     }
@@ -1051,18 +1060,18 @@ static void serve_query(elastic_mem *m, int fd, const char *from, const unsigned
 /* A replica transfer's handshake after its first 12 bytes h, by the deadline: 0 and its fixed
  * header in f (token accepted), or -1 (answered or dropped; the caller closes fd). */
 static int put_handshake(elastic_mem *m, int fd, const char *from, const unsigned char *h,
-                         unsigned char f[40], double deadline)
+                         unsigned char f[48], double deadline)
 {
     unsigned char tok[TOKEN_MAX];
     unsigned char ans = ANS_BAD;
     uint32_t tl = get32(h + 8);
-    if (memcmp(h, "CKMR", 4) != 0 || get32(h + 4) != 1 || tl > TOKEN_MAX) {
-        refused(m, from, "not a replica frame of version 1");
+    if (memcmp(h, "CKMR", 4) != 0 || get32(h + 4) != 2 || tl > TOKEN_MAX) {
+        refused(m, from, "not a replica frame of version 2");
         send_all(m, fd, &ans, 1);
         return -1;
     }
     int rc = recv_dl(m, fd, tok, tl, deadline);
-    if (rc == 0) rc = recv_dl(m, fd, f, 40, deadline);
+    if (rc == 0) rc = recv_dl(m, fd, f, 48, deadline);
     if (rc < 0) {
         if (rc == -ETIMEDOUT) refused(m, from, "no complete frame header in time");
         return -1;
@@ -1086,13 +1095,14 @@ static void serve_put(elastic_mem *m, int fd, const char *from, const unsigned c
     shmseg *seg = NULL;
     uint32_t src = get32(f), L = get32(f + 4);
     uint64_t slot_bytes = get64(f + 8), payload = get64(f + 16), step = get64(f + 24);
+    uint64_t agent = get64(f + 40);
     if (src >= 4096 || L >= 4096 || slot_bytes == 0 || slot_bytes % SHMSEG_PAGE ||
         slot_bytes > MAX_SLOT_BYTES || payload > slot_bytes) {
         refused(m, from, "fields out of range");
         goto answer;
     }
-    char path[sizeof m->path + 32];
-    snprintf(path, sizeof path, "%s.rep-%u-%u", m->path, src, L);
+    char path[sizeof m->path + 40];
+    shmseg_rep_path(path, sizeof path, m->path, agent, L);
     ans = ANS_LOCAL;
     int rc, slot;
     if (!room_for(m, path, slot_bytes)) {
@@ -1120,7 +1130,10 @@ static void serve_put(elastic_mem *m, int fd, const char *from, const unsigned c
     }
     ans = ANS_LOCAL;
     if ((rc = shmseg_commit(seg, slot, payload, step)) == 0) ans = ANS_OK;
-    unsigned key = src * 4096u + L + 1;
+    unsigned char kb[12];
+    put64(kb, agent);
+    put32(kb + 8, L);
+    uint64_t key = XXH3_64bits(kb, sizeof kb) | 1; /* never 0, the free mark */
     int first = 1;
     for (size_t i = 0; i < SEEN_MAX; i++)
         if (m->seen[i] == key) first = 0;
@@ -1130,8 +1143,8 @@ static void serve_put(elastic_mem *m, int fd, const char *from, const unsigned c
             break;
         }
     log_msg(first ? LOG_INFO : LOG_DEBUG, MEM_TAG, "memory tier: replica of node %u local slot %u "
-            "(step %" PRIu64 ", %" PRIu64 " bytes) received in %.3f s into %s", src, L, step,
-            payload, clock_now_s() - t0, path);
+            "(agent %016" PRIx64 ", step %" PRIu64 ", %" PRIu64 " bytes) received in %.3f s into %s",
+            src, L, agent, step, payload, clock_now_s() - t0, path);
 answer:
     send_all(m, fd, &ans, 1);
 out:
@@ -1171,7 +1184,7 @@ static void *conn_main(void *arg)
     conn_job *c = arg;
     elastic_mem *m = c->m;
     int fd = c->fd;
-    unsigned char h[12], f[40];
+    unsigned char h[12], f[48];
     int rc = recv_dl(m, fd, h, sizeof h, c->deadline);
     if (rc == -ETIMEDOUT) refused(m, c->from, "no frame header in time");
     if (rc == 0 && !memcmp(h, MEMQ_MAGIC, 4)) {

@@ -258,7 +258,8 @@ class MemAgent(ElasticTest):
 
     def test_replica_between_two_agents_and_wrong_token(self):
         """Two agents on loopback, each with one worker that writes a real segment: each agent's
-        folder gets the other node's slot as <prefix>.rep-<node>-0, complete, with the same
+        folder gets the other node's slot as <prefix>.rep-<agent id>-0 (the sender's prefix's
+        random part), complete, with the same
         bytes; the metrics count them; a connection with a wrong token is refused (answer 1,
         logged without the token) and one with the right token is kept."""
         port, mport = free_port(), free_port()
@@ -287,9 +288,10 @@ class MemAgent(ElasticTest):
                 a.wait_for(r"memory tier: replica of node \d local slot 0 .* received")
                 reps = [n for n in os.listdir(dirs[i]) if n.startswith(prefixes[i] + ".rep-")]
                 self.assertEqual(len(reps), 1, os.listdir(dirs[i]))
-                src = int(reps[0].split(".rep-")[1].split("-")[0])
+                src_id = reps[0].split(".rep-")[1].split("-")[0]
+                self.assertEqual(src_id, prefixes[1 - i][-16:])  # the other agent's id
                 node = int(a.wait_for(r"round 0: node (\d) of 2").group(1))
-                self.assertEqual(src, 1 - node)
+                src = 1 - node
                 rc, info = tool_info(os.path.join(dirs[i], reps[0]))
                 self.assertEqual(rc, 0, info)
                 self.assertNotIn("writing", info)
@@ -298,8 +300,9 @@ class MemAgent(ElasticTest):
                 self.assertEqual(m.groups(), segs[src], (info, segs))
                 self.assertEqual(os.stat(os.path.join(dirs[i], reps[0])).st_mode & 0o777, 0o600)
                 a.wait_for(r"memory tier: replica of local slot 0 .* sent to node \d")
-            self.assertEqual(sorted(int(n.split(".rep-")[1][0]) for d, p in zip(dirs, prefixes)
-                                    for n in os.listdir(d) if ".rep-" in n), [0, 1])
+            self.assertEqual(sorted(n.split(".rep-")[1].split("-")[0] for d, p in zip(dirs, prefixes)
+                                    for n in os.listdir(d) if ".rep-" in n),
+                             sorted(p[-16:] for p in prefixes))
             text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
             self.assertRegex(text, r"(?m)^ckpt_mem_replica_bytes_total 1000003$")
             self.assertRegex(text, r"(?m)^ckpt_mem_replica_step\{node=\"\d\"\} \d+$")
@@ -308,24 +311,31 @@ class MemAgent(ElasticTest):
             m = agents[0].wait_for(r"memory tier: replica server on 127\.0\.0\.1:(\d+)")
             rport = int(m.group(1))
 
-            def frame(tok, src, slot, slot_bytes, payload, step):
+            AGENT = 0x7777000000000007
+
+            def frame(tok, src, slot, slot_bytes, payload, step, version=2):
                 t = tok.encode()
-                return (b"CKMR" + struct.pack("<II", 1, len(t)) + t +
-                        struct.pack("<IIQQQQ", src, slot, slot_bytes, len(payload), step, 1))
+                return (b"CKMR" + struct.pack("<II", version, len(t)) + t +
+                        struct.pack("<IIQQQQQ", src, slot, slot_bytes, len(payload), step, 1, AGENT))
 
             with socket.create_connection(("127.0.0.1", rport), timeout=10) as s:
                 s.sendall(frame(token + "x", 7, 0, 4096, b"", 5))
                 self.assertEqual(s.recv(1), b"\x01")     # DENIED
                 self.assertEqual(s.recv(1), b"")         # and closed
             agents[0].wait_for(r"refused a replica connection from 127\.0\.0\.1:\d+: wrong job token")
-            self.assertFalse([n for n in os.listdir(dirs[0]) if ".rep-7-" in n])
+            self.assertFalse([n for n in os.listdir(dirs[0]) if f".rep-{AGENT:016x}-" in n])
+            # version 1 (replicas named by node rank) is refused
+            with socket.create_connection(("127.0.0.1", rport), timeout=10) as s:
+                s.sendall(frame(token, 7, 0, 4096, b"", 5, version=1)[:-8])
+                self.assertEqual(s.recv(1), b"\x02")     # BAD
+            rep73 = os.path.join(dirs[0], prefixes[0] + f".rep-{AGENT:016x}-3")
             payload = bytes(range(256)) * 20
             with socket.create_connection(("127.0.0.1", rport), timeout=10) as s:
                 s.sendall(frame(token, 7, 3, 8192, payload, 42))
                 self.assertEqual(s.recv(1), b"\x00")
                 s.sendall(payload)
                 self.assertEqual(s.recv(1), b"\x00")
-            rc, info = tool_info(os.path.join(dirs[0], prefixes[0] + ".rep-7-3"))
+            rc, info = tool_info(rep73)
             self.assertEqual(rc, 0, info)
             self.assertRegex(info, rf"step=42 bytes={len(payload)} ")
             # a transfer cut short commits nothing: the slot stays "writing"
@@ -334,8 +344,8 @@ class MemAgent(ElasticTest):
                 self.assertEqual(s.recv(1), b"\x00")
                 s.sendall(payload[:1000])
             wait_until(lambda: "state=writing" in tool_info(
-                os.path.join(dirs[0], prefixes[0] + ".rep-7-3"))[1], 20, "the cut transfer")
-            rc, info = tool_info(os.path.join(dirs[0], prefixes[0] + ".rep-7-3"))
+                rep73)[1], 20, "the cut transfer")
+            rc, info = tool_info(rep73)
             self.assertRegex(info, r"step=42 ")          # the previous one is still the newest
 
             for a in agents:

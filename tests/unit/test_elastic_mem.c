@@ -5,7 +5,8 @@
  * token commits nothing and is logged once on each side, a peer that is gone is logged once
  * per round); silent and slow-byte connections without the token delay neither a replica
  * transfer nor a query, and are closed by the handshake's deadline; a peer that takes the
- * connection and never answers is logged as such.
+ * connection and never answers is logged as such; a replica stays when another agent takes
+ * its sender's node rank in the next round (files named by agent id).
  */
 #include "agent_internal.h"
 #include "mem_client.h"
@@ -132,6 +133,14 @@ static void test_names_and_stale(const char *dir)
     (void)present;
 }
 
+/* "<prefix of to>.rep-<id of from>-<L>": the file where `to` keeps from's slot L. */
+static void rep_of(char *out, size_t len, const elastic_mem *to, const elastic_mem *from, unsigned L)
+{
+    const char *fp = elastic_mem_path(from);
+    uint64_t id = strtoull(fp + strlen(fp) - 16, NULL, 16);
+    T_REQUIRE(shmseg_rep_path(out, len, elastic_mem_path(to), id, L) == 0, "rep path");
+}
+
 /* Wait (at most 10 s) until path has a complete slot with seq >= 1; its info into *in. */
 static int wait_rep(const char *path, shmseg_info *in, double limit_s)
 {
@@ -174,7 +183,7 @@ static void test_replica(const char *dir_a, const char *dir_b)
     double t0 = t_now_s();
     elastic_mem_round(a, 3, 0, 2, ba);  /* node 0 of 2 sends to node 1 = b */
     elastic_mem_round(b, 3, 1, 2, aa);
-    snprintf(rep, sizeof rep, "%s.rep-0-0", elastic_mem_path(b));
+    rep_of(rep, sizeof rep, b, a, 0);
     shmseg_info in;
     T_REQUIRE(wait_rep(rep, &in, 10) == 0, "replica arrived");
     double took = t_now_s() - t0;
@@ -199,7 +208,7 @@ static void test_replica(const char *dir_a, const char *dir_b)
     T_REQUIRE(elastic_mem_replica_start(c, "127.0.0.1", "other", 1000, NULL, ca, sizeof ca) == 0,
               "c");
     elastic_mem_round(a, 4, 0, 2, ca);
-    snprintf(rep, sizeof rep, "%s.rep-0-0", elastic_mem_path(c));
+    rep_of(rep, sizeof rep, c, a, 0);
     T_CHECK(wait_rep(rep, &in, 1.0) == -ETIMEDOUT, "a wrong token commits nothing");
     T_CHECK(!t_exists(rep), "no replica file for a wrong token");
 
@@ -308,7 +317,7 @@ static void test_hostile(const char *dir_a, const char *dir_b)
     double t0 = t_now_s();
     elastic_mem_round(a, 1, 0, 2, ba);
     elastic_mem_round(b, 1, 1, 2, aa);
-    snprintf(rep, sizeof rep, "%s.rep-0-0", elastic_mem_path(b));
+    rep_of(rep, sizeof rep, b, a, 0);
     shmseg_info in;
     T_CHECK(wait_rep(rep, &in, 3.0) == 0, "the replica arrived within 3 s beside 41 hostile "
             "connections (%.1f s)", t_now_s() - t0);
@@ -365,12 +374,81 @@ static void test_hostile(const char *dir_a, const char *dir_b)
     elastic_mem_close(b);
 }
 
+/* Node ranks change between rounds: X is node 0 and sends to B; X dies, Y becomes node 0 in
+ * the next round and sends to B too. B keeps both: X's replica (a dead node's slot a restore
+ * may need) is not overwritten by Y's. */
+static void test_renumbered(const char *dir_a, const char *dir_b)
+{
+    elastic_mem *x = NULL, *y = NULL, *b = NULL;
+    T_REQUIRE(elastic_mem_open(&x, dir_a, "renum", 1) == 0, "open x");
+    T_REQUIRE(elastic_mem_open(&y, dir_a, "renum", 1) == 0, "open y");
+    T_REQUIRE(elastic_mem_open(&b, dir_b, "renum", 1) == 0, "open b");
+    char xa[96], ya[96], ba[96];
+    T_REQUIRE(elastic_mem_replica_start(x, "127.0.0.1", "tok", 1000, NULL, xa, sizeof xa) == 0, "x");
+    T_REQUIRE(elastic_mem_replica_start(y, "127.0.0.1", "tok", 1000, NULL, ya, sizeof ya) == 0, "y");
+    T_REQUIRE(elastic_mem_replica_start(b, "127.0.0.1", "tok", 1000, NULL, ba, sizeof ba) == 0, "b");
+    const uint64_t sb = 8192;
+    char own[4200], rx[4200], ry[4200];
+    shmseg *sx = NULL, *sy = NULL;
+    int slot;
+    snprintf(own, sizeof own, "%s.own-0", elastic_mem_path(x));
+    T_REQUIRE(shmseg_create(own, sb, &sx) == 0 && shmseg_begin(sx, -1, &slot) == 0, "x seg");
+    memset(shmseg_payload(sx, slot), 0xa1, 5000);
+    T_REQUIRE(shmseg_commit(sx, slot, 5000, 100) == 0, "x commit");
+    snprintf(own, sizeof own, "%s.own-0", elastic_mem_path(y));
+    T_REQUIRE(shmseg_create(own, sb, &sy) == 0 && shmseg_begin(sy, -1, &slot) == 0, "y seg");
+    memset(shmseg_payload(sy, slot), 0xb2, 6000);
+    T_REQUIRE(shmseg_commit(sy, slot, 6000, 200) == 0, "y commit");
+
+    /* round 1: x node 0 -> b node 1 (y is node 2 of 3, sending nowhere here) */
+    elastic_mem_round(x, 1, 0, 3, ba);
+    elastic_mem_round(b, 1, 1, 3, "");
+    rep_of(rx, sizeof rx, b, x, 0);
+    shmseg_info in;
+    T_REQUIRE(wait_rep(rx, &in, 10) == 0 && in.step == 100, "x's replica on b");
+    /* x dies (its sender stops); round 2: y takes node rank 0 and sends to b */
+    elastic_mem_round(x, 2, 0, 3, "");
+    elastic_mem_round(y, 2, 0, 2, ba);
+    elastic_mem_round(b, 2, 1, 2, "");
+    rep_of(ry, sizeof ry, b, y, 0);
+    T_REQUIRE(wait_rep(ry, &in, 10) == 0 && in.step == 200, "y's replica on b");
+    T_CHECK(strcmp(rx, ry) != 0, "two files: %s, %s", rx, ry);
+    shmseg *r = NULL;
+    T_REQUIRE(shmseg_open(rx, 0, &r) == 0 && shmseg_newest(r, &slot) == 0 &&
+              shmseg_slot_info(r, slot, &in) == 0, "x's replica still there");
+    const unsigned char *p = shmseg_payload(r, slot);
+    T_CHECK(in.step == 100 && in.payload_bytes == 5000 && p[0] == 0xa1 && p[4999] == 0xa1,
+            "x's replica kept: step %llu bytes %llu", (unsigned long long)in.step,
+            (unsigned long long)in.payload_bytes);
+    shmseg_close(r);
+    /* and both listed to a restore, each by its agent */
+    elastic_mem_client *c = NULL;
+    elastic_mem_slot *v = NULL;
+    size_t n = 0;
+    T_REQUIRE(elastic_mem_client_open(&c, ba, "tok", 5.0) == 0 && elastic_mem_client_list(c, &v, &n) == 0,
+              "list b");
+    int seen100 = 0, seen200 = 0;
+    for (size_t i = 0; i < n; i++) {
+        seen100 += v[i].kind == ELASTIC_MEM_REP && v[i].step == 100;
+        seen200 += v[i].kind == ELASTIC_MEM_REP && v[i].step == 200;
+    }
+    T_CHECK(seen100 == 1 && seen200 == 1, "b lists both replicas (%d, %d)", seen100, seen200);
+    free(v);
+    elastic_mem_client_close(c);
+    shmseg_close(sx);
+    shmseg_close(sy);
+    elastic_mem_close(x);
+    elastic_mem_close(y);
+    elastic_mem_close(b);
+}
+
 int main(void)
 {
     char *d = t_tmpdir("elastic-mem"), *a = t_tmpdir("elastic-mem-a"), *b = t_tmpdir("elastic-mem-b");
     test_names_and_stale(d);
     test_replica(a, b);
     test_hostile(a, b);
+    test_renumbered(a, b);
     t_rmrf(d);
     t_rmrf(a);
     t_rmrf(b);
