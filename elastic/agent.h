@@ -125,7 +125,7 @@
  *    within 10 s is logged as such ("took the connection but did not answer"), once a round.
  *  - Removal: at the end of the job (success, failure, preemption; after the flush) every
  *    <prefix>.* file is unlinked, the lease last. An agent killed with SIGKILL leaves them
- *    to the next agent of the same job.
+ *    to the next agent of the same job, or to `elastic --mem-clean` (elastic_mem_clean).
  *
  * Thread-safety: elastic_agent_run is meant to be the one thing a process does: it blocks
  * SIGCHLD/SIGTERM/SIGINT (and leaves them blocked on return, so that a late signal cannot turn
@@ -211,5 +211,17 @@ typedef struct elastic_agent_opts {
  * ELASTIC_EXIT_USAGE, a metrics port that cannot be bound (busy, no permission)
  * ELASTIC_EXIT_FAILED, each with one logged line. */
 int elastic_agent_run(const elastic_agent_opts *o, char *const argv[]);
+
+/* The operator's clean-up of a segment folder (`elastic --mem-clean`), for after an agent was
+ * SIGKILLed (its files stay until an agent of the same uid and rdzv id starts there again):
+ * in dir (NULL = "/dev/shm"), every prefix "ckptmem-<hash16>-<rand16>" of any job whose lease
+ * nobody holds (its agent is dead), or that has no lease, loses its files of this uid, the
+ * lease last; one line per removed prefix on stdout ("removed DIR/<prefix>: N file(s), B
+ * bytes"). Live agents' prefixes (lease held) and other uids' files are left alone. Errors go
+ * to stderr in one line. Not thread-safe against itself on the same folder (two cleaners
+ * remove the same files: the second reports fewer).
+ * Returns 0, or a negative errno: the folder cannot be opened or listed, a file cannot be
+ * removed (the others still are), -ENOMEM. */
+int elastic_mem_clean(const char *dir);
 
 #endif /* ELASTIC_AGENT_H */

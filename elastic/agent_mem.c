@@ -245,41 +245,61 @@ static void remove_set(int dfd, const char *hash, const char *r, stale_sum *sum,
     closedir(d);
 }
 
-/* Every other prefix of this job in dir whose lease nobody holds (or that has no lease: what
- * a removal cut short leaves; a live agent creates its lease before any other file). */
-static void clean_stale(elastic_mem *m, int dfd)
+/* name = "ckptmem-<hash16>-<rand16>.<rest>" (any job): 1 and the hash and rand, else 0. */
+static int name_of_any(const char *name, char h[HASH_HEX + 1], char r[RAND_HEX + 1])
+{
+    if (strncmp(name, NAME_PREFIX, 8) != 0 || strlen(name) < PREFIX_LEN + 2 ||
+        !is_hex(name + 8, HASH_HEX))
+        return 0;
+    memcpy(h, name + 8, HASH_HEX);
+    h[HASH_HEX] = '\0';
+    return name_of_job(name, h, r);
+}
+
+typedef struct pfx {
+    char hash[HASH_HEX + 1], r[RAND_HEX + 1];
+} pfx;
+
+/* Every prefix in dir (of job hash `hash`, or of any job when NULL; never skip_r's) whose
+ * lease nobody holds, or that has no lease (what a removal cut short leaves; a live agent
+ * creates its lease before any other file): its files of this uid removed, the lease last.
+ * Adds to *sum; with out, one line per removed prefix there. 0, or -errno when dir cannot be
+ * listed or a file cannot be removed (the others still are). */
+static int clean_dead(int dfd, const char *dirname, const char *hash, const char *skip_r,
+                      stale_sum *sum, FILE *out)
 {
     DIR *d = fdopendir(dup(dfd));
     if (d) rewinddir(d);
-    if (!d) {
-        LOG_W(MEM_TAG, "memory tier: cannot list %s for stale segments: %s", m->dir,
-              strerror(errno));
-        return;
-    }
-    char (*seen)[RAND_HEX + 1] = NULL;
+    if (!d) return -errno;
+    pfx *seen = NULL;
     size_t n = 0, cap = 0;
+    int rc = 0;
     struct dirent *e;
     while ((e = readdir(d))) {
-        char r[RAND_HEX + 1];
-        if (!name_of_job(e->d_name, m->hash, r)) continue;
-        if (!strcmp(r, m->prefix + 8 + HASH_HEX + 1)) continue;
+        pfx p;
+        if (hash ? !name_of_job(e->d_name, hash, p.r) : !name_of_any(e->d_name, p.hash, p.r))
+            continue;
+        if (hash) snprintf(p.hash, sizeof p.hash, "%s", hash);
+        if (skip_r && !strcmp(p.r, skip_r)) continue;
         size_t k = 0;
-        while (k < n && strcmp(seen[k], r)) k++;
+        while (k < n && (strcmp(seen[k].r, p.r) || strcmp(seen[k].hash, p.hash))) k++;
         if (k < n) continue;
         if (n == cap) {
             size_t nc = cap ? 2 * cap : 16;
-            void *p = realloc(seen, nc * sizeof *seen);
-            if (!p) break;
-            seen = p;
+            void *q = realloc(seen, nc * sizeof *seen);
+            if (!q) {
+                rc = -ENOMEM;
+                break;
+            }
+            seen = q;
             cap = nc;
         }
-        memcpy(seen[n++], r, RAND_HEX + 1);
+        seen[n++] = p;
     }
     closedir(d);
-    stale_sum sum = {0, 0, 0};
     for (size_t k = 0; k < n; k++) {
         char lease[PREFIX_LEN + 8];
-        snprintf(lease, sizeof lease, NAME_PREFIX "%s-%s.lease", m->hash, seen[k]);
+        snprintf(lease, sizeof lease, NAME_PREFIX "%s-%s.lease", seen[k].hash, seen[k].r);
         int fd = openat(dfd, lease, O_RDWR | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
         struct stat st;
         if (fd < 0 && errno != ENOENT) continue; /* not ours to judge */
@@ -290,20 +310,59 @@ static void clean_stale(elastic_mem *m, int dfd)
                 continue;
             }
         }
-        remove_set(dfd, m->hash, seen[k], &sum, 1);
+        stale_sum one = {0, 0, 0};
+        remove_set(dfd, seen[k].hash, seen[k].r, &one, 1);
         if (fd >= 0) {
             if (unlinkat(dfd, lease, 0) == 0) {
-                sum.files++;
-                sum.bytes += (unsigned long long)st.st_size;
+                one.files++;
+                one.bytes += (unsigned long long)st.st_size;
+            } else if (rc == 0) {
+                rc = -errno;
             }
             close(fd);
         }
-        sum.agents++;
+        if (out && one.files)
+            fprintf(out, "removed %s/" NAME_PREFIX "%s-%s: %lu file(s), %llu bytes\n", dirname,
+                    seen[k].hash, seen[k].r, one.files, one.bytes);
+        sum->files += one.files;
+        sum->bytes += one.bytes;
+        sum->agents++;
     }
     free(seen);
+    return rc;
+}
+
+/* Every other prefix of this job in dir whose lease nobody holds (clean_dead). */
+static void clean_stale(elastic_mem *m, int dfd)
+{
+    stale_sum sum = {0, 0, 0};
+    int rc = clean_dead(dfd, m->dir, m->hash, m->prefix + 8 + HASH_HEX + 1, &sum, NULL);
+    if (rc < 0)
+        LOG_W(MEM_TAG, "memory tier: cannot remove every stale segment in %s: %s", m->dir,
+              strerror(-rc));
     if (sum.agents)
         LOG_I(MEM_TAG, "memory tier: removed %lu stale file(s) (%llu bytes) of %lu dead agent(s) "
               "of this job in %s", sum.files, sum.bytes, sum.agents, m->dir);
+}
+
+int elastic_mem_clean(const char *dir)
+{
+    char real[PATH_MAX];
+    if (!dir) dir = "/dev/shm";
+    int dfd = realpath(dir, real) ? open(real, O_RDONLY | O_DIRECTORY | O_CLOEXEC) : -1;
+    if (dfd < 0) {
+        int e = errno;
+        fprintf(stderr, "elastic: --mem-clean: cannot open the segment folder %s: %s\n", dir,
+                strerror(e));
+        return -e;
+    }
+    stale_sum sum = {0, 0, 0};
+    int rc = clean_dead(dfd, real, NULL, NULL, &sum, stdout);
+    close(dfd);
+    if (rc < 0)
+        fprintf(stderr, "elastic: --mem-clean: in %s: %s (removed %lu file(s), %llu bytes)\n",
+                real, strerror(-rc), sum.files, sum.bytes);
+    return rc;
 }
 
 /* ------------------------------------------------------------------ open, close */

@@ -22,7 +22,7 @@ import time
 import urllib.request
 
 import harness
-from test_elastic import ElasticTest, T, alive, free_port
+from test_elastic import ELASTIC, ElasticTest, T, alive, free_port
 
 TOOL = os.environ.get("CKPT_SHMSEG_TOOL", os.path.join(harness.BUILD, "tests", "shmseg-tool"))
 PREFIX_RE = re.compile(r"memory tier: segments in (\S+), prefix (ckptmem-([0-9a-f]{16})-[0-9a-f]{16})")
@@ -126,6 +126,54 @@ class MemAgent(ElasticTest):
             top = os.path.join(base, "d" * 200)
             if os.path.isdir(top):
                 subprocess.run(["rm", "-rf", top])
+
+    def test_mem_clean_removes_dead_agents_files_of_every_job(self):
+        """elastic --mem-clean: the files of SIGKILLed agents of any job of this uid (lease not
+        held) and a prefix without a lease go, one line per prefix with files and bytes; a live
+        agent's files stay; exit 0. A folder that cannot be opened: exit 1, one line."""
+        seg = ["--beats", "0", "--mem-segment", f"{TOOL}:8192:4096"]
+        dead = self.agent(["--nproc-per-node", "1", "--mem-dir", self.shm], self.stub(*seg), name="dead")
+        other = self.agent(["--nproc-per-node", "1", "--mem-dir", self.shm, "--rdzv-id", "other"],
+                           self.stub(*seg), name="other")
+        live = self.agent(["--nproc-per-node", "1", "--mem-dir", self.shm], self.stub(*seg), name="live")
+        prefixes = {}
+        for name, a in (("dead", dead), ("other", other), ("live", live)):
+            prefixes[name] = self.prefix(a)[0]
+            a.wait_for(r"seg rank=0 ", stream="out")
+        dead.kill()
+        other.kill()
+        pids = dead.pids(0) + other.pids(0)
+        wait_until(lambda: not any(alive(p) for p in pids), 10, "the killed agents' workers")
+        orphan = "ckptmem-00000000000000ab-00000000000000cd"  # a removal cut short: no lease
+        with open(os.path.join(self.shm, orphan + ".own-0"), "wb") as f:
+            f.write(b"x" * 100)
+        before = self.files()
+        size = lambda p: sum(os.path.getsize(os.path.join(self.shm, n)) for n in before
+                             if n.startswith(p + "."))
+        want = {p: (len([n for n in before if n.startswith(p + ".")]), size(p))
+                for p in (prefixes["dead"], prefixes["other"], orphan)}
+        p = subprocess.run([ELASTIC, "--mem-clean", "--mem-dir", self.shm], capture_output=True, text=True,
+                           timeout=30)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        real = os.path.realpath(self.shm)
+        got = {m.group(1): (int(m.group(2)), int(m.group(3))) for m in
+               re.finditer(rf"^removed {re.escape(real)}/(\S+): (\d+) file\(s\), (\d+) bytes$",
+                           p.stdout, re.M)}
+        self.assertEqual(got, want, p.stdout)
+        self.assertEqual(len(p.stdout.splitlines()), 3, p.stdout)
+        after = self.files()
+        self.assertEqual(after, [n for n in before if n.startswith(prefixes["live"] + ".")])
+        # again: nothing to remove, exit 0, no line
+        p = subprocess.run([ELASTIC, "--mem-clean", "--mem-dir", self.shm], capture_output=True,
+                           text=True, timeout=30)
+        self.assertEqual((p.returncode, p.stdout), (0, ""), p.stderr)
+        live.p.send_signal(signal.SIGTERM)
+        self.assertEqual(live.wait(), 143)
+        p = subprocess.run([ELASTIC, "--mem-clean", "--mem-dir", os.path.join(self.shm, "missing")],
+                           capture_output=True, text=True, timeout=30)
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertEqual(len(p.stderr.splitlines()), 1, p.stderr)
+        self.assertIn("cannot open the segment folder", p.stderr)
 
     def test_stale_segments_of_a_dead_agent_of_this_job_are_removed(self):
         """An agent SIGKILLed with its segments leaves them; the next agent of the same job
