@@ -300,6 +300,9 @@ class MemAgent(ElasticTest):
         self.assertEqual(b.wait(), 143, b.err())
         self.assertLess(time.time() - t0, 5 * T)
         self.assertRegex(b.err(), r"flush killed after .* by a second signal")
+        # said once: not "SIGKILL, SIGKILL after 0.0 s"
+        self.assertRegex(b.err(), r"stopping 1 worker group\(s\) \(flush\): SIGKILL\n")
+        self.assertNotIn("SIGKILL, SIGKILL", b.err())
         self.assertEqual(self.files(), [])
 
     # ------------------------------------------------------------------ replica
