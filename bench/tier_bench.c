@@ -7,7 +7,7 @@
  *       into memory, then, per rank r, writes its memory snapshot into the segment
  *       "P.own-<r>" with ckpt_mem_write (the trainer's stage: copy fused with the chunk
  *       checksums) R times, and times a plain memcpy of the same bytes beside it (the floor);
- *       with --replica-prefix, copies each committed slot into "Q.rep-1-<r>" the way the
+ *       with --replica-prefix, copies each committed slot into "Q.rep-0000000000000001-<r>" the way the
  *       agent stores a replica it received (shmseg_create/begin, shmseg_copy_out, commit):
  *       under the prefix Q the snapshot then exists only as a peer's replica. Prints the
  *       snapshot's id ("mem:...") and the times.
@@ -51,7 +51,7 @@
 static const char usage_text[] =
     "usage: tier_bench mem --from SNAP --prefix P [--replica-prefix Q] [--reps R]\n"
     "       tier_bench restore --from SRC [--world W] [--threads T]\n"
-    "  mem      memory snapshots of SNAP's ranks in P.own-<r> (and replicas in Q.rep-1-<r>)\n"
+    "  mem      memory snapshots of SNAP's ranks in P.own-<r> (and replicas in Q.rep-<16 hex>-<r>)\n"
     "       tier_bench peer --from SNAP --dir DIR [--world W] [--threads T]\n"
     "  restore  W (default 2, at most 8) ranks read their 1/W of every buffer of SRC (a step\n"
     "           folder, s3://BUCKET/PREFIX/step-N, or mem:... with CKPT_MEM_PATH set)\n"
@@ -133,7 +133,7 @@ static int peer_read(void *ctx, uint64_t ref, uint64_t off, uint64_t len, void *
     int have = ref < p->nkeys;
     if (have) {
         w.kind = p->keys[ref].kind;
-        w.node = p->keys[ref].node;
+        w.agent = p->keys[ref].agent;
         w.local = p->keys[ref].local;
         w.slot = p->keys[ref].slot;
         w.seq = p->keys[ref].seq;
@@ -223,7 +223,7 @@ static int cmd_mem(const char *from, const char *prefix, const char *rprefix, un
             shmseg *rep = NULL;
             shmseg_info info;
             char rpath[4200];
-            snprintf(rpath, sizeof rpath, "%s.rep-1-%u", rprefix, r);
+            shmseg_rep_path(rpath, sizeof rpath, rprefix, 1, r); /* as from agent id 1 */
             double t0 = clock_now_s();
             uint64_t seq = 0;
             if ((rc = shmseg_newest(seg, &slot)) == 0 && (rc = shmseg_slot_info(seg, slot, &info)) == 0 &&

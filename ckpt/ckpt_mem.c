@@ -359,14 +359,18 @@ static int parse_u32(const char *s, size_t n, uint32_t *v)
     return 0;
 }
 
-/* The kind of segment a name under the prefix names ("own-<L>", "rep-<N>-<L>"), or -1. */
+/* The kind of segment a name under the prefix names ("own-<L>", "rep-<A>-<L>"), or -1. A is
+ * the sending agent's id, 16 lowercase hex digits (common/shmseg.h shmseg_rep_path); the
+ * names of the node-rank era ("rep-<N>-<L>", 1 to 9 digits) are read as well. */
 static int segment_kind(const char *rest)
 {
     uint32_t a, b;
     if (!strncmp(rest, "own-", 4)) return parse_u32(rest + 4, strlen(rest + 4), &a) == 0 ? CKPT_MEM_SRC_OWN : -1;
     if (!strncmp(rest, "rep-", 4)) {
-        const char *dash = strchr(rest + 4, '-');
-        if (!dash || parse_u32(rest + 4, (size_t)(dash - rest - 4), &a) < 0 ||
+        const char *src = rest + 4, *dash = strchr(src, '-');
+        size_t n = dash ? (size_t)(dash - src) : 0;
+        int hex = n == 16 && strspn(src, "0123456789abcdef") == 16;
+        if (!dash || (!hex && parse_u32(src, n, &a) < 0) ||
             parse_u32(dash + 1, strlen(dash + 1), &b) < 0)
             return -1;
         return CKPT_MEM_SRC_REPLICA;

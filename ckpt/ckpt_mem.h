@@ -6,7 +6,8 @@
  * prefix is a path prefix such as "/dev/shm/ckptmem-<jobhash16>-<rand16>" (the agent gives
  * it to each worker as CKPT_MEM_PATH; memtier-design.md):
  *   <prefix>.own-<L>      the segment of local rank slot L, written by that worker;
- *   <prefix>.rep-<N>-<L>  a replica of node N's local slot L, written by this node's agent.
+ *   <prefix>.rep-<A>-<L>  a replica of local slot L of the node whose agent has id A (16 hex
+ *                         digits; common/shmseg.h), written by this node's agent.
  * Any other name under the prefix (".lease", a shmseg rebuild's ".own-0.new-XXXXXX") is not
  * a segment and is skipped. No CKPT_MEM_PATH = no memory tier.
  *
@@ -59,7 +60,7 @@
 #define CKPT_MEM_PATH_ENV "CKPT_MEM_PATH"
 
 /* Non-zero when prefix is a path prefix this module can list and open: not empty, shorter
- * than CKPT_PATH_MAX - 64 bytes (room for ".own-<L>" and ".rep-<N>-<L>"), and with a file
+ * than CKPT_PATH_MAX - 64 bytes (room for ".own-<L>" and ".rep-<A>-<L>"), and with a file
  * name part after its last '/' ("/" and "/dev/shm/" are refused: their segments would be
  * hidden files nobody lists). The rule of ckpt_mem_list and ckpt_mem_snapshot_open; a writer
  * checks CKPT_MEM_PATH with it once at start. NULL gives 0. Thread-safe. */
@@ -106,7 +107,7 @@ int ckpt_mem_write(shmseg *seg, int avoid_slot, uint64_t step, const char *run_i
 /* Where a rank's slot was found. */
 enum ckpt_mem_source {
     CKPT_MEM_SRC_OWN = 0,    /* a "<prefix>.own-<L>" segment (this node's worker wrote it) */
-    CKPT_MEM_SRC_REPLICA = 1, /* a "<prefix>.rep-<N>-<L>" segment (a peer's, received) */
+    CKPT_MEM_SRC_REPLICA = 1, /* a "<prefix>.rep-<A>-<L>" segment (a peer's, received) */
     CKPT_MEM_SRC_REMOTE = 2   /* a slot on another node, read through a ckpt_mem_remote */
 };
 
@@ -119,7 +120,7 @@ typedef struct ckpt_mem_remote_slot {
     uint64_t ref;            /* the remote's own name for the slot, given back to read() */
     uint64_t payload_bytes;  /* bytes of the slot's payload */
     uint8_t head[CKPT_MEM_HEADER_BYTES]; /* its first min(payload_bytes, 4096) bytes, zero after */
-    char where[CKPT_MEM_WHERE_MAX]; /* for messages, e.g. "peer agent 10.0.0.2:4100 rep-1-0 slot 1" */
+    char where[CKPT_MEM_WHERE_MAX]; /* for messages, e.g. "peer agent 10.0.0.2:4100 rep-<A>-0 slot 1" */
 } ckpt_mem_remote_slot;
 
 typedef struct ckpt_mem_remote {
@@ -166,7 +167,7 @@ typedef struct ckpt_mem_entry {
 } ckpt_mem_entry;
 
 /* List the memory snapshots under path_prefix: every complete slot of every segment
- * "<prefix>.own-<L>" and "<prefix>.rep-<N>-<L>" (opened read-only; a segment that fails
+ * "<prefix>.own-<L>" and "<prefix>.rep-<A>-<L>" (opened read-only; a segment that fails
  * shmseg_open is skipped with a debug log line), checked as the file header says and
  * grouped by (step, world_size, run_id, tag) into one entry each, plus one CORRUPT entry per
  * slot that fails its checks. Chunk checksums are not read (ckpt_snapshot_verify of the

@@ -2,6 +2,7 @@
 #include "shmseg.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -439,10 +440,10 @@ int shmseg_own_path(char *out, size_t len, const char *prefix, unsigned local_ra
     return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
 }
 
-int shmseg_rep_path(char *out, size_t len, const char *prefix, unsigned node_rank, unsigned local_rank)
+int shmseg_rep_path(char *out, size_t len, const char *prefix, uint64_t agent, unsigned local_rank)
 {
     if (!out || !prefix) return -EINVAL;
-    int n = snprintf(out, len, "%s.rep-%u-%u", prefix, node_rank, local_rank);
+    int n = snprintf(out, len, "%s.rep-%016" PRIx64 "-%u", prefix, agent, local_rank);
     return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
 }
 

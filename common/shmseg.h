@@ -175,11 +175,13 @@ int shmseg_copy_out(const shmseg *seg, int slot, void *dst, uint64_t off, uint64
 /* Names of the memory tier's segments under a path prefix P (memtier-design.md; the prefix
  * is CKPT_MEM_PATH, e.g. "/dev/shm/ckptmem-<jobhash16>-<rand16>"):
  *   shmseg_own_path:  "P.own-<local_rank>"          (written by that worker)
- *   shmseg_rep_path:  "P.rep-<node_rank>-<local_rank>" (a peer's replica, written by the agent)
- * into out (len bytes with the NUL). Return 0, or -EINVAL (NULL), -ENAMETOOLONG (does not
- * fit). ckpt_mem_list reads exactly these names (digits only, no sign, no padding).
- * Thread-safe. */
+ *   shmseg_rep_path:  "P.rep-<agent16>-<local_rank>" (a peer's replica, written by the agent)
+ * into out (len bytes with the NUL); local_rank in decimal (no sign, no padding), agent16 the
+ * sending agent's id in 16 lowercase hex digits (the random part of its own prefix: it stays
+ * the same for the agent's life, whereas node ranks change between rounds, so one agent's
+ * replica is never overwritten by another that took its old node rank). Return 0, or -EINVAL
+ * (NULL), -ENAMETOOLONG (does not fit). ckpt_mem_list reads these names. Thread-safe. */
 int shmseg_own_path(char *out, size_t len, const char *prefix, unsigned local_rank);
-int shmseg_rep_path(char *out, size_t len, const char *prefix, unsigned node_rank, unsigned local_rank);
+int shmseg_rep_path(char *out, size_t len, const char *prefix, uint64_t agent, unsigned local_rank);
 
 #endif /* COMMON_SHMSEG_H */

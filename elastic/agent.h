@@ -73,7 +73,9 @@
  *    0600 and created O_EXCL|O_NOFOLLOW (the segments by common/shmseg.c): <prefix>.lease
  *    (flock LOCK_EX held for the agent's life; its text "pid=<pid> run=<id>" is for people),
  *    <prefix>.own-<L> (written by the worker of local rank L, never by the agent),
- *    <prefix>.rep-<N>-<L> (the replica of node N's local slot L, written by this agent).
+ *    <prefix>.rep-<A>-<L> (the replica of local slot L of the node whose agent's id is A,
+ *    written by this agent; A = that agent's rand16, which stays for its life, unlike its
+ *    node rank: a survivor re-sending under a dead node's old rank writes its own file).
  *  - Stale clean-up at start: every other prefix of the same job hash in the folder whose
  *    lease nobody holds (flock LOCK_EX|LOCK_NB succeeds: its agent is dead), or that has no
  *    lease left (a removal cut short), loses all its files of this uid, the lease last; one
@@ -102,7 +104,7 @@
  *    own segments every 0.1 s and sends each newly completed slot (a seq the peer does not
  *    have; all again to a new peer) at most mem_replica_mbps MB/s, with the job token (the
  *    store's; a job without a token accepts any sender, as its store does). The
- *    receiver keeps it in <its prefix>.rep-<src node>-<L> through shmseg (begin, the bytes,
+ *    receiver keeps it in <its prefix>.rep-<sender's rand16>-<L> through shmseg (begin, the bytes,
  *    commit): a transfer cut short, or a slot that changed at the source meanwhile, commits
  *    nothing. The protocol is in agent_mem.c. A peer that cannot be reached or refuses is
  *    logged once per round. Metrics: ckpt_mem_replica_bytes_total, ckpt_mem_replica_step.
@@ -113,12 +115,17 @@
  *    slot of this node's own and replica segments with the payload's first 4096 bytes, GET a
  *    byte range of one slot copied out at the listed seq (a slot rewritten since: STALE), so
  *    that a restore reads a rank's slot that is only here. The server treats payloads as
- *    bytes. Queries are answered one at a time by the accepting thread, replica transfers one
- *    at a time by a thread of their own (a restore's reads never wait behind a transfer); a
- *    peer that connects and stays silent delays the next queries by at most 10 s.
+ *    bytes. Each connection is served by a thread of its own (at most 64 at once; more are
+ *    closed at once, logged at most once per 10 s) and must complete its handshake (magic,
+ *    version, token, fixed header) within 5 s of the accept, progress or not, so silent or
+ *    trickling connections without the token delay neither transfers nor queries. Queries
+ *    are answered one at a time, replica transfers one at a time by a thread of their own (a
+ *    restore's reads never wait behind a transfer); after the handshake each socket wait has
+ *    10 s without progress. A peer that takes a transfer's connection and does not answer
+ *    within 10 s is logged as such ("took the connection but did not answer"), once a round.
  *  - Removal: at the end of the job (success, failure, preemption; after the flush) every
  *    <prefix>.* file is unlinked, the lease last. An agent killed with SIGKILL leaves them
- *    to the next agent of the same job.
+ *    to the next agent of the same job, or to `elastic --mem-clean` (elastic_mem_clean).
  *
  * Thread-safety: elastic_agent_run is meant to be the one thing a process does: it blocks
  * SIGCHLD/SIGTERM/SIGINT (and leaves them blocked on return, so that a late signal cannot turn
@@ -182,7 +189,10 @@ typedef struct elastic_agent_opts {
     const char *mem_dir;        /* the memory tier's segment folder (see "Memory tier"); NULL =
                                    "/dev/shm", and the tier is then off (a warning) when that
                                    folder is unusable; a given folder that is unusable fails the
-                                   start (ELASTIC_EXIT_USAGE, one line) */
+                                   start (ELASTIC_EXIT_USAGE, one line): missing, not writable,
+                                   or a real path over 3989 bytes (the workers' prefix, folder +
+                                   "/" + 41, must stay under 4032 bytes, ckpt_mem_prefix_ok's
+                                   rule) */
     int mem_replica_mbps;       /* cap of the peer replica sender, MB/s (10^6 bytes/s),
                                    [0, 1000000]; default 1000; 0 = no replica */
 } elastic_agent_opts;
@@ -201,5 +211,17 @@ typedef struct elastic_agent_opts {
  * ELASTIC_EXIT_USAGE, a metrics port that cannot be bound (busy, no permission)
  * ELASTIC_EXIT_FAILED, each with one logged line. */
 int elastic_agent_run(const elastic_agent_opts *o, char *const argv[]);
+
+/* The operator's clean-up of a segment folder (`elastic --mem-clean`), for after an agent was
+ * SIGKILLed (its files stay until an agent of the same uid and rdzv id starts there again):
+ * in dir (NULL = "/dev/shm"), every prefix "ckptmem-<hash16>-<rand16>" of any job whose lease
+ * nobody holds (its agent is dead), or that has no lease, loses its files of this uid, the
+ * lease last; one line per removed prefix on stdout ("removed DIR/<prefix>: N file(s), B
+ * bytes"). Live agents' prefixes (lease held) and other uids' files are left alone. Errors go
+ * to stderr in one line. Not thread-safe against itself on the same folder (two cleaners
+ * remove the same files: the second reports fewer).
+ * Returns 0, or a negative errno: the folder cannot be opened or listed, a file cannot be
+ * removed (the others still are), -ENOMEM. */
+int elastic_mem_clean(const char *dir);
 
 #endif /* ELASTIC_AGENT_H */

@@ -288,7 +288,9 @@ typedef struct elastic_mem elastic_mem;
  * with the count and bytes when there were any). dir: an existing folder (made absolute with
  * realpath). nproc: local workers (their segments are <prefix>.own-0 .. own-<nproc-1>).
  * Errors (each logged in one line naming dir): -ENOENT/-ENOTDIR/-EACCES/... dir unusable,
- * -EEXIST no free name in 8 tries, -ENOMEM. */
+ * -ENAMETOOLONG dir's real path longer than 3989 bytes (the workers' prefix "<dir>/" + 41
+ * would fail ckpt_mem_prefix_ok: 4031 bytes at most), -EEXIST no free name in 8 tries,
+ * -ENOMEM. */
 int elastic_mem_open(elastic_mem **out, const char *dir, const char *run_id, int nproc);
 
 /* XXH3-64 of uid (u32 little-endian) followed by the bytes of run_id, as 16 lowercase hex

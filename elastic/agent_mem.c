@@ -12,19 +12,30 @@
  * changed is never committed on the peer (the connection is closed before the last byte; the
  * receiver's slot stays "writing", its other slot keeps the previous replica).
  *
- * Replica protocol (version 1, little-endian, one transfer per TCP connection):
- *   sender -> receiver   magic "CKMR" | version u32 = 1 | token_len u32 (<= 1024) |
+ * Replica protocol (version 2, little-endian, one transfer per TCP connection):
+ *   sender -> receiver   magic "CKMR" | version u32 = 2 | token_len u32 (<= 1024) |
  *                        token[token_len] | src_node u32 | slot u32 (local rank L) |
- *                        slot_bytes u64 | payload_bytes u64 | step u64 | seq u64
+ *                        slot_bytes u64 | payload_bytes u64 | step u64 | seq u64 |
+ *                        src_agent u64 (the sender's id: its prefix's random part)
  *   receiver -> sender   1 byte: 0 go on, or an answer code below (then it closes)
  *   sender -> receiver   payload_bytes bytes (closing early = abandoned: nothing committed)
- *   receiver -> sender   1 byte: 0 committed into <its prefix>.rep-<src_node>-<slot>, or a code
+ *   receiver -> sender   1 byte: 0 committed into <its prefix>.rep-<src_agent 16 hex>-<slot>,
+ *                        or a code
+ * Version 1 (no src_agent) named the file by src_node; node ranks change between rounds, so a
+ * survivor re-sending under its new node rank overwrote the replica of the dead node that had
+ * held that rank - while a restore read it. It is refused (BAD). src_node is for the logs.
  * Answer codes: 0 OK, 1 DENIED (token), 2 BAD (magic, version, fields out of range),
  * 3 LOCAL (the receiver cannot keep it: no space, I/O error). The token is compared in
- * constant time and never logged. Every socket wait is bounded by IO_TIMEOUT_S without
- * progress. Transfers are served one at a time by a thread of their own (put_main); queries
- * (below) by the accepting thread, one at a time, so a restore's reads never wait behind a
- * replica transfer (and a silent connection delays the next ones by at most IO_TIMEOUT_S).
+ * constant time and never logged. Each accepted connection gets a thread of its own (at most
+ * CONN_MAX at once; past that a connection is closed at once, the refusal logged as the
+ * others), which must read the whole handshake (magic, version, token, fixed header) within
+ * HANDSHAKE_S of the accept, progress or not: whoever can reach the port without the token
+ * (anyone on the machine) cannot hold the server with silent connections or a byte now and
+ * then, nor delay a transfer or a query that authenticates. After the handshake every socket
+ * wait is bounded by IO_TIMEOUT_S without progress. Authenticated transfers go to a thread of
+ * their own (put_main), one at a time (one writer per replica file); queries (below) are
+ * answered by their connection's thread, one at a time (qmu), so a restore's reads never wait
+ * behind a replica transfer.
  *
  * Queries (magic "CKMQ", mem_wire.h; the client is mem_client.h): on the same socket, with the
  * same token check, a worker of another node LISTs the complete slots of this node's segments
@@ -69,7 +80,17 @@
 #define RAND_HEX 16
 /* "ckptmem-" + 16 + "-" + 16 */
 #define PREFIX_LEN (8 + HASH_HEX + 1 + RAND_HEX)
-#define IO_TIMEOUT_S 10.0      /* every socket wait without progress */
+/* The longest CKPT_MEM_PATH the workers' readers take: ckpt_mem_prefix_ok (ckpt/ckpt_mem.h)
+ * wants fewer than CKPT_PATH_MAX - 64 = 4032 bytes. elastic/ does not include ckpt/: the
+ * bound is repeated here (test_ckpt_mem test_prefix_rule pins the reader's edge, test_mem_agent
+ * this one's). */
+#define WORKER_PREFIX_MAX 4031
+#define IO_TIMEOUT_S 10.0      /* every socket wait without progress, after the handshake */
+#define HANDSHAKE_S 5.0        /* from accept to the end of the fixed header (magic, version,
+                                  token, fields), progress or not: a client sending a byte now
+                                  and then cannot hold a connection */
+#define CONN_MAX 64            /* connections served at once (a thread each); more are refused
+                                  at once */
 #define CONNECT_TIMEOUT_S 3.0
 #define POLL_S 0.1             /* the sender's look at the own segments */
 #define CHUNK (256u * 1024u)   /* the sender's piece: copy_out, then send; the bucket's depth */
@@ -85,12 +106,21 @@ enum { ANS_OK = 0, ANS_DENIED = 1, ANS_BAD = 2, ANS_LOCAL = 3 };
 
 #define PUTQ 8                 /* replica transfers waiting for the put thread */
 
-/* A replica transfer accepted by the server thread, its first 12 bytes read. */
+/* A replica transfer whose handshake (magic, version, token, fixed header f) a connection
+ * thread read and accepted, for the put thread. */
 typedef struct put_job {
     int fd;
-    unsigned char h[12];
+    unsigned char f[48];
     char from[NI_MAXHOST + NI_MAXSERV + 4];
 } put_job;
+
+/* One accepted connection, for its thread. */
+typedef struct conn_job {
+    struct elastic_mem *m;
+    int fd;
+    double deadline;           /* of the handshake (clock_now_s) */
+    char from[NI_MAXHOST + NI_MAXSERV + 4];
+} conn_job;
 
 /* A segment mapped for the queries; identified by path and inode (a rebuilt file is another). */
 typedef struct qseg {
@@ -107,6 +137,7 @@ struct elastic_mem {
     char hash[HASH_HEX + 1];
     int lease_fd;
     int nproc;
+    uint64_t agent;            /* this agent's id: the prefix's rand16 (replica file names) */
 
     /* replica */
     int replica;               /* the threads run */
@@ -127,8 +158,8 @@ struct elastic_mem {
 
     /* sender-thread data */
     uint64_t *sent_seq;        /* per local slot: the seq the peer sent_to has */
-    uint64_t *sent_to;         /* ... XXH3 of "<peer> <our node rank>" (a new peer or a new
-                                  node rank of ours, i.e. another rep file name: send again) */
+    uint64_t *sent_to;         /* ... XXH3 of "<peer>" (a new peer: send again; a new node
+                                  rank of ours is not, the file is named by m->agent) */
     double retry_at;           /* after a failed connection or a refusal: not before */
     unsigned retry_serial;     /* the round retry_at belongs to (a new round tries at once) */
     unsigned *torn;            /* torn transfers in a row */
@@ -139,12 +170,16 @@ struct elastic_mem {
     double refused_logged;     /* when a refusal was last logged */
     qseg qcache[QCACHE];       /* segments the queries opened (mem_wire.h), by path and inode */
     unsigned qnext;            /* the cache entry to replace next */
+    unsigned nconn;            /* connection threads running (with mu) */
+    pthread_cond_t conn_cv;    /* signals nconn reaching 0 (with mu) */
+    pthread_mutex_t qmu;       /* the queries' state below (qcache, qnext, qbuf): queries of
+                                  several connections are answered one at a time */
     pthread_cond_t put_cv;     /* signals putq (with mu) */
     put_job putq[PUTQ];        /* replica transfers accepted, for the put thread (with mu) */
     unsigned put_head, put_n;
     unsigned char *qbuf;       /* a GET's copy (MEMQ_GET_MAX bytes, allocated at the first GET,
                                   kept: a fresh 8 MiB per GET cost a page fault per page) */
-    unsigned *seen;            /* SEEN_MAX (src, slot) pairs + 1 logged at INFO once */
+    uint64_t *seen;            /* SEEN_MAX XXH3s of (src agent, slot) logged at INFO once */
 };
 
 /* ------------------------------------------------------------------ names */
@@ -210,41 +245,61 @@ static void remove_set(int dfd, const char *hash, const char *r, stale_sum *sum,
     closedir(d);
 }
 
-/* Every other prefix of this job in dir whose lease nobody holds (or that has no lease: what
- * a removal cut short leaves; a live agent creates its lease before any other file). */
-static void clean_stale(elastic_mem *m, int dfd)
+/* name = "ckptmem-<hash16>-<rand16>.<rest>" (any job): 1 and the hash and rand, else 0. */
+static int name_of_any(const char *name, char h[HASH_HEX + 1], char r[RAND_HEX + 1])
+{
+    if (strncmp(name, NAME_PREFIX, 8) != 0 || strlen(name) < PREFIX_LEN + 2 ||
+        !is_hex(name + 8, HASH_HEX))
+        return 0;
+    memcpy(h, name + 8, HASH_HEX);
+    h[HASH_HEX] = '\0';
+    return name_of_job(name, h, r);
+}
+
+typedef struct pfx {
+    char hash[HASH_HEX + 1], r[RAND_HEX + 1];
+} pfx;
+
+/* Every prefix in dir (of job hash `hash`, or of any job when NULL; never skip_r's) whose
+ * lease nobody holds, or that has no lease (what a removal cut short leaves; a live agent
+ * creates its lease before any other file): its files of this uid removed, the lease last.
+ * Adds to *sum; with out, one line per removed prefix there. 0, or -errno when dir cannot be
+ * listed or a file cannot be removed (the others still are). */
+static int clean_dead(int dfd, const char *dirname, const char *hash, const char *skip_r,
+                      stale_sum *sum, FILE *out)
 {
     DIR *d = fdopendir(dup(dfd));
     if (d) rewinddir(d);
-    if (!d) {
-        LOG_W(MEM_TAG, "memory tier: cannot list %s for stale segments: %s", m->dir,
-              strerror(errno));
-        return;
-    }
-    char (*seen)[RAND_HEX + 1] = NULL;
+    if (!d) return -errno;
+    pfx *seen = NULL;
     size_t n = 0, cap = 0;
+    int rc = 0;
     struct dirent *e;
     while ((e = readdir(d))) {
-        char r[RAND_HEX + 1];
-        if (!name_of_job(e->d_name, m->hash, r)) continue;
-        if (!strcmp(r, m->prefix + 8 + HASH_HEX + 1)) continue;
+        pfx p;
+        if (hash ? !name_of_job(e->d_name, hash, p.r) : !name_of_any(e->d_name, p.hash, p.r))
+            continue;
+        if (hash) snprintf(p.hash, sizeof p.hash, "%s", hash);
+        if (skip_r && !strcmp(p.r, skip_r)) continue;
         size_t k = 0;
-        while (k < n && strcmp(seen[k], r)) k++;
+        while (k < n && (strcmp(seen[k].r, p.r) || strcmp(seen[k].hash, p.hash))) k++;
         if (k < n) continue;
         if (n == cap) {
             size_t nc = cap ? 2 * cap : 16;
-            void *p = realloc(seen, nc * sizeof *seen);
-            if (!p) break;
-            seen = p;
+            void *q = realloc(seen, nc * sizeof *seen);
+            if (!q) {
+                rc = -ENOMEM;
+                break;
+            }
+            seen = q;
             cap = nc;
         }
-        memcpy(seen[n++], r, RAND_HEX + 1);
+        seen[n++] = p;
     }
     closedir(d);
-    stale_sum sum = {0, 0, 0};
     for (size_t k = 0; k < n; k++) {
         char lease[PREFIX_LEN + 8];
-        snprintf(lease, sizeof lease, NAME_PREFIX "%s-%s.lease", m->hash, seen[k]);
+        snprintf(lease, sizeof lease, NAME_PREFIX "%s-%s.lease", seen[k].hash, seen[k].r);
         int fd = openat(dfd, lease, O_RDWR | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
         struct stat st;
         if (fd < 0 && errno != ENOENT) continue; /* not ours to judge */
@@ -255,20 +310,59 @@ static void clean_stale(elastic_mem *m, int dfd)
                 continue;
             }
         }
-        remove_set(dfd, m->hash, seen[k], &sum, 1);
+        stale_sum one = {0, 0, 0};
+        remove_set(dfd, seen[k].hash, seen[k].r, &one, 1);
         if (fd >= 0) {
             if (unlinkat(dfd, lease, 0) == 0) {
-                sum.files++;
-                sum.bytes += (unsigned long long)st.st_size;
+                one.files++;
+                one.bytes += (unsigned long long)st.st_size;
+            } else if (rc == 0) {
+                rc = -errno;
             }
             close(fd);
         }
-        sum.agents++;
+        if (out && one.files)
+            fprintf(out, "removed %s/" NAME_PREFIX "%s-%s: %lu file(s), %llu bytes\n", dirname,
+                    seen[k].hash, seen[k].r, one.files, one.bytes);
+        sum->files += one.files;
+        sum->bytes += one.bytes;
+        sum->agents++;
     }
     free(seen);
+    return rc;
+}
+
+/* Every other prefix of this job in dir whose lease nobody holds (clean_dead). */
+static void clean_stale(elastic_mem *m, int dfd)
+{
+    stale_sum sum = {0, 0, 0};
+    int rc = clean_dead(dfd, m->dir, m->hash, m->prefix + 8 + HASH_HEX + 1, &sum, NULL);
+    if (rc < 0)
+        LOG_W(MEM_TAG, "memory tier: cannot remove every stale segment in %s: %s", m->dir,
+              strerror(-rc));
     if (sum.agents)
         LOG_I(MEM_TAG, "memory tier: removed %lu stale file(s) (%llu bytes) of %lu dead agent(s) "
               "of this job in %s", sum.files, sum.bytes, sum.agents, m->dir);
+}
+
+int elastic_mem_clean(const char *dir)
+{
+    char real[PATH_MAX];
+    if (!dir) dir = "/dev/shm";
+    int dfd = realpath(dir, real) ? open(real, O_RDONLY | O_DIRECTORY | O_CLOEXEC) : -1;
+    if (dfd < 0) {
+        int e = errno;
+        fprintf(stderr, "elastic: --mem-clean: cannot open the segment folder %s: %s\n", dir,
+                strerror(e));
+        return -e;
+    }
+    stale_sum sum = {0, 0, 0};
+    int rc = clean_dead(dfd, real, NULL, NULL, &sum, stdout);
+    close(dfd);
+    if (rc < 0)
+        fprintf(stderr, "elastic: --mem-clean: in %s: %s (removed %lu file(s), %llu bytes)\n",
+                real, strerror(-rc), sum.files, sum.bytes);
+    return rc;
 }
 
 /* ------------------------------------------------------------------ open, close */
@@ -315,6 +409,8 @@ int elastic_mem_open(elastic_mem **out, const char *dir, const char *run_id, int
     m->nproc = nproc;
     pthread_mutex_init(&m->mu, NULL);
     pthread_cond_init(&m->put_cv, NULL);
+    pthread_cond_init(&m->conn_cv, NULL);
+    pthread_mutex_init(&m->qmu, NULL);
     int rc = 0, dfd = -1;
     struct stat st;
     if (!realpath(dir, m->dir)) {
@@ -330,9 +426,25 @@ int elastic_mem_open(elastic_mem **out, const char *dir, const char *run_id, int
         rc = -errno;
         goto fail;
     }
+    if (strlen(m->dir) + 1 + PREFIX_LEN > WORKER_PREFIX_MAX) {
+        /* the start of the path only: the logger's line would cut the whole one */
+        LOG_E(MEM_TAG, "memory tier: cannot use the segment folder %.64s...: its path is %zu "
+              "bytes long, the workers' prefix <folder>/" NAME_PREFIX "... would be %zu; at most "
+              "%d (the folder at most %d bytes)", m->dir, strlen(m->dir),
+              strlen(m->dir) + 1 + PREFIX_LEN, WORKER_PREFIX_MAX,
+              WORKER_PREFIX_MAX - 1 - PREFIX_LEN);
+        close(dfd);
+        pthread_cond_destroy(&m->put_cv);
+        pthread_cond_destroy(&m->conn_cv);
+        pthread_mutex_destroy(&m->qmu);
+        pthread_mutex_destroy(&m->mu);
+        free(m);
+        return -ENAMETOOLONG;
+    }
     elastic_mem_jobhash((unsigned)getuid(), run_id, m->hash);
     if ((rc = make_lease(m, dfd, run_id)) < 0) goto fail;
     snprintf(m->path, sizeof m->path, "%s/%s", m->dir, m->prefix);
+    m->agent = strtoull(m->prefix + 8 + HASH_HEX + 1, NULL, 16);
     clean_stale(m, dfd);
     close(dfd);
     LOG_I(MEM_TAG, "memory tier: segments in %s, prefix %s (lease held)", m->dir, m->prefix);
@@ -342,6 +454,8 @@ fail:
     LOG_E(MEM_TAG, "memory tier: cannot use the segment folder %s: %s", dir, strerror(-rc));
     if (dfd >= 0) close(dfd);
     pthread_cond_destroy(&m->put_cv);
+    pthread_cond_destroy(&m->conn_cv);
+    pthread_mutex_destroy(&m->qmu);
     pthread_mutex_destroy(&m->mu);
     free(m);
     return rc;
@@ -392,6 +506,8 @@ void elastic_mem_close(elastic_mem *m)
     free(m->torn);
     free(m->seen);
     pthread_cond_destroy(&m->put_cv);
+    pthread_cond_destroy(&m->conn_cv);
+    pthread_mutex_destroy(&m->qmu);
     pthread_mutex_destroy(&m->mu);
     free(m);
 }
@@ -443,8 +559,9 @@ static int send_all(elastic_mem *m, int fd, const void *buf, size_t n)
     return 0;
 }
 
-/* Read exactly n bytes; -ECONNRESET at an early end of the stream. */
-static int recv_all(elastic_mem *m, int fd, void *buf, size_t n)
+/* Read exactly n bytes; -ECONNRESET at an early end of the stream. deadline 0: each wait at
+ * most IO_TIMEOUT_S without progress; else (clock_now_s) all of it by then, progress or not. */
+static int recv_dl(elastic_mem *m, int fd, void *buf, size_t n, double deadline)
 {
     char *p = buf;
     while (n) {
@@ -457,10 +574,17 @@ static int recv_all(elastic_mem *m, int fd, void *buf, size_t n)
         if (r == 0) return -ECONNRESET;
         if (errno == EINTR) continue;
         if (errno != EAGAIN) return errno == EFAULT ? -EFAULT : -ECONNRESET;
-        int rc = wait_io(m, fd, POLLIN, 0);
+        double left = deadline > 0 ? deadline - clock_now_s() : 0;
+        if (deadline > 0 && left <= 0) return -ETIMEDOUT;
+        int rc = wait_io(m, fd, POLLIN, deadline > 0 && left < IO_TIMEOUT_S ? left : 0);
         if (rc < 0) return rc;
     }
     return 0;
+}
+
+static int recv_all(elastic_mem *m, int fd, void *buf, size_t n)
+{
+    return recv_dl(m, fd, buf, n, 0);
 }
 
 static void put32(unsigned char *p, uint32_t v)
@@ -540,7 +664,7 @@ typedef struct round_view {
     int gen, node_rank, nnodes;
     char peer[96];
     unsigned serial;
-    uint64_t to;               /* XXH3 of "<peer> <node_rank>" */
+    uint64_t to;               /* XXH3 of "<peer>" */
 } round_view;
 
 static const char *answer_text(int a)
@@ -554,8 +678,9 @@ static const char *answer_text(int a)
 }
 
 /* Send slot `slot` of seg (info: its complete header) to the peer. 0 sent and committed,
- * -EAGAIN torn (try later), -ECONNREFUSED & co: the peer is unreachable (*answer -1) or
- * answered a refusal (*answer > 0). */
+ * -EAGAIN torn (try later), -ECONNREFUSED & co: the peer is unreachable (*answer -1), took the
+ * connection but answered nothing within IO_TIMEOUT_S (-ETIMEDOUT, *answer -2), or answered a
+ * refusal (*answer > 0). */
 static int send_slot(elastic_mem *m, const round_view *rv, int local, shmseg *seg, int slot,
                      const shmseg_info *info, int *answer, unsigned char *buf)
 {
@@ -565,10 +690,10 @@ static int send_slot(elastic_mem *m, const round_view *rv, int local, shmseg *se
     pthread_mutex_lock(&m->mu);
     m->send_fd = fd;
     pthread_mutex_unlock(&m->mu);
-    unsigned char hdr[12 + TOKEN_MAX + 40];
+    unsigned char hdr[12 + TOKEN_MAX + 48];
     size_t k = 0;
     memcpy(hdr, "CKMR", 4);
-    put32(hdr + 4, 1);
+    put32(hdr + 4, 2);
     put32(hdr + 8, (uint32_t)m->token_len);
     k = 12;
     if (m->token_len) memcpy(hdr + k, m->token, m->token_len);
@@ -579,11 +704,12 @@ static int send_slot(elastic_mem *m, const round_view *rv, int local, shmseg *se
     put64(hdr + k + 16, info->payload_bytes);
     put64(hdr + k + 24, info->step);
     put64(hdr + k + 32, info->seq);
-    k += 40;
+    put64(hdr + k + 40, m->agent);
+    k += 48;
     unsigned char a = 0;
     int rc = send_all(m, fd, hdr, k);
     explicit_bzero(hdr, sizeof hdr);
-    if (rc == 0) rc = recv_all(m, fd, &a, 1);
+    if (rc == 0 && (rc = recv_all(m, fd, &a, 1)) == -ETIMEDOUT) *answer = -2;
     if (rc == 0 && a != ANS_OK) {
         *answer = a;
         rc = -EACCES;
@@ -609,7 +735,7 @@ static int send_slot(elastic_mem *m, const round_view *rv, int local, shmseg *se
         double now = clock_now_s();
         next = (next > now ? next : now) + (double)len / m->rate;
     }
-    if (rc == 0) rc = recv_all(m, fd, &a, 1);
+    if (rc == 0 && (rc = recv_all(m, fd, &a, 1)) == -ETIMEDOUT) *answer = -2;
     if (rc == 0 && a != ANS_OK) {
         *answer = a;
         rc = -EIO;
@@ -619,7 +745,7 @@ static int send_slot(elastic_mem *m, const round_view *rv, int local, shmseg *se
     pthread_mutex_unlock(&m->mu);
     close(fd);
     if (rc == -EAGAIN) return rc;
-    if (rc < 0 && *answer < 0 && rc != -ECANCELED) rc = rc == -ETIMEDOUT ? rc : -ECONNRESET;
+    if (rc < 0 && *answer == -1 && rc != -ECANCELED) rc = rc == -ETIMEDOUT ? rc : -ECONNRESET;
     return rc;
 }
 
@@ -674,6 +800,13 @@ static void poll_one(elastic_mem *m, const round_view *rv, int L, unsigned char 
     if (answer > 0)
         LOG_W(MEM_TAG, "memory tier: peer node %d at %s %s; no replica this round", dst, rv->peer,
               answer_text(answer));
+    else if (answer == -2)
+        LOG_W(MEM_TAG, "memory tier: peer node %d at %s took the connection but did not answer "
+              "within %.0f s; retrying quietly this round", dst, rv->peer, IO_TIMEOUT_S);
+    else if (rc == -ETIMEDOUT)
+        LOG_W(MEM_TAG, "memory tier: peer node %d at %s is unreachable (no connection within "
+              "%.0f s, or it stopped taking the bytes for %.0f s); retrying quietly this round",
+              dst, rv->peer, CONNECT_TIMEOUT_S, IO_TIMEOUT_S);
     else
         LOG_W(MEM_TAG, "memory tier: peer node %d at %s is unreachable (%s); retrying quietly "
               "this round", dst, rv->peer, strerror(-rc));
@@ -697,7 +830,7 @@ static void *sender_main(void *arg)
         rv.serial = m->serial;
         pthread_mutex_unlock(&m->mu);
         char key[128];
-        int kl = snprintf(key, sizeof key, "%s %d", rv.peer, rv.node_rank);
+        int kl = snprintf(key, sizeof key, "%s", rv.peer);
         rv.to = XXH3_64bits(key, (size_t)kl);
         if (rv.serial != m->retry_serial) {
             m->retry_serial = rv.serial;
@@ -798,22 +931,23 @@ static int digits_u32(const char *s, size_t n, uint32_t *v)
     return 0;
 }
 
-/* "own-<L>" -> kind 0, "rep-<N>-<L>" -> kind 1; -1 for any other name. */
-static int seg_name(const char *rest, uint32_t *node, uint32_t *local)
+/* "own-<L>" -> kind 0, "rep-<agent16>-<L>" -> kind 1; -1 for any other name. */
+static int seg_name(const char *rest, uint64_t *agent, uint32_t *local)
 {
-    *node = 0;
+    *agent = 0;
     if (!strncmp(rest, "own-", 4)) return digits_u32(rest + 4, strlen(rest + 4), local) == 0 ? 0 : -1;
     if (strncmp(rest, "rep-", 4) != 0) return -1;
-    const char *dash = strchr(rest + 4, '-');
-    if (!dash || digits_u32(rest + 4, (size_t)(dash - rest - 4), node) < 0 ||
-        digits_u32(dash + 1, strlen(dash + 1), local) < 0)
+    if (strlen(rest) < 4 + RAND_HEX + 2 || !is_hex(rest + 4, RAND_HEX) || rest[4 + RAND_HEX] != '-' ||
+        digits_u32(rest + 4 + RAND_HEX + 1, strlen(rest + 4 + RAND_HEX + 1), local) < 0)
         return -1;
+    *agent = strtoull(rest + 4, NULL, 16);
     return 1;
 }
 
 typedef struct qname {
     char name[PREFIX_LEN + 40];
-    uint32_t kind, node, local;
+    uint32_t kind, local;
+    uint64_t agent;
 } qname;
 
 static int cmp_qname(const void *a, const void *b)
@@ -849,7 +983,7 @@ static void query_list(elastic_mem *m, int fd)
         if (strncmp(e->d_name, m->prefix, plen) != 0 || e->d_name[plen] != '.' ||
             strlen(e->d_name) >= sizeof q.name)
             continue;
-        int kind = seg_name(e->d_name + plen + 1, &q.node, &q.local);
+        int kind = seg_name(e->d_name + plen + 1, &q.agent, &q.local);
         if (kind < 0) continue;
         q.kind = (uint32_t)kind;
         snprintf(q.name, sizeof q.name, "%s", e->d_name);
@@ -882,7 +1016,7 @@ static void query_list(elastic_mem *m, int fd)
             if (shmseg_copy_out(seg, sl, en + 64, 0, hl, &seq) < 0) continue; /* being rewritten */
             if (shmseg_slot_info(seg, sl, &in2) < 0 || in2.seq != in.seq) continue;
             put32(en, names[i].kind);
-            put32(en + 4, names[i].node);
+            put64(en + 48, names[i].agent);
             put32(en + 8, names[i].local);
             put32(en + 12, (uint32_t)sl);
             put64(en + 16, in.seq);
@@ -905,16 +1039,16 @@ static void query_list(elastic_mem *m, int fd)
 /* GET: bytes of one complete slot at the listed seq. */
 static void query_get(elastic_mem *m, int fd, const unsigned char *f)
 {
-    uint32_t kind = get32(f + 4), node = get32(f + 8), local = get32(f + 12), sl = get32(f + 16);
-    uint64_t seq = get64(f + 24), off = get64(f + 32), len = get64(f + 40);
-    if (kind > 1 || sl >= SHMSEG_NSLOTS || node >= 4096 || local >= 4096 || seq == 0 ||
+    uint32_t kind = get32(f + 4), local = get32(f + 12), sl = get32(f + 16);
+    uint64_t seq = get64(f + 24), off = get64(f + 32), len = get64(f + 40), agent = get64(f + 48);
+    if (kind > 1 || sl >= SHMSEG_NSLOTS || local >= 4096 || seq == 0 ||
         len > MEMQ_GET_MAX || off > UINT64_MAX - len) {
         send_answer(m, fd, MEMQ_ST_BAD, 0);
         return;
     }
     char path[sizeof m->path + 40];
     int rc = kind == 0 ? shmseg_own_path(path, sizeof path, m->path, local)
-                       : shmseg_rep_path(path, sizeof path, m->path, node, local);
+                       : shmseg_rep_path(path, sizeof path, m->path, agent, local);
     shmseg *seg = NULL;
     if (rc == 0) rc = qseg_get(m, path, &seg);
     if (rc < 0) {
@@ -949,17 +1083,24 @@ static void query_get(elastic_mem *m, int fd, const unsigned char *f)
     else if (send_answer(m, fd, MEMQ_ST_OK, len) == 0 && len) send_all(m, fd, m->qbuf, (size_t)len);
 }
 
-/* A query connection after its first 12 bytes h (magic "CKMQ" checked by the caller). */
-static void serve_query(elastic_mem *m, int fd, const char *from, const unsigned char *h)
+/* A query connection after its first 12 bytes h (magic "CKMQ" checked by the caller); the
+ * token and the request by the handshake's deadline. */
+static void serve_query(elastic_mem *m, int fd, const char *from, const unsigned char *h,
+                        double deadline)
 {
     unsigned char tok[TOKEN_MAX], f[MEMQ_REQ_BYTES];
     uint32_t tl = get32(h + 8);
     if (get32(h + 4) != MEMQ_VERSION || tl > TOKEN_MAX) {
-        refused_what(m, "memory query", from, "not a query of version 1");
+        refused_what(m, "memory query", from, "not a query of version 2");
         send_answer(m, fd, MEMQ_ST_BAD, 0);
         return;
     }
-    if (recv_all(m, fd, tok, tl) < 0 || recv_all(m, fd, f, sizeof f) < 0) return;
+    int rc = recv_dl(m, fd, tok, tl, deadline);
+    if (rc == 0) rc = recv_dl(m, fd, f, sizeof f, deadline);
+    if (rc < 0) {
+        if (rc == -ETIMEDOUT) refused_what(m, "memory query", from, "no complete request in time");
+        return;
+    }
     int ok = token_equal(tok, tl, (const unsigned char *)(m->token ? m->token : ""), m->token_len);
     explicit_bzero(tok, sizeof tok);
     if (!ok) {
@@ -968,40 +1109,59 @@ static void serve_query(elastic_mem *m, int fd, const char *from, const unsigned
         return;
     }
     uint32_t op = get32(f);
+    pthread_mutex_lock(&m->qmu);
     if (op == MEMQ_OP_LIST) query_list(m, fd);
     else if (op == MEMQ_OP_GET) query_get(m, fd, f);
     else send_answer(m, fd, MEMQ_ST_BAD, 0);
+    pthread_mutex_unlock(&m->qmu);
 }
 
-/* A replica transfer after its first 12 bytes h (put thread). */
-static void serve_put(elastic_mem *m, int fd, const char *from, const unsigned char *h)
+/* A replica transfer's handshake after its first 12 bytes h, by the deadline: 0 and its fixed
+ * header in f (token accepted), or -1 (answered or dropped; the caller closes fd). */
+static int put_handshake(elastic_mem *m, int fd, const char *from, const unsigned char *h,
+                         unsigned char f[48], double deadline)
 {
-    unsigned char tok[TOKEN_MAX], f[40];
+    unsigned char tok[TOKEN_MAX];
     unsigned char ans = ANS_BAD;
-    shmseg *seg = NULL;
     uint32_t tl = get32(h + 8);
-    if (memcmp(h, "CKMR", 4) != 0 || get32(h + 4) != 1 || tl > TOKEN_MAX) {
-        refused(m, from, "not a replica frame of version 1");
-        goto answer;
+    if (memcmp(h, "CKMR", 4) != 0 || get32(h + 4) != 2 || tl > TOKEN_MAX) {
+        refused(m, from, "not a replica frame of version 2");
+        send_all(m, fd, &ans, 1);
+        return -1;
     }
-    if (recv_all(m, fd, tok, tl) < 0 || recv_all(m, fd, f, sizeof f) < 0) goto out;
+    int rc = recv_dl(m, fd, tok, tl, deadline);
+    if (rc == 0) rc = recv_dl(m, fd, f, 48, deadline);
+    if (rc < 0) {
+        if (rc == -ETIMEDOUT) refused(m, from, "no complete frame header in time");
+        return -1;
+    }
     int ok = token_equal(tok, tl, (const unsigned char *)(m->token ? m->token : ""),
                          m->token_len);
     explicit_bzero(tok, sizeof tok);
     if (!ok) {
         ans = ANS_DENIED;
         refused(m, from, "wrong job token");
-        goto answer;
+        send_all(m, fd, &ans, 1);
+        return -1;
     }
+    return 0;
+}
+
+/* A replica transfer after its accepted handshake (f: the fixed header; put thread). */
+static void serve_put(elastic_mem *m, int fd, const char *from, const unsigned char *f)
+{
+    unsigned char ans = ANS_BAD;
+    shmseg *seg = NULL;
     uint32_t src = get32(f), L = get32(f + 4);
     uint64_t slot_bytes = get64(f + 8), payload = get64(f + 16), step = get64(f + 24);
+    uint64_t agent = get64(f + 40);
     if (src >= 4096 || L >= 4096 || slot_bytes == 0 || slot_bytes % SHMSEG_PAGE ||
         slot_bytes > MAX_SLOT_BYTES || payload > slot_bytes) {
         refused(m, from, "fields out of range");
         goto answer;
     }
-    char path[sizeof m->path + 32];
-    snprintf(path, sizeof path, "%s.rep-%u-%u", m->path, src, L);
+    char path[sizeof m->path + 40];
+    shmseg_rep_path(path, sizeof path, m->path, agent, L);
     ans = ANS_LOCAL;
     int rc, slot;
     if (!room_for(m, path, slot_bytes)) {
@@ -1029,7 +1189,10 @@ static void serve_put(elastic_mem *m, int fd, const char *from, const unsigned c
     }
     ans = ANS_LOCAL;
     if ((rc = shmseg_commit(seg, slot, payload, step)) == 0) ans = ANS_OK;
-    unsigned key = src * 4096u + L + 1;
+    unsigned char kb[12];
+    put64(kb, agent);
+    put32(kb + 8, L);
+    uint64_t key = XXH3_64bits(kb, sizeof kb) | 1; /* never 0, the free mark */
     int first = 1;
     for (size_t i = 0; i < SEEN_MAX; i++)
         if (m->seen[i] == key) first = 0;
@@ -1039,16 +1202,16 @@ static void serve_put(elastic_mem *m, int fd, const char *from, const unsigned c
             break;
         }
     log_msg(first ? LOG_INFO : LOG_DEBUG, MEM_TAG, "memory tier: replica of node %u local slot %u "
-            "(step %" PRIu64 ", %" PRIu64 " bytes) received in %.3f s into %s", src, L, step,
-            payload, clock_now_s() - t0, path);
+            "(agent %016" PRIx64 ", step %" PRIu64 ", %" PRIu64 " bytes) received in %.3f s into %s",
+            src, L, agent, step, payload, clock_now_s() - t0, path);
 answer:
     send_all(m, fd, &ans, 1);
 out:
     shmseg_close(seg);
 }
 
-/* The replica transfers, one at a time in the order accepted (one writer per replica file),
- * on a thread of their own so that a restore's queries never wait behind one. */
+/* The replica transfers, one at a time in the order their handshakes ended (one writer per
+ * replica file), on a thread of their own so that a restore's queries never wait behind one. */
 static void *put_main(void *arg)
 {
     elastic_mem *m = arg;
@@ -1060,7 +1223,7 @@ static void *put_main(void *arg)
         m->put_head = (m->put_head + 1) % PUTQ;
         m->put_n--;
         pthread_mutex_unlock(&m->mu);
-        serve_put(m, j.fd, j.from, j.h);
+        serve_put(m, j.fd, j.from, j.f);
         close(j.fd);
         pthread_mutex_lock(&m->mu);
     }
@@ -1073,34 +1236,38 @@ static void *put_main(void *arg)
     return NULL;
 }
 
-/* The first 12 bytes of a connection tell a query (served here) from a replica transfer
- * (queued for the put thread). */
-static void serve_conn(elastic_mem *m, int fd, const char *from)
+/* One connection (a thread of its own): the handshake by its deadline, then a query served
+ * here or a replica transfer queued for the put thread. */
+static void *conn_main(void *arg)
 {
-    unsigned char h[12];
-    if (recv_all(m, fd, h, sizeof h) < 0) {
-        close(fd);
-        return;
+    conn_job *c = arg;
+    elastic_mem *m = c->m;
+    int fd = c->fd;
+    unsigned char h[12], f[48];
+    int rc = recv_dl(m, fd, h, sizeof h, c->deadline);
+    if (rc == -ETIMEDOUT) refused(m, c->from, "no frame header in time");
+    if (rc == 0 && !memcmp(h, MEMQ_MAGIC, 4)) {
+        serve_query(m, fd, c->from, h, c->deadline);
+    } else if (rc == 0 && put_handshake(m, fd, c->from, h, f, c->deadline) == 0) {
+        pthread_mutex_lock(&m->mu);
+        int queued = m->put_started && !m->quit && m->put_n < PUTQ;
+        if (queued) {
+            put_job *j = &m->putq[(m->put_head + m->put_n++) % PUTQ];
+            j->fd = fd;
+            memcpy(j->f, f, sizeof f);
+            snprintf(j->from, sizeof j->from, "%s", c->from);
+            pthread_cond_signal(&m->put_cv);
+            fd = -1;
+        }
+        pthread_mutex_unlock(&m->mu);
+        if (!queued) refused(m, c->from, "too many replica transfers waiting");
     }
-    if (!memcmp(h, MEMQ_MAGIC, 4)) {
-        serve_query(m, fd, from, h);
-        close(fd);
-        return;
-    }
+    if (fd >= 0) close(fd);
+    free(c);
     pthread_mutex_lock(&m->mu);
-    int queued = m->put_started && !m->quit && m->put_n < PUTQ;
-    if (queued) {
-        put_job *j = &m->putq[(m->put_head + m->put_n++) % PUTQ];
-        j->fd = fd;
-        memcpy(j->h, h, sizeof h);
-        snprintf(j->from, sizeof j->from, "%s", from);
-        pthread_cond_signal(&m->put_cv);
-    }
+    if (--m->nconn == 0) pthread_cond_broadcast(&m->conn_cv);
     pthread_mutex_unlock(&m->mu);
-    if (!queued) {
-        refused(m, from, "too many replica transfers waiting");
-        close(fd);
-    }
+    return NULL;
 }
 
 static void *server_main(void *arg)
@@ -1113,15 +1280,34 @@ static void *server_main(void *arg)
         socklen_t sl = sizeof ss;
         int fd = accept4(m->listen_fd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) continue;
+        double deadline = clock_now_s() + HANDSHAKE_S;
         char host[NI_MAXHOST] = "?", port[NI_MAXSERV] = "?", from[NI_MAXHOST + NI_MAXSERV + 4];
         getnameinfo((struct sockaddr *)&ss, sl, host, sizeof host, port, sizeof port,
                     NI_NUMERICHOST | NI_NUMERICSERV);
         snprintf(from, sizeof from, "%s:%s", host, port);
-        serve_conn(m, fd, from);
+        pthread_mutex_lock(&m->mu);
+        int room = m->nconn < CONN_MAX;
+        if (room) m->nconn++;
+        pthread_mutex_unlock(&m->mu);
+        conn_job *c = room ? malloc(sizeof *c) : NULL;
+        pthread_t th;
+        int rc = -ENOMEM;
+        if (c) {
+            *c = (conn_job){m, fd, deadline, ""};
+            snprintf(c->from, sizeof c->from, "%s", from);
+            if ((rc = common_thread_start(&th, conn_main, c)) == 0) pthread_detach(th);
+        }
+        if (rc == 0) continue;
+        free(c);
+        if (room) {
+            pthread_mutex_lock(&m->mu);
+            if (--m->nconn == 0) pthread_cond_broadcast(&m->conn_cv);
+            pthread_mutex_unlock(&m->mu);
+        }
+        refused_what(m, "connection", from, room ? "cannot start a thread for it"
+                                                 : "too many connections in flight");
+        close(fd);
     }
-    qcache_clear(m);
-    free(m->qbuf);
-    m->qbuf = NULL;
     return NULL;
 }
 
@@ -1213,9 +1399,14 @@ static void replica_stop(elastic_mem *m)
     if (m->snd_started) pthread_join(m->snd_th, NULL);
     if (m->srv_started) pthread_join(m->srv_th, NULL);
     pthread_mutex_lock(&m->mu);
+    /* the connection threads see quit within 0.2 s (wait_io) */
+    while (m->nconn) pthread_cond_wait(&m->conn_cv, &m->mu);
     pthread_cond_broadcast(&m->put_cv);
     pthread_mutex_unlock(&m->mu);
     if (m->put_started) pthread_join(m->put_th, NULL);
+    qcache_clear(m);
+    free(m->qbuf);
+    m->qbuf = NULL;
     m->snd_started = m->srv_started = m->put_started = 0;
     m->replica = 0;
     if (m->listen_fd >= 0) close(m->listen_fd);

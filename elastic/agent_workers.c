@@ -864,12 +864,14 @@ void elastic_wg_stop(elastic_wg *wg, int sig, double grace_s, int escalate_on_si
     const char *sname = sig == SIGKILL ? "SIGKILL" : sig == SIGTERM ? "SIGTERM" : "the signal";
     if (live) {
         int running = elastic_wg_running(wg);
+        /* SIGKILL itself has no "SIGKILL after": it was "SIGKILL, SIGKILL after 0.0 s" */
+        char after[48] = "";
+        if (sig != SIGKILL) snprintf(after, sizeof after, ", SIGKILL after %.1f s", grace_s);
         if (running)
-            LOG_I(EA_TAG, "stopping %d worker group(s) (%s): %s, SIGKILL after %.1f s", live, why,
-                  sname, grace_s);
+            LOG_I(EA_TAG, "stopping %d worker group(s) (%s): %s%s", live, why, sname, after);
         else
             LOG_I(EA_TAG, "%d worker group(s) still have processes after the workers exited (%s): "
-                  "%s, SIGKILL after %.1f s", live, why, sname, grace_s);
+                  "%s%s", live, why, sname, after);
         for (int i = 0; i < wg->n; i++) {
             elastic_worker *w = &wg->w[i];
             if (w->gone) continue;

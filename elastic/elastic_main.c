@@ -49,9 +49,14 @@ static const char usage_text[] =
     "                          only; 0.0.0.0 or :: for every interface)\n"
     "  --mem-dir DIR           the memory tier's segment folder (default /dev/shm): workers\n"
     "                          get CKPT_MEM_PATH=DIR/ckptmem-<job>-<random>; stale segments of\n"
-    "                          this job's dead agents are removed at start, this agent's at end\n"
+    "                          this job's dead agents are removed at start, this agent's at end;\n"
+    "                          its real path must be at most 3989 bytes\n"
     "  --mem-replica-mbps N    several nodes: send each memory snapshot to the next node at\n"
     "                          most N MB/s (default 1000; 0 = no replica)\n"
+    "  --mem-clean             no job: remove the segments of dead agents (SIGKILLed: their\n"
+    "                          lease is not held) of every job of this user in --mem-dir, one\n"
+    "                          line per prefix removed; live agents' files stay. Exit 0, 1 on\n"
+    "                          an error\n"
     "  -h, --help              this text\n";
 
 /* the rest of --help (two strings: C99 compilers need only take 4095 bytes in one) */
@@ -165,7 +170,7 @@ int main(int argc, char **argv)
 {
     enum {
         O_NNODES = 256, O_NPROC, O_MAXR, O_EP, O_ID, O_MON, O_HANG, O_PREEMPT, O_STOP, O_HB,
-        O_LAST, O_JOIN, O_MPORT, O_MADDR, O_MEMDIR, O_MEMMBPS
+        O_LAST, O_JOIN, O_MPORT, O_MADDR, O_MEMDIR, O_MEMMBPS, O_MEMCLEAN
     };
     static const struct option lo[] = {
         {"nnodes", required_argument, 0, O_NNODES},
@@ -184,10 +189,11 @@ int main(int argc, char **argv)
         {"metrics-addr", required_argument, 0, O_MADDR},
         {"mem-dir", required_argument, 0, O_MEMDIR},
         {"mem-replica-mbps", required_argument, 0, O_MEMMBPS},
+        {"mem-clean", no_argument, 0, O_MEMCLEAN},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     elastic_agent_opts o = ELASTIC_AGENT_OPTS_INIT;
-    int have_nproc = 0, c, rc = 0;
+    int have_nproc = 0, c, rc = 0, mem_clean = 0;
     opterr = 0;
     /* '+': stop at the first non-option, the worker's command; ':': report missing values */
     while (rc == 0 && (c = getopt_long(argc, argv, "+:h", lo, NULL)) != -1) {
@@ -221,6 +227,7 @@ int main(int argc, char **argv)
         case O_MEMMBPS:
             rc = parse_int("--mem-replica-mbps", optarg, 0, 1000000, &o.mem_replica_mbps);
             break;
+        case O_MEMCLEAN: mem_clean = 1; break;
         case 'h':
             fputs(usage_text, stdout);
             fputs(usage_more, stdout);
@@ -237,6 +244,13 @@ int main(int argc, char **argv)
         }
     }
     if (rc < 0) return 2;
+    if (mem_clean) {
+        if (optind < argc) {
+            fprintf(stderr, "elastic: --mem-clean runs no command (see --help)\n");
+            return 2;
+        }
+        return elastic_mem_clean(o.mem_dir) < 0 ? 1 : 0;
+    }
     if (optind >= argc) {
         fprintf(stderr, "elastic: no worker command: elastic [options] -- COMMAND [ARGS...] "
                 "(see --help)\n");

@@ -203,7 +203,7 @@ static int request(const elastic_mem_client *c, uint32_t op, const elastic_mem_s
     put32(req + k, op);
     if (w) {
         put32(req + k + 4, w->kind);
-        put32(req + k + 8, w->node);
+        put64(req + k + 48, w->agent);
         put32(req + k + 12, w->local);
         put32(req + k + 16, w->slot);
         put64(req + k + 24, w->seq);
@@ -246,7 +246,7 @@ int elastic_mem_client_list(elastic_mem_client *c, elastic_mem_slot **out, size_
         if ((rc = recv_all(c, fd, e, MEMQ_ENTRY_BYTES)) < 0) break;
         elastic_mem_slot *s = &v[i];
         s->kind = get32(e);
-        s->node = get32(e + 4);
+        s->agent = get64(e + 48);
         s->local = get32(e + 8);
         s->slot = get32(e + 12);
         s->seq = get64(e + 16);

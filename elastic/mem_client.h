@@ -40,15 +40,18 @@
 /* Which segment of an agent's node: its own workers' or a replica it received. */
 enum elastic_mem_kind {
     ELASTIC_MEM_OWN = 0, /* "<prefix>.own-<local>": written by that node's worker */
-    ELASTIC_MEM_REP = 1  /* "<prefix>.rep-<node>-<local>": node `node`'s slot, replicated */
+    ELASTIC_MEM_REP = 1  /* "<prefix>.rep-<agent16>-<local>": the slot of agent `agent`'s
+                            node, replicated (named by the sending agent's id, which unlike
+                            its node rank survives a new round) */
 };
 
 /* One complete slot as an agent listed it. */
 typedef struct elastic_mem_slot {
     uint32_t kind;          /* enum elastic_mem_kind */
-    uint32_t node;          /* REP: the source node rank; OWN: 0 */
     uint32_t local;         /* local rank slot L of the segment name */
     uint32_t slot;          /* slot index in the segment, 0 or 1 */
+    uint64_t agent;         /* REP: the sending agent's id (its prefix's 16 hex random digits,
+                               agent.h "Memory tier"); OWN: 0 */
     uint64_t seq;           /* the slot's commit seq when listed (pin for GET) */
     uint64_t payload_bytes; /* bytes of the payload */
     uint64_t step;          /* the step in shmseg's slot header */
@@ -77,7 +80,7 @@ const char *elastic_mem_client_addr(const elastic_mem_client *c);
  * and 0 when there are none). Thread-safe. Returns 0 or a negative errno as at the top. */
 int elastic_mem_client_list(elastic_mem_client *c, elastic_mem_slot **out, size_t *n);
 
-/* Read len bytes at offset off of the payload of slot `which` (kind, node, local, slot and seq
+/* Read len bytes at offset off of the payload of slot `which` (kind, agent, local, slot and seq
  * as listed; the rest is ignored) into dst, in requests of at most ELASTIC_MEM_GET_MAX bytes.
  * len 0 reads nothing and returns 0. On failure dst holds partial bytes. Thread-safe.
  * Returns 0, or -ESTALE (the slot's seq is no longer which->seq, or it changed during a copy),

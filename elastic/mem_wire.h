@@ -1,29 +1,32 @@
 /* mem_wire.h - the memory tier's query protocol between a worker (mem_client.c) and an agent's
  * replica server (agent_mem.c). Internal to elastic/; mem_client.h documents the behaviour.
  *
- * Version 1, little-endian, one request per TCP connection (the server serves a connection at
- * a time, the replica PUTs of agent_mem.c on the same socket included):
- *   client -> server  magic "CKMQ" | version u32 = 1 | token_len u32 (<= MEMQ_TOKEN_MAX) |
+ * Version 2 (1 named replicas by node rank), little-endian, one request per TCP connection (on the socket of agent_mem.c's
+ * replica transfers; each connection has 5 s from its accept to send everything up to the
+ * request's last byte, else it is closed; queries are answered one at a time):
+ *   client -> server  magic "CKMQ" | version u32 = 2 | token_len u32 (<= MEMQ_TOKEN_MAX) |
  *                     token[token_len] | op u32 (MEMQ_OP_*) | kind u32 (0 own, 1 rep) |
- *                     node u32 | local u32 | slot u32 | pad u32 | seq u64 | off u64 | len u64
- *                     (the last 48 bytes: MEMQ_REQ_BYTES; LIST sends them zero)
+ *                     zero u32 | local u32 | slot u32 | pad u32 | seq u64 | off u64 | len u64 |
+ *                     agent u64 (rep: the sending agent's id, else 0)
+ *                     (the last 56 bytes: MEMQ_REQ_BYTES; LIST sends them zero)
  *   server -> client  status u32 (MEMQ_ST_*) | pad u32 | body_len u64 | body[body_len]
  *                     (body_len 0 unless status is OK)
  * LIST body: body_len / MEMQ_ENTRY_BYTES entries (at most MEMQ_LIST_MAX), one per complete slot
- *   of this node's segments "<prefix>.own-<L>" (kind 0, node 0) and "<prefix>.rep-<N>-<L>"
- *   (kind 1, node N): kind u32 | node u32 | local u32 | slot u32 | seq u64 | payload_bytes u64 |
- *   step u64 | head_len u32 | pad u32 | zero to 64 | head[4096] (the payload's first head_len =
+ *   of this node's segments "<prefix>.own-<L>" (kind 0, agent 0) and "<prefix>.rep-<A>-<L>"
+ *   (kind 1, A the 16 hex digits of the sending agent's id, common/shmseg.h): kind u32 |
+ *   zero u32 | local u32 | slot u32 | seq u64 | payload_bytes u64 | step u64 | head_len u32 |
+ *   pad u32 | agent u64 | zero to 64 | head[4096] (the payload's first head_len =
  *   min(payload_bytes, 4096) bytes, zero after: read with shmseg_copy_out at that seq).
- * GET body: len bytes at off of the slot named by kind/node/local/slot, copied out while its
+ * GET body: len bytes at off of the slot named by kind/agent/local/slot, copied out while its
  *   seq stayed the requested one (len <= MEMQ_GET_MAX, off + len <= payload_bytes).
  * The token is compared in constant time (all MEMQ_TOKEN_MAX bytes) and never logged. */
 #ifndef ELASTIC_MEM_WIRE_H
 #define ELASTIC_MEM_WIRE_H
 
 #define MEMQ_MAGIC "CKMQ"
-#define MEMQ_VERSION 1u
+#define MEMQ_VERSION 2u
 #define MEMQ_TOKEN_MAX 1024u
-#define MEMQ_REQ_BYTES 48u
+#define MEMQ_REQ_BYTES 56u
 #define MEMQ_ANS_BYTES 16u
 #define MEMQ_HEAD_BYTES 4096u
 #define MEMQ_ENTRY_BYTES (64u + MEMQ_HEAD_BYTES)

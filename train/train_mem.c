@@ -65,7 +65,7 @@ static void human_bytes(uint64_t n, char *out, size_t len)
 
 /* Bytes held in dir by this node's segments under the prefix's file name part base:
  * "<base>.own-<L>" (each local rank's, reused in place by the next round) and
- * "<base>.rep-<N>-<L>" (the agent's replicas, reused in place too; the agent's room_for counts
+ * "<base>.rep-<agent16>-<L>" (the agent's replicas, reused in place too; the agent's room_for counts
  * them alike). The default budget counts them as available: otherwise the tier, on after the
  * first start, measured its own segments as used and switched itself off after a restart. */
 static uint64_t own_files_bytes(const char *dir, const char *base)
@@ -84,7 +84,7 @@ static uint64_t own_files_bytes(const char *dir, const char *base)
             dig = strspn(k + 4, "0123456789");
             if (!dig || k[4 + dig]) continue;
         } else if (!strncmp(k, "rep-", 4)) {
-            dig = strspn(k + 4, "0123456789");
+            dig = strspn(k + 4, "0123456789abcdef"); /* the sending agent's id (or a node rank) */
             const char *l = k + 4 + dig;
             if (!dig || *l != '-' || !l[1] || l[1 + strspn(l + 1, "0123456789")]) continue;
         } else {

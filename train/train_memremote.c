@@ -33,7 +33,8 @@
 
 /* What a read needs of a listed slot. */
 typedef struct slot_key {
-    uint32_t kind, node, local, slot;
+    uint32_t kind, local, slot;
+    uint64_t agent;
     uint64_t seq;
 } slot_key;
 
@@ -75,12 +76,13 @@ static int peer_list(void *ctx, ckpt_mem_remote_slot **out, size_t *n)
     }
     for (size_t i = 0; i < cnt; i++) {
         const elastic_mem_slot *e = &v[i];
-        p->keys[p->nkeys] = (slot_key){e->kind, e->node, e->local, e->slot, e->seq};
+        p->keys[p->nkeys] = (slot_key){e->kind, e->local, e->slot, e->agent, e->seq};
         o[i].ref = p->nkeys++;
         o[i].payload_bytes = e->payload_bytes;
         memcpy(o[i].head, e->head, sizeof o[i].head);
         if (e->kind == ELASTIC_MEM_REP)
-            snprintf(o[i].where, sizeof o[i].where, "%s rep-%u-%u slot %u", p->name, e->node, e->local, e->slot);
+            snprintf(o[i].where, sizeof o[i].where, "%s rep-%016" PRIx64 "-%u slot %u", p->name, e->agent,
+                     e->local, e->slot);
         else
             snprintf(o[i].where, sizeof o[i].where, "%s own-%u slot %u", p->name, e->local, e->slot);
     }
@@ -99,7 +101,7 @@ static int peer_read(void *ctx, uint64_t ref, uint64_t off, uint64_t len, void *
     slot_key k = have ? p->keys[ref] : (slot_key){0, 0, 0, 0, 0};
     pthread_mutex_unlock(&p->mu);
     if (!have) return -EINVAL;
-    elastic_mem_slot w = {.kind = k.kind, .node = k.node, .local = k.local, .slot = k.slot, .seq = k.seq};
+    elastic_mem_slot w = {.kind = k.kind, .local = k.local, .slot = k.slot, .agent = k.agent, .seq = k.seq};
     double t0 = clock_now_s();
     int rc = elastic_mem_client_get(p->c, &w, off, dst, len);
     if (rc == 0) {

@@ -22,7 +22,7 @@ import time
 import urllib.request
 
 import harness
-from test_elastic import ElasticTest, T, alive, free_port
+from test_elastic import ELASTIC, ElasticTest, T, alive, free_port
 
 TOOL = os.environ.get("CKPT_SHMSEG_TOOL", os.path.join(harness.BUILD, "tests", "shmseg-tool"))
 PREFIX_RE = re.compile(r"memory tier: segments in (\S+), prefix (ckptmem-([0-9a-f]{16})-[0-9a-f]{16})")
@@ -95,6 +95,85 @@ class MemAgent(ElasticTest):
         self.assertEqual(rc, 2, err)
         self.assertRegex(err, r"ERROR .*memory tier: cannot use the segment folder .*missing: No such "
                          r"file or directory")
+
+    def test_mem_dir_too_long_for_the_workers_prefix_is_a_usage_error(self):
+        """A folder whose prefix "<dir>/ckptmem-<16>-<16>" (dir + 42 bytes) would fail the
+        readers' rule (ckpt_mem_prefix_ok: under 4032 bytes) is refused at start in one line,
+        exit 2; one byte shorter is taken."""
+        base = os.path.realpath(self.shm)
+        def deep(total):  # a folder under self.shm whose real path is `total` bytes
+            d = base
+            while len(d) < total:
+                d = os.path.join(d, "d" * min(200, total - len(d) - 1))
+            os.makedirs(d, exist_ok=True)
+            self.assertEqual(len(d), total)
+            return d
+        try:
+            ok = deep(3989)
+            rc, _, err = self.run_agent(["--nproc-per-node", "1", "--mem-dir", ok],
+                                        self.stub("--beats", "1"))
+            self.assertEqual(rc, 0, err)
+            os.makedirs(ok + "x")
+            rc, _, err = self.run_agent(["--nproc-per-node", "1", "--mem-dir", ok + "x"],
+                                        self.stub("--beats", "1"))
+            self.assertEqual(rc, 2, err)
+            lines = [l for l in err.splitlines() if "ERROR" in l]
+            self.assertEqual(len(lines), 1, err)
+            self.assertRegex(lines[0], r"memory tier: cannot use the segment folder .*: its path "
+                             r"is 3990 bytes long, .* at most 4031 \(the folder at most 3989 bytes\)")
+            self.assertEqual(os.listdir(ok + "x"), [])
+        finally:
+            top = os.path.join(base, "d" * 200)
+            if os.path.isdir(top):
+                subprocess.run(["rm", "-rf", top])
+
+    def test_mem_clean_removes_dead_agents_files_of_every_job(self):
+        """elastic --mem-clean: the files of SIGKILLed agents of any job of this uid (lease not
+        held) and a prefix without a lease go, one line per prefix with files and bytes; a live
+        agent's files stay; exit 0. A folder that cannot be opened: exit 1, one line."""
+        seg = ["--beats", "0", "--mem-segment", f"{TOOL}:8192:4096"]
+        dead = self.agent(["--nproc-per-node", "1", "--mem-dir", self.shm], self.stub(*seg), name="dead")
+        other = self.agent(["--nproc-per-node", "1", "--mem-dir", self.shm, "--rdzv-id", "other"],
+                           self.stub(*seg), name="other")
+        live = self.agent(["--nproc-per-node", "1", "--mem-dir", self.shm], self.stub(*seg), name="live")
+        prefixes = {}
+        for name, a in (("dead", dead), ("other", other), ("live", live)):
+            prefixes[name] = self.prefix(a)[0]
+            a.wait_for(r"seg rank=0 ", stream="out")
+        dead.kill()
+        other.kill()
+        pids = dead.pids(0) + other.pids(0)
+        wait_until(lambda: not any(alive(p) for p in pids), 10, "the killed agents' workers")
+        orphan = "ckptmem-00000000000000ab-00000000000000cd"  # a removal cut short: no lease
+        with open(os.path.join(self.shm, orphan + ".own-0"), "wb") as f:
+            f.write(b"x" * 100)
+        before = self.files()
+        size = lambda p: sum(os.path.getsize(os.path.join(self.shm, n)) for n in before
+                             if n.startswith(p + "."))
+        want = {p: (len([n for n in before if n.startswith(p + ".")]), size(p))
+                for p in (prefixes["dead"], prefixes["other"], orphan)}
+        p = subprocess.run([ELASTIC, "--mem-clean", "--mem-dir", self.shm], capture_output=True, text=True,
+                           timeout=30)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        real = os.path.realpath(self.shm)
+        got = {m.group(1): (int(m.group(2)), int(m.group(3))) for m in
+               re.finditer(rf"^removed {re.escape(real)}/(\S+): (\d+) file\(s\), (\d+) bytes$",
+                           p.stdout, re.M)}
+        self.assertEqual(got, want, p.stdout)
+        self.assertEqual(len(p.stdout.splitlines()), 3, p.stdout)
+        after = self.files()
+        self.assertEqual(after, [n for n in before if n.startswith(prefixes["live"] + ".")])
+        # again: nothing to remove, exit 0, no line
+        p = subprocess.run([ELASTIC, "--mem-clean", "--mem-dir", self.shm], capture_output=True,
+                           text=True, timeout=30)
+        self.assertEqual((p.returncode, p.stdout), (0, ""), p.stderr)
+        live.p.send_signal(signal.SIGTERM)
+        self.assertEqual(live.wait(), 143)
+        p = subprocess.run([ELASTIC, "--mem-clean", "--mem-dir", os.path.join(self.shm, "missing")],
+                           capture_output=True, text=True, timeout=30)
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertEqual(len(p.stderr.splitlines()), 1, p.stderr)
+        self.assertIn("cannot open the segment folder", p.stderr)
 
     def test_stale_segments_of_a_dead_agent_of_this_job_are_removed(self):
         """An agent SIGKILLed with its segments leaves them; the next agent of the same job
@@ -221,13 +300,17 @@ class MemAgent(ElasticTest):
         self.assertEqual(b.wait(), 143, b.err())
         self.assertLess(time.time() - t0, 5 * T)
         self.assertRegex(b.err(), r"flush killed after .* by a second signal")
+        # said once: not "SIGKILL, SIGKILL after 0.0 s"
+        self.assertRegex(b.err(), r"stopping 1 worker group\(s\) \(flush\): SIGKILL\n")
+        self.assertNotIn("SIGKILL, SIGKILL", b.err())
         self.assertEqual(self.files(), [])
 
     # ------------------------------------------------------------------ replica
 
     def test_replica_between_two_agents_and_wrong_token(self):
         """Two agents on loopback, each with one worker that writes a real segment: each agent's
-        folder gets the other node's slot as <prefix>.rep-<node>-0, complete, with the same
+        folder gets the other node's slot as <prefix>.rep-<agent id>-0 (the sender's prefix's
+        random part), complete, with the same
         bytes; the metrics count them; a connection with a wrong token is refused (answer 1,
         logged without the token) and one with the right token is kept."""
         port, mport = free_port(), free_port()
@@ -256,9 +339,10 @@ class MemAgent(ElasticTest):
                 a.wait_for(r"memory tier: replica of node \d local slot 0 .* received")
                 reps = [n for n in os.listdir(dirs[i]) if n.startswith(prefixes[i] + ".rep-")]
                 self.assertEqual(len(reps), 1, os.listdir(dirs[i]))
-                src = int(reps[0].split(".rep-")[1].split("-")[0])
+                src_id = reps[0].split(".rep-")[1].split("-")[0]
+                self.assertEqual(src_id, prefixes[1 - i][-16:])  # the other agent's id
                 node = int(a.wait_for(r"round 0: node (\d) of 2").group(1))
-                self.assertEqual(src, 1 - node)
+                src = 1 - node
                 rc, info = tool_info(os.path.join(dirs[i], reps[0]))
                 self.assertEqual(rc, 0, info)
                 self.assertNotIn("writing", info)
@@ -267,8 +351,9 @@ class MemAgent(ElasticTest):
                 self.assertEqual(m.groups(), segs[src], (info, segs))
                 self.assertEqual(os.stat(os.path.join(dirs[i], reps[0])).st_mode & 0o777, 0o600)
                 a.wait_for(r"memory tier: replica of local slot 0 .* sent to node \d")
-            self.assertEqual(sorted(int(n.split(".rep-")[1][0]) for d, p in zip(dirs, prefixes)
-                                    for n in os.listdir(d) if ".rep-" in n), [0, 1])
+            self.assertEqual(sorted(n.split(".rep-")[1].split("-")[0] for d, p in zip(dirs, prefixes)
+                                    for n in os.listdir(d) if ".rep-" in n),
+                             sorted(p[-16:] for p in prefixes))
             text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
             self.assertRegex(text, r"(?m)^ckpt_mem_replica_bytes_total 1000003$")
             self.assertRegex(text, r"(?m)^ckpt_mem_replica_step\{node=\"\d\"\} \d+$")
@@ -277,24 +362,31 @@ class MemAgent(ElasticTest):
             m = agents[0].wait_for(r"memory tier: replica server on 127\.0\.0\.1:(\d+)")
             rport = int(m.group(1))
 
-            def frame(tok, src, slot, slot_bytes, payload, step):
+            AGENT = 0x7777000000000007
+
+            def frame(tok, src, slot, slot_bytes, payload, step, version=2):
                 t = tok.encode()
-                return (b"CKMR" + struct.pack("<II", 1, len(t)) + t +
-                        struct.pack("<IIQQQQ", src, slot, slot_bytes, len(payload), step, 1))
+                return (b"CKMR" + struct.pack("<II", version, len(t)) + t +
+                        struct.pack("<IIQQQQQ", src, slot, slot_bytes, len(payload), step, 1, AGENT))
 
             with socket.create_connection(("127.0.0.1", rport), timeout=10) as s:
                 s.sendall(frame(token + "x", 7, 0, 4096, b"", 5))
                 self.assertEqual(s.recv(1), b"\x01")     # DENIED
                 self.assertEqual(s.recv(1), b"")         # and closed
             agents[0].wait_for(r"refused a replica connection from 127\.0\.0\.1:\d+: wrong job token")
-            self.assertFalse([n for n in os.listdir(dirs[0]) if ".rep-7-" in n])
+            self.assertFalse([n for n in os.listdir(dirs[0]) if f".rep-{AGENT:016x}-" in n])
+            # version 1 (replicas named by node rank) is refused
+            with socket.create_connection(("127.0.0.1", rport), timeout=10) as s:
+                s.sendall(frame(token, 7, 0, 4096, b"", 5, version=1)[:-8])
+                self.assertEqual(s.recv(1), b"\x02")     # BAD
+            rep73 = os.path.join(dirs[0], prefixes[0] + f".rep-{AGENT:016x}-3")
             payload = bytes(range(256)) * 20
             with socket.create_connection(("127.0.0.1", rport), timeout=10) as s:
                 s.sendall(frame(token, 7, 3, 8192, payload, 42))
                 self.assertEqual(s.recv(1), b"\x00")
                 s.sendall(payload)
                 self.assertEqual(s.recv(1), b"\x00")
-            rc, info = tool_info(os.path.join(dirs[0], prefixes[0] + ".rep-7-3"))
+            rc, info = tool_info(rep73)
             self.assertEqual(rc, 0, info)
             self.assertRegex(info, rf"step=42 bytes={len(payload)} ")
             # a transfer cut short commits nothing: the slot stays "writing"
@@ -303,8 +395,8 @@ class MemAgent(ElasticTest):
                 self.assertEqual(s.recv(1), b"\x00")
                 s.sendall(payload[:1000])
             wait_until(lambda: "state=writing" in tool_info(
-                os.path.join(dirs[0], prefixes[0] + ".rep-7-3"))[1], 20, "the cut transfer")
-            rc, info = tool_info(os.path.join(dirs[0], prefixes[0] + ".rep-7-3"))
+                rep73)[1], 20, "the cut transfer")
+            rc, info = tool_info(rep73)
             self.assertRegex(info, r"step=42 ")          # the previous one is still the newest
 
             for a in agents:

@@ -353,7 +353,7 @@ static void test_corrupt_header_and_replica(void)
                 e[0].ranks_replica == 0,
             "own preferred over a replica of the same slot");
     free(e);
-    char *rep = seg_path("rep-0-1");
+    char *rep = strdup(rn); /* "rep-<agent16>-1": the name the agent gives it */
 
     int slot;
     T_REQUIRE(shmseg_newest(segs[1], &slot) == 0, "newest");

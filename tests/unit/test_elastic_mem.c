@@ -3,14 +3,23 @@
  * held lease and another job kept), has_own, removal at close; the replica between two
  * elastic_mem objects on loopback (same bytes, complete, the bandwidth cap holds, a wrong
  * token commits nothing and is logged once on each side, a peer that is gone is logged once
- * per round).
+ * per round); silent and slow-byte connections without the token delay neither a replica
+ * transfer nor a query, and are closed by the handshake's deadline; a peer that takes the
+ * connection and never answers is logged as such; a replica stays when another agent takes
+ * its sender's node rank in the next round (files named by agent id).
  */
 #include "agent_internal.h"
+#include "mem_client.h"
 #include "shmseg.h"
 #include "t_helpers.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sys/socket.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <xxhash.h>
@@ -124,6 +133,14 @@ static void test_names_and_stale(const char *dir)
     (void)present;
 }
 
+/* "<prefix of to>.rep-<id of from>-<L>": the file where `to` keeps from's slot L. */
+static void rep_of(char *out, size_t len, const elastic_mem *to, const elastic_mem *from, unsigned L)
+{
+    const char *fp = elastic_mem_path(from);
+    uint64_t id = strtoull(fp + strlen(fp) - 16, NULL, 16);
+    T_REQUIRE(shmseg_rep_path(out, len, elastic_mem_path(to), id, L) == 0, "rep path");
+}
+
 /* Wait (at most 10 s) until path has a complete slot with seq >= 1; its info into *in. */
 static int wait_rep(const char *path, shmseg_info *in, double limit_s)
 {
@@ -166,7 +183,7 @@ static void test_replica(const char *dir_a, const char *dir_b)
     double t0 = t_now_s();
     elastic_mem_round(a, 3, 0, 2, ba);  /* node 0 of 2 sends to node 1 = b */
     elastic_mem_round(b, 3, 1, 2, aa);
-    snprintf(rep, sizeof rep, "%s.rep-0-0", elastic_mem_path(b));
+    rep_of(rep, sizeof rep, b, a, 0);
     shmseg_info in;
     T_REQUIRE(wait_rep(rep, &in, 10) == 0, "replica arrived");
     double took = t_now_s() - t0;
@@ -191,7 +208,7 @@ static void test_replica(const char *dir_a, const char *dir_b)
     T_REQUIRE(elastic_mem_replica_start(c, "127.0.0.1", "other", 1000, NULL, ca, sizeof ca) == 0,
               "c");
     elastic_mem_round(a, 4, 0, 2, ca);
-    snprintf(rep, sizeof rep, "%s.rep-0-0", elastic_mem_path(c));
+    rep_of(rep, sizeof rep, c, a, 0);
     T_CHECK(wait_rep(rep, &in, 1.0) == -ETIMEDOUT, "a wrong token commits nothing");
     T_CHECK(!t_exists(rep), "no replica file for a wrong token");
 
@@ -223,11 +240,215 @@ static void test_replica(const char *dir_a, const char *dir_b)
             "all removed");
 }
 
+/* A TCP connection to 127.0.0.1:port, or -1. */
+static int dial(int port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in pa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    pa.sin_port = htons((uint16_t)port);
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&pa, sizeof pa) != 0) {
+        close(fd);
+        fd = -1;
+    }
+    return fd;
+}
+
+typedef struct slow_arg {
+    int port;
+    double held_s; /* how long the server kept the connection (-1: not closed within 14 s) */
+} slow_arg;
+
+/* A client that sends the replica magic one byte a second, watching for the server's close. */
+static void *slow_main(void *arg)
+{
+    slow_arg *a = arg;
+    a->held_s = -1;
+    int fd = dial(a->port);
+    if (fd < 0) return NULL;
+    double t0 = t_now_s();
+    const char *magic = "CKMR\1\0\0\0\3\0\0\0tok";
+    for (int i = 0; t_now_s() - t0 < 14; i++) {
+        if (send(fd, magic + i % 15, 1, MSG_NOSIGNAL) != 1) {
+            a->held_s = t_now_s() - t0;
+            break;
+        }
+        struct pollfd p = {fd, POLLIN, 0};
+        if (poll(&p, 1, 1000) > 0) {
+            char c;
+            if (recv(fd, &c, 1, MSG_DONTWAIT) <= 0) {
+                a->held_s = t_now_s() - t0;
+                break;
+            }
+        }
+    }
+    close(fd);
+    return NULL;
+}
+
+static void test_hostile(const char *dir_a, const char *dir_b)
+{
+    elastic_mem *a = NULL, *b = NULL;
+    T_REQUIRE(elastic_mem_open(&a, dir_a, "hostile", 1) == 0, "open a");
+    T_REQUIRE(elastic_mem_open(&b, dir_b, "hostile", 1) == 0, "open b");
+    char aa[96], ba[96];
+    T_REQUIRE(elastic_mem_replica_start(a, "127.0.0.1", "tok", 1000, NULL, aa, sizeof aa) == 0, "a");
+    T_REQUIRE(elastic_mem_replica_start(b, "127.0.0.1", "tok", 1000, NULL, ba, sizeof ba) == 0, "b");
+    int port = atoi(strrchr(ba, ':') + 1);
+
+    /* 40 silent connections and a slow-byte one to b, none with a complete handshake */
+    int silent[40];
+    for (int i = 0; i < 40; i++) T_REQUIRE((silent[i] = dial(port)) >= 0, "silent %d", i);
+    slow_arg sa = {port, 0};
+    pthread_t th;
+    T_REQUIRE(pthread_create(&th, NULL, slow_main, &sa) == 0, "slow client");
+    struct timespec ts = {0, 200 * 1000 * 1000};
+    nanosleep(&ts, NULL); /* all accepted by now */
+
+    /* a real transfer a -> b must not wait behind them */
+    const uint64_t n = 300000, sb = 303104;
+    char own[4200], rep[4200];
+    snprintf(own, sizeof own, "%s.own-0", elastic_mem_path(a));
+    shmseg *s = NULL;
+    int slot;
+    T_REQUIRE(shmseg_create(own, sb, &s) == 0 && shmseg_begin(s, -1, &slot) == 0, "own seg");
+    unsigned char *p = shmseg_payload(s, slot);
+    for (uint64_t i = 0; i < n; i++) p[i] = (unsigned char)(i * 7 + 1);
+    T_REQUIRE(shmseg_commit(s, slot, n, 42) == 0, "commit");
+    double t0 = t_now_s();
+    elastic_mem_round(a, 1, 0, 2, ba);
+    elastic_mem_round(b, 1, 1, 2, aa);
+    rep_of(rep, sizeof rep, b, a, 0);
+    shmseg_info in;
+    T_CHECK(wait_rep(rep, &in, 3.0) == 0, "the replica arrived within 3 s beside 41 hostile "
+            "connections (%.1f s)", t_now_s() - t0);
+
+    /* and a LIST + GET to b, also within a few seconds */
+    t0 = t_now_s();
+    elastic_mem_client *c = NULL;
+    elastic_mem_slot *v = NULL;
+    size_t nv = 0;
+    T_REQUIRE(elastic_mem_client_open(&c, ba, "tok", 3.0) == 0, "client");
+    int rc = elastic_mem_client_list(c, &v, &nv);
+    T_CHECK(rc == 0 && nv >= 1, "LIST beside hostile connections: %s, %zu slots", strerror(-rc), nv);
+    unsigned char got[100];
+    if (rc == 0 && nv >= 1) {
+        rc = elastic_mem_client_get(c, &v[0], 0, got, sizeof got);
+        T_CHECK(rc == 0 && got[5] == (unsigned char)(5 * 7 + 1), "GET: %s", strerror(-rc));
+    }
+    T_CHECK(t_now_s() - t0 < 3.0, "LIST and GET took %.1f s", t_now_s() - t0);
+    free(v);
+    elastic_mem_client_close(c);
+
+    pthread_join(th, NULL);
+    T_CHECK(sa.held_s > 3.5 && sa.held_s < 7.5, "a byte a second held the server %.1f s "
+            "(a 5 s handshake deadline; -1: never closed)", sa.held_s);
+    for (int i = 0; i < 40; i++) close(silent[i]);
+
+    /* a peer that takes the connection and never answers: said so, not "unreachable" */
+    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in la = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t ll = sizeof la;
+    T_REQUIRE(lfd >= 0 && bind(lfd, (struct sockaddr *)&la, sizeof la) == 0 && listen(lfd, 4) == 0 &&
+              getsockname(lfd, (struct sockaddr *)&la, &ll) == 0, "mute peer");
+    char mute[64];
+    snprintf(mute, sizeof mute, "127.0.0.1:%d", ntohs(la.sin_port));
+    char *logp = t_path_in(dir_a, "log");
+    int saved = dup(2), lg = open(logp, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    T_REQUIRE(saved >= 0 && lg >= 0 && dup2(lg, 2) == 2, "log to a file");
+    elastic_mem_round(a, 2, 0, 2, mute);
+    struct timespec ts2 = {11, 500 * 1000 * 1000};
+    nanosleep(&ts2, NULL);
+    dup2(saved, 2);
+    close(saved);
+    close(lg);
+    unsigned char *log = NULL;
+    T_REQUIRE(t_slurp(logp, &log) >= 0, "read the log");
+    T_CHECK(strstr((char *)log, "took the connection but did not answer within 10 s") &&
+            !strstr((char *)log, "unreachable"), "the mute peer's line:\n%s", log);
+    free(log);
+    free(logp);
+    close(lfd);
+
+    shmseg_close(s);
+    elastic_mem_close(a);
+    elastic_mem_close(b);
+}
+
+/* Node ranks change between rounds: X is node 0 and sends to B; X dies, Y becomes node 0 in
+ * the next round and sends to B too. B keeps both: X's replica (a dead node's slot a restore
+ * may need) is not overwritten by Y's. */
+static void test_renumbered(const char *dir_a, const char *dir_b)
+{
+    elastic_mem *x = NULL, *y = NULL, *b = NULL;
+    T_REQUIRE(elastic_mem_open(&x, dir_a, "renum", 1) == 0, "open x");
+    T_REQUIRE(elastic_mem_open(&y, dir_a, "renum", 1) == 0, "open y");
+    T_REQUIRE(elastic_mem_open(&b, dir_b, "renum", 1) == 0, "open b");
+    char xa[96], ya[96], ba[96];
+    T_REQUIRE(elastic_mem_replica_start(x, "127.0.0.1", "tok", 1000, NULL, xa, sizeof xa) == 0, "x");
+    T_REQUIRE(elastic_mem_replica_start(y, "127.0.0.1", "tok", 1000, NULL, ya, sizeof ya) == 0, "y");
+    T_REQUIRE(elastic_mem_replica_start(b, "127.0.0.1", "tok", 1000, NULL, ba, sizeof ba) == 0, "b");
+    const uint64_t sb = 8192;
+    char own[4200], rx[4200], ry[4200];
+    shmseg *sx = NULL, *sy = NULL;
+    int slot;
+    snprintf(own, sizeof own, "%s.own-0", elastic_mem_path(x));
+    T_REQUIRE(shmseg_create(own, sb, &sx) == 0 && shmseg_begin(sx, -1, &slot) == 0, "x seg");
+    memset(shmseg_payload(sx, slot), 0xa1, 5000);
+    T_REQUIRE(shmseg_commit(sx, slot, 5000, 100) == 0, "x commit");
+    snprintf(own, sizeof own, "%s.own-0", elastic_mem_path(y));
+    T_REQUIRE(shmseg_create(own, sb, &sy) == 0 && shmseg_begin(sy, -1, &slot) == 0, "y seg");
+    memset(shmseg_payload(sy, slot), 0xb2, 6000);
+    T_REQUIRE(shmseg_commit(sy, slot, 6000, 200) == 0, "y commit");
+
+    /* round 1: x node 0 -> b node 1 (y is node 2 of 3, sending nowhere here) */
+    elastic_mem_round(x, 1, 0, 3, ba);
+    elastic_mem_round(b, 1, 1, 3, "");
+    rep_of(rx, sizeof rx, b, x, 0);
+    shmseg_info in;
+    T_REQUIRE(wait_rep(rx, &in, 10) == 0 && in.step == 100, "x's replica on b");
+    /* x dies (its sender stops); round 2: y takes node rank 0 and sends to b */
+    elastic_mem_round(x, 2, 0, 3, "");
+    elastic_mem_round(y, 2, 0, 2, ba);
+    elastic_mem_round(b, 2, 1, 2, "");
+    rep_of(ry, sizeof ry, b, y, 0);
+    T_REQUIRE(wait_rep(ry, &in, 10) == 0 && in.step == 200, "y's replica on b");
+    T_CHECK(strcmp(rx, ry) != 0, "two files: %s, %s", rx, ry);
+    shmseg *r = NULL;
+    T_REQUIRE(shmseg_open(rx, 0, &r) == 0 && shmseg_newest(r, &slot) == 0 &&
+              shmseg_slot_info(r, slot, &in) == 0, "x's replica still there");
+    const unsigned char *p = shmseg_payload(r, slot);
+    T_CHECK(in.step == 100 && in.payload_bytes == 5000 && p[0] == 0xa1 && p[4999] == 0xa1,
+            "x's replica kept: step %llu bytes %llu", (unsigned long long)in.step,
+            (unsigned long long)in.payload_bytes);
+    shmseg_close(r);
+    /* and both listed to a restore, each by its agent */
+    elastic_mem_client *c = NULL;
+    elastic_mem_slot *v = NULL;
+    size_t n = 0;
+    T_REQUIRE(elastic_mem_client_open(&c, ba, "tok", 5.0) == 0 && elastic_mem_client_list(c, &v, &n) == 0,
+              "list b");
+    int seen100 = 0, seen200 = 0;
+    for (size_t i = 0; i < n; i++) {
+        seen100 += v[i].kind == ELASTIC_MEM_REP && v[i].step == 100;
+        seen200 += v[i].kind == ELASTIC_MEM_REP && v[i].step == 200;
+    }
+    T_CHECK(seen100 == 1 && seen200 == 1, "b lists both replicas (%d, %d)", seen100, seen200);
+    free(v);
+    elastic_mem_client_close(c);
+    shmseg_close(sx);
+    shmseg_close(sy);
+    elastic_mem_close(x);
+    elastic_mem_close(y);
+    elastic_mem_close(b);
+}
+
 int main(void)
 {
     char *d = t_tmpdir("elastic-mem"), *a = t_tmpdir("elastic-mem-a"), *b = t_tmpdir("elastic-mem-b");
     test_names_and_stale(d);
     test_replica(a, b);
+    test_hostile(a, b);
+    test_renumbered(a, b);
     t_rmrf(d);
     t_rmrf(a);
     t_rmrf(b);

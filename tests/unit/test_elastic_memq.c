@@ -37,7 +37,7 @@ static const elastic_mem_slot *find(const elastic_mem_slot *v, size_t n, uint32_
 static long raw_query(int port, uint32_t version, const char *token, uint32_t op, uint32_t kind, uint32_t slot,
                       uint64_t seq, uint64_t off, uint64_t len)
 {
-    unsigned char q[12 + 64 + 48] = {'C', 'K', 'M', 'Q'};
+    unsigned char q[12 + 64 + 56] = {'C', 'K', 'M', 'Q'};
     size_t tl = strlen(token), k = 12 + tl;
     memcpy(q + 4, &version, 4);
     uint32_t tl32 = (uint32_t)tl;
@@ -56,7 +56,7 @@ static long raw_query(int port, uint32_t version, const char *token, uint32_t op
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     unsigned char ans[16];
     long st = -1;
-    if (fd >= 0 && connect(fd, (struct sockaddr *)&pa, sizeof pa) == 0 && write(fd, q, k + 48) == (ssize_t)(k + 48) &&
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&pa, sizeof pa) == 0 && write(fd, q, k + 56) == (ssize_t)(k + 56) &&
         recv(fd, ans, sizeof ans, MSG_WAITALL) == (ssize_t)sizeof ans) {
         uint32_t v;
         memcpy(&v, ans, 4);
@@ -76,11 +76,12 @@ int main(void)
               "server");
 
     /* own-0: slot of step 5 (9 MB + 3: more than one GET request) and one of step 6 (3000
-     * bytes: a head shorter than 4096); rep-2-1: a replica of node 2's slot 1, step 6 */
+     * bytes: a head shorter than 4096); rep-<A>-1: a replica of agent A's slot 1, step 6 */
+    const uint64_t agent = 0xfedcba9876543210ull;
     const uint64_t big = 9000003, sb = 9003008; /* 2198 pages */
     char own[4200], rep[4200];
     T_REQUIRE(shmseg_own_path(own, sizeof own, elastic_mem_path(m), 0) == 0, "own path");
-    T_REQUIRE(shmseg_rep_path(rep, sizeof rep, elastic_mem_path(m), 2, 1) == 0, "rep path");
+    T_REQUIRE(shmseg_rep_path(rep, sizeof rep, elastic_mem_path(m), agent, 1) == 0, "rep path");
     shmseg *so = NULL, *sr = NULL;
     T_REQUIRE(shmseg_create(own, sb, &so) == 0 && shmseg_create(rep, 8192, &sr) == 0, "segments");
     int s5, s6, sr6;
@@ -97,11 +98,11 @@ int main(void)
     const elastic_mem_slot *e5 = find(v, n, ELASTIC_MEM_OWN, 0, 5), *e6 = find(v, n, ELASTIC_MEM_OWN, 0, 6),
                            *er = find(v, n, ELASTIC_MEM_REP, 1, 6);
     T_REQUIRE(e5 && e6 && er, "each slot listed once");
-    T_CHECK(e5->slot == (uint32_t)s5 && e5->payload_bytes == big && e5->head_len == 4096 && e5->node == 0,
+    T_CHECK(e5->slot == (uint32_t)s5 && e5->payload_bytes == big && e5->head_len == 4096 && e5->agent == 0,
             "own step 5: slot %u bytes %llu head %u", e5->slot, (unsigned long long)e5->payload_bytes,
             e5->head_len);
     T_CHECK(e6->slot == (uint32_t)s6 && e6->payload_bytes == 3000 && e6->head_len == 3000, "own step 6");
-    T_CHECK(er->node == 2 && er->slot == (uint32_t)sr6 && er->payload_bytes == 5000, "rep-2-1");
+    T_CHECK(er->agent == agent && er->slot == (uint32_t)sr6 && er->payload_bytes == 5000, "rep-<A>-1");
     T_CHECK(!memcmp(e5->head, shmseg_payload(so, s5), 4096), "head of step 5 = the payload's");
     int zero_tail = 1;
     for (unsigned i = 3000; i < 4096; i++) zero_tail &= e6->head[i] == 0;
@@ -206,15 +207,16 @@ int main(void)
     /* malformed queries: refused with BAD (2), the server goes on */
     {
         int port = atoi(strrchr(addr, ':') + 1);
-        T_CHECK(raw_query(port, 1, "tok", 9, 0, 0, 0, 0, 0) == 2, "unknown op");
-        T_CHECK(raw_query(port, 2, "tok", 1, 0, 0, 0, 0, 0) == 2, "version 2");
-        T_CHECK(raw_query(port, 1, "tok", 2, 2, 0, 1, 0, 10) == 2, "kind 2");
-        T_CHECK(raw_query(port, 1, "tok", 2, 0, 2, 1, 0, 10) == 2, "slot 2");
-        T_CHECK(raw_query(port, 1, "tok", 2, 0, 0, 0, 0, 10) == 2, "seq 0");
-        T_CHECK(raw_query(port, 1, "tok", 2, 0, 0, 1, 0, (8u << 20) + 1) == 2, "len over the limit");
-        T_CHECK(raw_query(port, 1, "tok", 2, 0, 0, 1, UINT64_MAX, 10) == 2, "off + len overflows");
-        T_CHECK(raw_query(port, 1, "bad", 2, 0, 0, 1, 0, 10) == 1, "wrong token: DENIED before anything");
-        T_CHECK(raw_query(port, 1, "tok", 2, 0, (uint32_t)e6->slot, e6->seq, 0, 10) == 0, "a good one by hand");
+        T_CHECK(raw_query(port, 2, "tok", 9, 0, 0, 0, 0, 0) == 2, "unknown op");
+        T_CHECK(raw_query(port, 3, "tok", 1, 0, 0, 0, 0, 0) == 2, "version 3");
+        T_CHECK(raw_query(port, 1, "tok", 1, 0, 0, 0, 0, 0) == 2, "version 1 (replicas by node rank)");
+        T_CHECK(raw_query(port, 2, "tok", 2, 2, 0, 1, 0, 10) == 2, "kind 2");
+        T_CHECK(raw_query(port, 2, "tok", 2, 0, 2, 1, 0, 10) == 2, "slot 2");
+        T_CHECK(raw_query(port, 2, "tok", 2, 0, 0, 0, 0, 10) == 2, "seq 0");
+        T_CHECK(raw_query(port, 2, "tok", 2, 0, 0, 1, 0, (8u << 20) + 1) == 2, "len over the limit");
+        T_CHECK(raw_query(port, 2, "tok", 2, 0, 0, 1, UINT64_MAX, 10) == 2, "off + len overflows");
+        T_CHECK(raw_query(port, 2, "bad", 2, 0, 0, 1, 0, 10) == 1, "wrong token: DENIED before anything");
+        T_CHECK(raw_query(port, 2, "tok", 2, 0, (uint32_t)e6->slot, e6->seq, 0, 10) == 0, "a good one by hand");
     }
 
     /* the server still serves after all that */

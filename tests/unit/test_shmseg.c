@@ -389,8 +389,8 @@ static void test_names(void)
     char b[64];
     T_CHECK(shmseg_own_path(b, sizeof b, "/dev/shm/ckptmem-a-b", 3) == 0 && !strcmp(b, "/dev/shm/ckptmem-a-b.own-3"),
             "own name %s", b);
-    T_CHECK(shmseg_rep_path(b, sizeof b, "/dev/shm/ckptmem-a-b", 12, 0) == 0 &&
-                !strcmp(b, "/dev/shm/ckptmem-a-b.rep-12-0"),
+    T_CHECK(shmseg_rep_path(b, sizeof b, "/dev/shm/ckptmem-a-b", 0x12ab, 0) == 0 &&
+                !strcmp(b, "/dev/shm/ckptmem-a-b.rep-00000000000012ab-0"),
             "rep name %s", b);
     T_CHECK(shmseg_own_path(b, 10, "/dev/shm/ckptmem-a-b", 3) == -ENAMETOOLONG, "too long");
     T_CHECK(shmseg_rep_path(NULL, 10, "x", 1, 1) == -EINVAL, "NULL");
