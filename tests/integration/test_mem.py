@@ -413,6 +413,9 @@ class MemTest(TempDirTest):
                            capture_output=True, text=True)
         if r.returncode != 0:
             self.skipTest(f"cannot mount a tmpfs: {r.stderr.strip()}")
+        # cleanups run last first: unmount, then remove the folder (tearDown's rmtree cannot
+        # remove a mount point; it only empties it)
+        self.addCleanup(shutil.rmtree, self.mem, True)
         self.addCleanup(subprocess.run, ["umount", "-l", self.mem], capture_output=True)
         ref = self.reference()
         a = self.agent(["--nproc-per-node", "2", "--max-restarts", "2"],
