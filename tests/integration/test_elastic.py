@@ -744,7 +744,7 @@ class MultiNode(ElasticTest):
         errs = a.err() + b.err()
         self.assertRegex(errs, r"round 1: node \d of 2, ranks \d\.\.\d of world size 2")
         self.assertRegex(errs, r"world size 2, ZeRO")
-        self.assertRegex(errs, r"resumed from (?:\S*step-\d+|memory \((?:own|replica)\)) at step \d+")
+        self.assertRegex(errs, r"resumed from (?:\S*step-\d+|memory \((?:own|replica|peer)\)) at step \d+")
         self.assertRegex(a.out() + b.out(), r"\[rank 0\] final step=80 ")
 
     def test_scale_up_when_an_agent_joins(self):
@@ -839,7 +839,7 @@ class MultiNode(ElasticTest):
         errs = a.err() + b.err()
         self.assertEqual(self.rounds(a.err()), [0, 1])
         self.assertRegex(errs, r"rank 1 \(pid \d+\) was killed by signal 9")
-        self.assertRegex(errs, r"resumed from (?:\S*step-\d+|memory \((?:own|replica)\)) at step \d+")
+        self.assertRegex(errs, r"resumed from (?:\S*step-\d+|memory \((?:own|replica|peer)\)) at step \d+")
         self.assertRegex(a.out() + b.out(), r"\[rank 0\] final step=60 ")
         self.assertIn("connections without a hello (max_unauthed)", a.err())  # evictions logged
         print(f"\n  store flood: {flood.opened} silent connections in {flood.t1 - flood.t0:.1f} s "
