@@ -68,7 +68,12 @@ int ckpt_path_join(char *out, size_t len, const char *dir, const char *name);
  *   after-rename        temp folder renamed to its final name, parent not yet fsynced
  *   during-retention    (step = the step being removed) renamed to its temp name, not yet
  *                       deleted
- * Thread-safe; reads the variable once. */
+ *   mid-upload          (the S3 uploader) this rank's objects of the step uploaded, the
+ *                       group's decision and the manifest object not yet
+ * Besides "mid-mem-copy" (ckpt_mem.h). One-shot faults for drivers that arm them at run time
+ * (tests/chaos): when CKPT_FAULT_DIR is set, a point also fires (SIGKILL) in the one process
+ * whose unlink of the file DIR/<name> succeeds: touching that file arms the point once for
+ * every process of the job, restarts included. Thread-safe; reads the variables once. */
 void ckpt_fault_point(const char *name, uint64_t step);
 
 /* Compression pool and the save pipeline shared by ckpt_save and the engine (ckpt_write.c). */

@@ -263,6 +263,7 @@ static void upload_one(ckpt_uploader *u, job *j)
     unsigned requests = 0, retries = 0;
     char why[400] = "";
     int rc = upload_objects(u, j, deadline, &requests, &retries, why, sizeof why);
+    if (rc == 0) ckpt_fault_point("mid-upload", j->step);
     const ckpt_group *g = u->o.group;
     if (u->rank != 0) {
         if (g) g->vote(g->ctx, j->step, rc);

@@ -5,11 +5,13 @@
 
 #include <errno.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 void ckpt_shuffle(uint8_t *dst, const uint8_t *src, size_t n, uint32_t elem_bytes)
 {
@@ -238,12 +240,33 @@ int ckpt_path_join(char *out, size_t len, const char *dir, const char *name)
     return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
 }
 
+/* CKPT_FAULT_DIR: a point fires when this process is the one that removes DIR/<name>. */
+static bool fault_dir_armed(const char *name)
+{
+    static int loaded;
+    static char dir[3072];
+    if (!__atomic_load_n(&loaded, __ATOMIC_ACQUIRE)) {
+        const char *s = getenv("CKPT_FAULT_DIR");
+        if (s && *s && strlen(s) < sizeof dir) snprintf(dir, sizeof dir, "%s", s);
+        __atomic_store_n(&loaded, 1, __ATOMIC_RELEASE);
+    }
+    if (!dir[0]) return false;
+    char path[sizeof dir + 64];
+    if (snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path) return false;
+    return unlink(path) == 0;
+}
+
 /* CKPT_FAULT_POINT="<name>[@<step>]": read once; matching points kill the process. */
 void ckpt_fault_point(const char *name, uint64_t step)
 {
     static int loaded;
     static char want[64];
     static long long want_step = -1;
+    if (fault_dir_armed(name)) {
+        LOG_W("ckpt", "fault point %s reached at step %llu: killing this process (armed in "
+              "CKPT_FAULT_DIR)", name, (unsigned long long)step);
+        raise(SIGKILL);
+    }
     if (!__atomic_load_n(&loaded, __ATOMIC_ACQUIRE)) {
         const char *s = getenv("CKPT_FAULT_POINT");
         if (s && *s) {

@@ -26,6 +26,10 @@
  * "eio-read:N" makes the N-th store_reader_read call of the process fail with -EIO (a
  * device read error: transient, never a verdict on the bytes), and "slow-read:MS" delays
  * every store_reader_read call by MS milliseconds (a slow disk, for progress displays).
+ * One-shot faults armed at run time (tests/chaos): when CKPT_FAULT_DIR is set, the process
+ * whose unlink of DIR/store-enospc or DIR/store-eio succeeds fails its next data write with
+ * -ENOSPC or -EIO, and the one that removes DIR/store-eio-read fails its next read call with
+ * -EIO; touching the file arms the fault once for all processes of a job.
  *
  * Thread-safety: a writer or reader handle is used by one thread at a time; different
  * handles are independent (each owns its ring).

@@ -12,6 +12,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <liburing.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -105,10 +107,33 @@ static void fault_parse(void)
     atomic_store(&fault_parsed, 1);
 }
 
+/* CKPT_FAULT_DIR: one-shot faults armed at run time. The process whose unlink of
+ * DIR/<name> succeeds takes the fault ("store-enospc", "store-eio": the next data write;
+ * "store-eio-read": the next read call). */
+static char fault_dir[3072];
+static pthread_once_t fault_dir_once = PTHREAD_ONCE_INIT;
+
+static void fault_dir_load(void)
+{
+    const char *s = getenv("CKPT_FAULT_DIR");
+    if (s && *s && strlen(s) < sizeof fault_dir) memcpy(fault_dir, s, strlen(s) + 1);
+}
+
+static bool fault_dir_take(const char *name)
+{
+    pthread_once(&fault_dir_once, fault_dir_load);
+    if (!fault_dir[0]) return false;
+    char path[sizeof fault_dir + 32];
+    if (snprintf(path, sizeof path, "%s/%s", fault_dir, name) >= (int)sizeof path) return false;
+    return unlink(path) == 0;
+}
+
 /* Called once per data write submitted by a writer; returns the error to inject or 0. */
 static int fault_next(void)
 {
     fault_parse();
+    if (fault_dir_take("store-enospc")) return -ENOSPC;
+    if (fault_dir_take("store-eio")) return -EIO;
     unsigned long long slow = atomic_load(&fault_slow_ms);
     if (slow) {
         struct timespec ts = {(time_t)(slow / 1000), (long)(slow % 1000) * 1000000L};
@@ -229,7 +254,7 @@ static int w_queue(store_writer *w, unsigned i)
     bool fresh = s->fresh;
     s->fresh = false;
     if (fresh && (s->fault = fault_next()) != 0) {
-        LOG_W(TAG, "injecting %s on the write of %s at offset %llu (CKPT_FAULT_STORE)",
+        LOG_W(TAG, "injecting %s on the write of %s at offset %llu (CKPT_FAULT_STORE or CKPT_FAULT_DIR)",
               strerror(-s->fault), w->path, (unsigned long long)s->off);
         io_uring_prep_nop(sqe);
     } else {
@@ -851,6 +876,7 @@ static bool read_fault_next(void)
         struct timespec ts = {(time_t)(slow / 1000), (long)(slow % 1000) * 1000000L};
         nanosleep(&ts, NULL);
     }
+    if (fault_dir_take("store-eio-read")) return true;
     unsigned long long nth = atomic_load(&fault_read_nth);
     return nth && atomic_fetch_add(&fault_read_count, 1) + 1 == nth;
 }

@@ -57,8 +57,9 @@ class CrashPoints(h.TempDirTest):
         header = h.read(os.path.join(os.path.dirname(__file__), "../../ckpt/ckpt_internal.h"))
         block = header[header.index("Names along the save path"):header.index("void ckpt_fault_point")]
         names = set(re.findall(r"^ \*   ([a-z-]+) ", block, re.M))
-        # during-retention: test_retention.py; after-part (ranks != 0 only): test_distributed.py
-        self.assertEqual(names - {"during-retention", "after-part"}, set(POINTS))
+        # during-retention: test_retention.py; after-part (ranks != 0 only): test_distributed.py;
+        # mid-upload: test_s3.py (armed through CKPT_FAULT_DIR)
+        self.assertEqual(names - {"during-retention", "after-part", "mid-upload"}, set(POINTS))
 
     def test_kill_before_first_chunk(self):
         self.crash_then_resume("before-chunk-write", False)
