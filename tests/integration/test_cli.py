@@ -4,6 +4,7 @@ import json
 import os
 import pty
 import re
+import shutil
 import struct
 import subprocess
 
@@ -64,6 +65,42 @@ class Cli(h.TempDirTest):
                                    r"n_layer \(snapshot 2, now 3\), n_embd \(snapshot 64, now 32\)")
         # nothing was deleted or written
         self.assertEqual(h.snapshot_dirs(ckpt), ["step-000000020"])
+
+    def test_c15_changed_dataset_file_is_refused(self):
+        """C15: the record holds a hash of every training token (data_hash) beside the sample
+        order's seed; one token changed in the data file (same size, same sample count): the
+        resume is refused before the first step, exit 2, naming the snapshot and both hashes;
+        there is no flag that continues anyway (--allow-fresh-start is for corrupt snapshots:
+        an incompatible one is never skipped). Nothing is set aside, nothing written; the
+        unchanged file resumes."""
+        data = os.path.join(self.tmp, "data")
+        os.mkdir(data)
+        shard = os.path.join(data, "train_000000.bin")
+        shutil.copy(os.path.join(h.DATA, "train_000000.bin"), shard)
+        argv = [h.TRAIN, "--data", shard] + h.SMALL
+        ckpt = os.path.join(self.tmp, "ckpt")
+        h.run(argv + ["--ckpt-dir", ckpt, "--ckpt-every", "10", "--steps", "10"], check=True)
+        with open(shard, "r+b") as f:
+            f.seek(4096)
+            b = f.read(2)
+            f.seek(4096)
+            f.write(bytes([b[0] ^ 1, b[1]]))
+        for extra in ([], ["--allow-fresh-start"]):
+            p = h.run(argv + ["--ckpt-dir", ckpt, "--ckpt-every", "10", "--steps", "20",
+                              "--resume", "auto"] + extra)
+            self.assertEqual(p.returncode, 2, p.stderr[-1000:])
+            self.assertRegex(p.stderr, r"refusing to resume from \S+step-000000010: training data "
+                                       r"differs from the snapshot's \(data hash [0-9a-f]{16}, now "
+                                       r"[0-9a-f]{16}\)")
+            self.assertNotIn("step 11/", p.stderr)
+            self.assertEqual([x for x in os.listdir(ckpt) if not x.startswith(".lock")],
+                             ["step-000000010"])
+        with open(shard, "r+b") as f:
+            f.seek(4096)
+            f.write(b)
+        p = h.run(argv + ["--ckpt-dir", ckpt, "--ckpt-every", "10", "--steps", "20", "--resume", "auto"],
+                  check=True)
+        self.assertRegex(p.stderr, r"resumed from \S+step-000000010 at step 10 ")
 
     def test_inspect_json_and_show(self):
         ckpt = os.path.join(self.tmp, "ckpt")
