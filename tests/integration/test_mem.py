@@ -8,7 +8,9 @@ private segment folder under /dev/shm:
 - A flipped byte in the newest memory slot's payload: found by the chunk checksums, the
   restore falls back to an older memory snapshot or to disk, digest still equal.
 - A kill during a memory copy (CKPT_FAULT_POINT=mid-mem-copy@S on one rank of the first
-  round only): the half-written slot is never used, the other slot (step S-1) is.
+  round only): the half-written slot is never used, the other slot (step S-1) is (C35).
+- The newest tier wins (C34): memory at least as new as disk, or newer (a rank killed while
+  persisting a disk snapshot from its memory copy); the log names the tier.
 - Node loss (two agents on loopback, one killed with its worker): the survivor restores the
   lost node's shard from the peer replica, re-sharded to W=1, same digest.
 - An explicit --mem-budget too small: exit 2 with one line naming the need and the budget,
@@ -211,9 +213,11 @@ class MemTest(TempDirTest):
         print(f"\n  flipped a byte of step {bad_step}'s slot: restored step {got} from "
               f"{'memory' if m else 'disk'}", file=sys.stderr)
 
-    def test_kill_during_memory_copy_uses_the_other_slot(self):
-        """Rank 1 of round 0 dies half-way through copying step 12 into a slot: that slot stays
-        'writing', the restart restores step 11 from memory (the other slot); same digest."""
+    def test_c35_kill_during_memory_copy_uses_the_other_slot(self):
+        """C35: rank 1 of round 0 dies half-way through copying step 12 into a slot: that slot
+        stays 'writing' and is never used: neither the agent's flush (no disk snapshot of step
+        12: the disk interval is 25) nor the restore, which takes step 11 from memory (the other
+        slot); same digest."""
         ref = self.reference()
         a = self.agent(["--nproc-per-node", "2", "--max-restarts", "2"],
                        self.train_cmd(["--ckpt-every", "25", "--mem-snapshot-every", "1"],
@@ -224,8 +228,62 @@ class MemTest(TempDirTest):
         m = RESUMED_MEM_RE.search(err)
         self.assertIsNotNone(m, err[-4000:])
         self.assertEqual(int(m.group(2)), 11, err[-3000:])
+        self.assertNotRegex(err, r"resumed from \S* ?\S*at step 12 ")
         self.assertEqual(self.final(a), (30, ref))
         self.assertEqual(self.segments(), [])
+        steps = [x["step"] for x in self.listing()]
+        self.assertNotIn(12, steps, "the half-written step reached the disk")
+        self.assertIn(11, steps, "the flush wrote the newest complete memory snapshot")
+
+    def test_c34_newest_tier_wins_and_the_log_names_it(self):
+        """C34, both orders, memory snapshots every 10 steps. (a) Disk every 3: rank 1 is
+        SIGKILLed as soon as step 12 is committed on disk. Disk snapshots are persisted from a
+        memory copy of the same step, so memory holds 12 too (not only 10): the restore takes
+        a step at least as new as the newest on disk, and the log names the tier and why the
+        other lost (the flush: memory 'not newer than' disk; or memory 'older than the newest
+        on disk'). A memory copy strictly older than disk is what a restarted agent finds:
+        test_mem_agent test_stale_segments_of_a_dead_agent_of_this_job_are_removed. (b) Memory
+        newer than disk (disk every 7): rank 1 dies writing its shard of step 21
+        (before-chunk-write@21), after the memory copy of step 21 that disk snapshot persists
+        from: disk holds 14 and memory 21: the restore is from memory at step 21, 'resumed
+        from memory (own)'. Same digest in both."""
+        ref = self.reference()
+        a = self.agent(["--nproc-per-node", "2", "--max-restarts", "2"],
+                       self.train_cmd(["--ckpt-every", "3", "--mem-snapshot-every", "10",
+                                       "--mem-budget", "1G"]))
+        a.wait_for(r"\[rank 0\] .*snapshot step 12 committed", timeout=120)
+        os.kill(a.pids(0)[1], signal.SIGKILL)
+        committed = [int(x) for x in re.findall(r"\[rank 0\] .*snapshot step (\d+) committed", a.err())]
+        self.assertEqual(a.wait(180), 0, a.err()[-4000:])
+        err = a.err()
+        m = RESUMED_MEM_RE.search(err)
+        d = RESUMED_DISK_RE.search(err)
+        self.assertTrue(m or d, err[-4000:])
+        got = int((m or d).group(2))
+        self.assertGreaterEqual(got, max(committed), "an older tier won:\n" + err[-3000:])
+        if m:  # disk snapshots persist from the memory copy: the newest disk step is in memory
+            self.assertRegex(err, rf"nothing to flush: the newest memory snapshot \(step {got}\) is "
+                                  r"not newer than the newest committed snapshot in \S+ \(step-"
+                                  rf"{got:09d}")
+        else:
+            self.assertRegex(err, r"memory snapshot \S+: older than the newest on disk or S3 "
+                                  rf"\(step {got}\); not used")
+        self.assertEqual(self.final(a), (30, ref))
+        # (b)
+        shutil.rmtree(self.ckpt)
+        b = self.agent(["--nproc-per-node", "2", "--max-restarts", "2"],
+                       self.train_cmd(["--ckpt-every", "7", "--mem-snapshot-every", "10",
+                                       "--mem-budget", "1G"],
+                                      wrap_env={"CKPT_FAULT_POINT": "before-chunk-write@21"}))
+        self.assertEqual(b.wait(180), 0, b.err()[-4000:])
+        err = b.err()
+        self.assertIn("fault point before-chunk-write reached at step 21", err)
+        m = RESUMED_MEM_RE.search(err)
+        self.assertIsNotNone(m, err[-4000:])
+        self.assertEqual((m.group(1), int(m.group(2))), ("own", 21), err[-3000:])
+        self.assertIsNone(RESUMED_DISK_RE.search(err), "disk (step 14) restored over memory")
+        self.assertEqual(self.final(b), (30, ref))
+        print(f"\n  (a) step {got} from {'memory' if m else 'disk'}; (b) memory 21 over disk 14", file=sys.stderr)
 
     def test_memory_interval(self):
         """--mem-snapshot-every 4 with an explicit budget that fits (1G): the restore is from a
