@@ -1,7 +1,9 @@
 """Asynchronous snapshots in train: retention (--keep-last, --keep-every; case C22), a crash
-during retention, lineage (--run-id), the skip policy, and flat memory over many snapshots
-(case C21)."""
+during retention, lineage (--run-id), the skip policy, flat memory over many snapshots
+(case C21) and the memory a save adds (case C20)."""
+import json
 import os
+import subprocess
 import re
 
 import harness as h
@@ -74,6 +76,43 @@ class Retention(h.TempDirTest):
         committed = re.findall(r"snapshot step (\d+) committed", p.stderr)
         self.assertEqual(len(committed) + len(skipped), 30)
         self.assertIn("step-000000030", h.snapshot_dirs(ckpt))
+
+    def peak_rss(self, args):
+        """Peak resident memory (bytes, the kernel's ru_maxrss) of one train run."""
+        p = subprocess.Popen([h.TRAIN] + h.data_args()[:2] + args, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, env=h.env())
+        err = p.stderr.read().decode()
+        p.stderr.close()
+        _, status, ru = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        self.assertEqual(p.returncode, 0, err[-2000:])
+        return ru.ru_maxrss * 1024
+
+    def test_c20_save_streams_in_bounded_buffers(self):
+        """C20: a 3.6 M-parameter model (a 43 MiB shard: params, adam_m, adam_v) saved with one
+        compression thread and 1 MiB chunks: the save succeeds, and its peak resident memory
+        over the same run without snapshots stays under 1.5 x the shard: the one staging copy
+        (1 x) plus bounded streaming buffers (chunk slots, write buffers, zstd context), never
+        a second copy of the shard or a whole compressed file in memory."""
+        if os.environ.get("CKPT_SANITIZED") == "1":
+            self.skipTest("sanitizers' shadow memory and quarantine make RSS meaningless")
+        model = ["--n-layer", "2", "--n-embd", "384", "--n-head", "4", "--seq-len", "16",
+                 "--micro-batch", "1", "--global-batch", "2", "--steps", "4", "--seed", "3",
+                 "--lr", "1e-3", "--warmup", "1"]
+        base = self.peak_rss(model)
+        ckpt = os.path.join(self.tmp, "c20")
+        saved = self.peak_rss(model + ["--ckpt-dir", ckpt, "--ckpt-every", "2", "--snapshot-threads",
+                                       "1", "--chunk-mib", "1"])
+        self.assertEqual(h.snapshot_dirs(ckpt), ["step-000000002", "step-000000004"])
+        with open(os.path.join(ckpt, "step-000000004", "manifest.json")) as f:
+            shard = sum(b["total_bytes"] for b in json.load(f)["buffers"])
+        v = h.run([h.INSPECT, "verify", os.path.join(ckpt, "step-000000004")])
+        self.assertEqual(v.returncode, 0, v.stdout + v.stderr)
+        extra = saved - base
+        print(f"shard {shard / 2**20:.1f} MiB; peak rss {base / 2**20:.1f} MiB without snapshots, "
+              f"{saved / 2**20:.1f} MiB with: {extra / shard:.2f} x the shard")
+        self.assertGreater(shard, 40 << 20)
+        self.assertLess(extra, 1.5 * shard)
 
     def test_c21_memory_flat_over_20_snapshots(self):
         ckpt = os.path.join(self.tmp, "c21")
