@@ -165,7 +165,7 @@ class Distributed(TempDirTest):
         self.assertRegex(err, r"resumed from \S+step-000000003 at step 3")
         self.assertEqual(ranks.final()["digest"], ref["digest"])
 
-    def test_sampler_continuity_across_world_change(self):
+    def test_c12_sampler_continuity_across_world_change(self):
         """C12: no sample repeated or skipped when W changes on a resume; same order as W=1."""
         ref_log = os.path.join(self.tmp, "ref.samples")
         ok(self, 1, MB3 + ["--sample-log", ref_log])
@@ -188,7 +188,7 @@ class Distributed(TempDirTest):
             self.assertEqual(idx, ref[k], f"sample {k}")
         self.assertEqual(min(k for k, _ in second), 3 * 24)
 
-    def test_sampler_exactly_once_across_kills_and_epochs(self):
+    def test_c13_sampler_exactly_once_across_kills_and_epochs(self):
         """C13 at W = 2: a small corpus (about 11 steps an epoch) trained for 40 steps, killed
         at three random steps and resumed each time: along the committed timeline every sample
         of every epoch is consumed exactly once, in the uninterrupted run's order."""
@@ -249,7 +249,7 @@ class Distributed(TempDirTest):
             epoch = sorted(ref[k] for k in range(e * n_samples, (e + 1) * n_samples))
             self.assertEqual(epoch, list(range(n_samples)))
 
-    def test_dead_rank_fails_every_survivor_fast(self):
+    def test_c16_dead_rank_fails_every_survivor_fast(self):
         """C16: SIGKILL rank 2 of 4 mid-run: every survivor exits non-zero within 5 s."""
         ranks = Ranks(4, MB3 + ["--steps", "100000", "--comm-timeout", "60"], self.tmp, base=DIST)
         try:
@@ -265,7 +265,7 @@ class Distributed(TempDirTest):
         died = [r for r in (0, 1, 3) if "died" in ranks.stderr(r) or "is gone" in ranks.stderr(r)]
         self.assertTrue(died, ranks.stderr(0)[-2000:])
 
-    def test_stopped_rank_times_out(self):
+    def test_c17_stopped_rank_times_out(self):
         """C17 at the trainer: a SIGSTOPped rank turns into an error at --comm-timeout."""
         ranks = Ranks(2, MB3 + ["--steps", "100000", "--comm-timeout", "2"], self.tmp, base=DIST)
         try:
@@ -298,7 +298,7 @@ class Distributed(TempDirTest):
         self.assertEqual(temp_dirs(d), [])
         self.assertEqual(snapshot_dirs(d), ["step-000000003", "step-000000006"])
 
-    def test_slow_snapshot_writes_do_not_time_out_training(self):
+    def test_c18_slow_snapshot_writes_do_not_time_out_training(self):
         """C18: rank 0's snapshot writes take longer than the collective timeout; persisting is
         off the training path, so no timeout fires and the result is unchanged."""
         ref = ok(self, 1, MB3)

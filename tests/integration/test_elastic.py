@@ -368,7 +368,7 @@ class SingleNode(ElasticTest):
         self.assertEqual(len(token), 32)
         self.assertNotIn(token, a.out() + a.err())
 
-    def test_ignored_sigterm_is_killed_after_grace_and_groups_are_gone(self):
+    def test_c19_c29_ignored_sigterm_is_killed_after_grace_and_groups_are_gone(self):
         """C19 and C29: rank 0 ignores SIGTERM and runs on; its group, grandchildren included,
         is SIGKILLed after --stop-grace (pid logged) and gone before round 1 starts."""
         t0 = time.time()
@@ -394,7 +394,7 @@ class SingleNode(ElasticTest):
                 return [int(x) for x in m.group(5).split()]
         return []
 
-    def test_hang_watchdog_restarts_a_stopped_rank(self):
+    def test_c17_hang_watchdog_restarts_a_stopped_rank(self):
         """C17: rank 1 is SIGSTOPped; the watchdog names it, stops the group (SIGCONT lets the
         stopped one take SIGTERM) and restarts."""
         a = self.agent(["--nproc-per-node", "2", "--hang-timeout", "1", "--stop-grace", "2"],
@@ -543,7 +543,7 @@ class WithTrain(ElasticTest):
         self.assertIsNotNone(m, out[-2000:])
         return int(m.group(1)), m.group(4)
 
-    def test_kill_one_rank_one_restart_same_digest(self):
+    def test_c16_kill_one_rank_one_restart_same_digest(self):
         """C16: W=4, SIGKILL rank 2 mid-run, while the others are in a collective: every survivor
         fails at once, no process of the round is left, the agent restarts the group, the job
         resumes from the newest snapshot and ends with the uninterrupted run's digest."""
@@ -714,7 +714,7 @@ class MultiNode(ElasticTest):
         self.assertIn("usage or configuration error", a.err())
         self.assertEqual(self.rounds(a.err()), [0])
 
-    def test_kill_one_agent_of_three_finishes_smaller(self):
+    def test_c27_kill_one_agent_of_three_finishes_smaller(self):
         """C27: three agents (2:3), one rank each, train; SIGKILL the third agent: the other two
         re-rendezvous as W=2, resume from the newest snapshot (re-sharded) and finish."""
         port = free_port()
@@ -764,7 +764,7 @@ class MultiNode(ElasticTest):
             self.assertRegex(x.err(), r"round 1: node \d of 3, ranks \d\.\.\d of world size 3")
             self.assertNotIn("restart 1", x.err())  # a scale-up is not a failure
 
-    def test_leave_and_rejoin_cycles_are_counted(self):
+    def test_c28_leave_and_rejoin_cycles_are_counted(self):
         """C28: node B leaves (SIGKILL) and rejoins at once, again and again; with
         --max-restarts 3 the fourth departure ends the job with a clear message."""
         port = free_port()
@@ -847,7 +847,7 @@ class MultiNode(ElasticTest):
               f"joined after {joined:.2f} s; round 1 made progress {restarted:.2f} s after the "
               f"kill", file=sys.stderr)
 
-    def test_store_host_killed_others_fail_fast(self):
+    def test_c30_store_host_killed_others_fail_fast(self):
         """C30: SIGKILL the agent that hosts the store: the others stop their workers and exit 1
         within seconds, naming the endpoint."""
         port = free_port()
