@@ -641,9 +641,10 @@ static int try_s3_from(state *s, const ckpt_entry *e3, size_t *k3, uint64_t floo
  * same state, read in milliseconds), newest first, of this run with --run-id. Memory is a
  * cache of what the disk tiers hold or will hold: any failure of a candidate (a slot missing
  * on some rank, a checksum, an incompatible record, a read error) is a warning and the next
- * candidate is tried, never an exit and never a set-aside. Returns 0 resumed, -1 not (go on
- * with disk and S3); *fatal set when a collective failed. */
-static int try_memory(state *s, int64_t newest, int *fatal)
+ * candidate is tried, never an exit and never a set-aside. Candidates at `below` or newer
+ * (tried by an earlier call) are passed over. Returns 0 resumed, -1 not (go on with disk and
+ * S3); *fatal set when a collective failed. */
+static int try_memory(state *s, int64_t newest, int64_t below, int *fatal)
 {
     const options *o = s->o;
     ckpt_mem_entry *me = NULL;
@@ -659,6 +660,7 @@ static int try_memory(state *s, int64_t newest, int *fatal)
         const ckpt_mem_entry *m = &me[i];
         const char *id = m->status == CKPT_MEM_CORRUPT ? m->name : m->id;
         char why[600] = "";
+        if ((int64_t)m->step >= below) continue;
         if ((int64_t)m->step < newest) {
             LOG_I(TAG, "memory snapshot %s: older than the newest on disk or S3 (step %" PRId64
                   "); not used", id, newest);
@@ -696,6 +698,35 @@ static int try_memory(state *s, int64_t newest, int *fatal)
     }
     free(me);
     return result;
+}
+
+/* In the walk of resume_rank0: the next candidate is the local snapshot at `step` (-1: none
+ * left) or a newer S3 one of e3[0..k3); memory snapshots older than *mem_below (those were
+ * tried) and at least as new as that candidate are tried before it. Returns 1 when the walk
+ * ends here (*result 0 and *resumed 1: restored; *result 1: a collective failed), else 0. */
+static int try_memory_between(state *s, int64_t step, const ckpt_entry *e3, size_t k3,
+                              int64_t *mem_below, int *fatal, int *result, int *resumed)
+{
+    if (!s->mem_path || *mem_below < 0) return 0;
+    int64_t floor = step;
+    for (size_t j = 0; j < k3; j++)
+        if (e3[j].status == CKPT_STATUS_COMMITTED && (int64_t)e3[j].step > floor)
+            floor = (int64_t)e3[j].step;
+    if (floor >= *mem_below) return 0;
+    LOG_I(TAG, "the snapshots newer than step %" PRId64 " could not be restored: trying the "
+          "memory snapshots older than step %" PRId64 " first", floor, *mem_below);
+    int rm = try_memory(s, floor, *mem_below, fatal);
+    *mem_below = floor;
+    if (*fatal) {
+        *result = 1;
+        return 1;
+    }
+    if (rm == 0) {
+        *result = 0;
+        *resumed = 1;
+        return 1;
+    }
+    return 0;
 }
 
 /* Rank 0's side of the resume: returns 0 (resumed, *resumed = 1, or a fresh start), 1 runtime
@@ -753,6 +784,10 @@ static int resume_rank0(state *s, int *resumed)
         }
         k3 = n3;
     }
+    /* memory snapshots at mem_below or newer have been tried: when the newest disk or S3
+     * snapshots turn out corrupt, the memory ones between them and the next candidate come
+     * before that candidate (C34: the newest complete, verified step of any tier wins) */
+    int64_t mem_below = -1;
     if (s->mem_path) {
         /* the memory tier first, when it is at least as new as the newest elsewhere */
         int64_t newest = -1;
@@ -764,13 +799,14 @@ static int resume_rank0(state *s, int *resumed)
             if (e3[j].status == CKPT_STATUS_COMMITTED && (int64_t)e3[j].step > newest &&
                 (!o->run_id || !strcmp(e3[j].run_id, o->run_id)))
                 newest = (int64_t)e3[j].step;
-        int rm = try_memory(s, newest, &fatal);
+        int rm = try_memory(s, newest, INT64_MAX, &fatal);
         if (rm == 0 || fatal) {
             free(e);
             free(e3);
             *resumed = rm == 0 && !fatal;
             return fatal ? 1 : 0;
         }
+        mem_below = newest;
     }
     int result = -1;
     size_t bad = 0;       /* snapshots found corrupt now, set aside */
@@ -782,6 +818,9 @@ static int resume_rank0(state *s, int *resumed)
         return 1;
     }
     for (size_t i = n; result < 0 && i-- > 0;) {
+        if (try_memory_between(s, (int64_t)e[i].step, e3, k3, &mem_below, &fatal, &result,
+                               resumed))
+            break;
         /* S3 snapshots newer than this local one come first */
         int r3 = try_s3_from(s, e3, &k3, e[i].step, 0, lines, &bad, earlier, &fatal);
         if (r3 >= 0) {
@@ -867,13 +906,16 @@ static int resume_rank0(state *s, int *resumed)
         }
     }
     /* S3 snapshots older than every local one */
-    if (result < 0) {
+    if (result < 0 && !fatal && !try_memory_between(s, -1, e3, k3, &mem_below, &fatal, &result, resumed)) {
         int r3 = try_s3_from(s, e3, &k3, 0, 1, lines, &bad, earlier, &fatal);
         if (r3 >= 0) {
             result = r3;
             *resumed = r3 == 0;
         }
     }
+    /* memory snapshots older than every other candidate, which all failed */
+    if (result < 0 && !fatal) try_memory_between(s, -1, NULL, 0, &mem_below, &fatal, &result, resumed);
+    if (result < 0 && fatal) result = 1;
     free(e3);
     if (result < 0 && bad + earlier > 0 && !o->allow_fresh_start) {
         /* snapshots existed and none could be restored: starting from step 0 silently would

@@ -285,6 +285,57 @@ class MemTest(TempDirTest):
         self.assertEqual(self.final(b), (30, ref))
         print(f"\n  (a) step {got} from {'memory' if m else 'disk'}; (b) memory 21 over disk 14", file=sys.stderr)
 
+    def test_c34_memory_older_than_a_corrupt_newest_disk_snapshot(self):
+        """C34, the newest snapshot corrupt in both tiers: memory snapshots every 10 steps and
+        at every disk step, disk every 7, so the slots hold steps 20 and 21 from step 21 to 27;
+        rank 0 is SIGKILLed right after it renamed step 21 into place (after-rename@21, during
+        step 22 or 23), and before round 1 starts one byte is flipped in step 21's rank-0 data
+        file and in rank 0's memory slot of step 21. Memory 21 is corrupt, so is disk 21 (set
+        aside); then memory step 20 wins over disk step 14: the newest complete, verified step
+        of any tier, even one older than the newest disk snapshot. Same digest."""
+        ref = self.reference()
+        flipped = os.path.join(self.tmp, "flipped")
+        data = os.path.join(self.ckpt, "step-000000021", "rank-00000.bin")
+        flip = os.path.join(self.tmp, "flip.py")
+        with open(flip, "w") as f:
+            f.write(f"""import os, struct, sys
+def flip(path, off):
+    with open(path, "r+b") as f:
+        f.seek(off); b = f.read(1); f.seek(off); f.write(bytes([b[0] ^ 0x10]))
+flip({data!r}, os.path.getsize({data!r}) // 2)
+seg = os.environ["CKPT_MEM_PATH"] + ".own-0"
+with open(seg, "rb") as f:
+    hdr = f.read({SEG_HDR})
+slot_bytes, = struct.unpack_from("<Q", hdr, 16)
+for i in range(2):
+    base = {SEG_HDR} + i * (4096 + slot_bytes)
+    with open(seg, "rb") as f:
+        f.seek(base); st, _, seq, pb, _, step = struct.unpack("<IIQQQQ", f.read(40))
+    if st == 2 and step == 21:
+        flip(seg, base + 4096 + 4096 + 123)
+        open({flipped!r}, "w").close()
+""")
+        argv = [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS + [
+            "--ckpt-dir", self.ckpt, "--resume", "auto", "--ckpt-every", "7",
+            "--mem-snapshot-every", "10", "--mem-budget", "1G"]
+        script = (f'if [ "$ELASTIC_RESTART_COUNT" = 0 ]; then '
+                  f'[ "$RANK" = 0 ] && export CKPT_FAULT_POINT=after-rename@21; '
+                  f'elif [ "$RANK" = 0 ] && [ -z "$CKPT_MEM_FLUSH" ] && [ ! -e {flipped} ]; then '
+                  f'python3 {flip} || exit 97; fi; exec "$@"')
+        a = self.agent(["--nproc-per-node", "2", "--max-restarts", "2"],
+                       ["/bin/sh", "-c", script, self.marker] + argv)
+        self.assertEqual(a.wait(180), 0, a.err()[-4000:])
+        err = a.err()
+        self.assertIn("fault point after-rename reached at step 21", err)
+        self.assertTrue(os.path.exists(flipped), "no complete slot of step 21:\n" + err[-3000:])
+        self.assertRegex(err, r"memory snapshot mem:\S+/21/2 not restored")
+        self.assertRegex(err, r"skipping corrupt snapshot \S*step-000000021")
+        m = RESUMED_MEM_RE.search(err)
+        self.assertIsNotNone(m, "memory step 20 not restored:\n" + err[-4000:])
+        self.assertEqual(int(m.group(2)), 20, err[-3000:])
+        self.assertIsNone(RESUMED_DISK_RE.search(err), "an older disk snapshot won:\n" + err[-3000:])
+        self.assertEqual(self.final(a), (30, ref))
+
     def test_memory_interval(self):
         """--mem-snapshot-every 4 with an explicit budget that fits (1G): the restore is from a
         step on that grid, at most 4 steps behind; same digest."""
