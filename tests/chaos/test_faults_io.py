@@ -38,7 +38,7 @@ DATA = os.environ.get("CKPT_DATA", os.path.join(ROOT, "data", "brown"))
 KEEP = os.environ.get("CHAOS_KEEP") == "1"
 SEED = int(os.environ.get("CHAOS_SEED", "0")) or random.randrange(1 << 30)
 
-STEPS = 200
+STEPS = int(os.environ.get("CHAOS_STEPS", "200"))
 # 8 sequences per step: micro-batches of 2, 2 per rank at W = 2, 4 at W = 1 (same bits)
 MODEL = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--seq-len", "64",
          "--global-batch", "8", "--micro-batch", "2", "--steps", str(STEPS), "--lr", "3e-3",
@@ -136,7 +136,7 @@ class Job:
         out_path = os.path.join(self.work, f"node{i}.out")
         env = self.s3.rgw.env({"AWS_ENDPOINT_URL": self.s3.proxy.endpoint, "CKPT_FAULT_DIR": self.fault_dir,
                                "OPENBLAS_NUM_THREADS": "1", "CKPT_LOG_LEVEL": "info"})
-        argv = [self.elastic, "--nproc-per-node", str(self.nproc), "--max-restarts", "6",
+        argv = [self.elastic, "--nproc-per-node", str(self.nproc), "--max-restarts", "12",
                 "--stop-grace", "5", "--mem-dir", self.mem_dir, "--"] + self.command()
         with open(out_path, "w") as out, open(log_path, "w") as err:
             p = subprocess.Popen(argv, stdout=out, stderr=err, env=env, stdin=subprocess.DEVNULL)
@@ -358,6 +358,135 @@ class Test(unittest.TestCase):
         self.assertIsNotNone(m, log[-3000:])
         self.assertNotEqual(int(m.group(2)), step, m.group(0))
         self.assertEqual(os.listdir(self.job.mem_dir), [], "segments left after the job")
+
+    def test_both_copies_damaged_restore_goes_older(self):
+        """flip_local and truncate_s3 on the same step S (the second newest), the agent killed,
+        the newer snapshots lost (local and S3): the new agent's resume finds S corrupt on disk
+        (set aside) and on S3, restores the next older one; the damaged items are still found
+        corrupt afterwards (the set-aside folder; the S3 copy unless a re-save replaced it)."""
+        j = self.job
+        j.keep_last = 0
+        self.start_and_wait(commits=4, on_s3=3)
+        deadline = time.monotonic() + 30
+        detail_l = detail_s = None
+        while not (detail_l and detail_s) and time.monotonic() < deadline:
+            steps = [s for s in j.committed_steps() if s in j.s3_steps()]
+            if len(steps) >= 3:
+                target = steps[-2]
+                detail_l = faults_io.flip_local(j, step=target)
+                detail_s = detail_l and faults_io.truncate_s3(j, step=target)
+            if not (detail_l and detail_s):
+                time.sleep(0.1)
+        self.assertTrue(detail_l and detail_s, (detail_l, detail_s, j.log_text()[-2000:]))
+        j.record("flip_local", detail_l)
+        j.record("truncate_s3", detail_s)
+        print(f"\n  {detail_l}\n  {detail_s}", file=sys.stderr)
+        node = j.nodes[-1]
+        node.proc.kill()
+        node.proc.wait(30)
+        j.wait_for_gone = time.monotonic() + 10
+        while children_running(node.proc.pid, j.train) and time.monotonic() < j.wait_for_gone:
+            time.sleep(0.05)
+        for step, name in faults_io._local_steps(j):
+            if step > target:
+                shutil.rmtree(os.path.join(j.ckpt_dir, name))
+                j.s3.client.delete(j.s3.bucket, f"job/{name}/manifest.json")
+        j.start()
+        log = self.end()
+        new = _read(j.nodes[-1].log_path)
+        self.assertRegex(new, rf"skipping corrupt snapshot \S+/step-0*{target}: ")
+        self.assertRegex(new, rf"skipping (corrupt snapshot )?s3://\S+/step-0*{target}")
+        m = re.search(r"resumed from (\S+) at step (\d+)", new)
+        self.assertIsNotNone(m, new[-3000:])
+        self.assertLess(int(m.group(2)), target, m.group(0))
+        self.assertTrue([n for n in os.listdir(j.ckpt_dir) if n.startswith(f"step-{target:09d}.corrupt-")],
+                        os.listdir(j.ckpt_dir))
+        del log
+
+    def test_flip_memory_every_region(self):
+        """One job, one flip per checksummed region of the payload (header, a shard, the
+        trainer record, the chunk checksums) of each local rank's segment (the trainer record:
+        rank 0's, the only one a restore reads), each followed by the kill and the resume:
+        every one is found, none restored."""
+        j = self.job
+        self.start_and_wait(commits=2, on_s3=0)
+        for region in ("payload header", "shard of params", "trainer record", "chunk checksums"):
+            for L in ((0,) if region == "trainer record" else (0, 1)):  # only rank 0's is read
+                for _ in range(50):
+                    detail = faults_io.flip_memory(j, region=region, local_rank=L)
+                    if detail:
+                        break
+                    time.sleep(0.05)
+                self.assertIsNotNone(detail, f"{region} of local rank {L}: not injected")
+                j.record("flip_memory", detail)
+                print(f"\n  {detail}", file=sys.stderr)
+                self.assertTrue(j.wait_recovered(60), j.log_text()[-3000:])
+                self.assertTrue(j.wait_steps(3, 60), j.log_text()[-3000:])
+                self.assertEqual(faults_io.verify_expectations(j), [])
+        self.end(timeout=180)
+
+
+class VerifyExpectations(unittest.TestCase):
+    """verify_expectations reports what it must: a damaged item that verify passes, a
+    committed folder changed in place, a memory slot restored and never reported; and not
+    what retention removed."""
+
+    def test_misses_are_problems(self):
+        work = tempfile.mkdtemp(prefix="chaos-io-ve-")
+        try:
+            ck = os.path.join(work, "ckpt")
+            subprocess.run([os.path.join(BUILD, "train"), "--data", os.path.join(DATA, "train_*.bin")] +
+                           MODEL + ["--steps", "10", "--ckpt-dir", ck, "--ckpt-every", "5"],
+                           check=True, capture_output=True, timeout=120,
+                           env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+            log = os.path.join(work, "node0.err")
+            with open(log, "w") as f:
+                f.write("before\n")
+
+            class FakeNode:
+                log_path = log
+
+            class FakeJob:
+                inspect = os.path.join(BUILD, "ckpt-inspect")
+                ckpt_dir = ck
+                nodes = [FakeNode()]
+                s3 = None
+                corrupted = {}
+
+            job = FakeJob()
+            st = faults_io._state(job)
+            f5 = os.path.join(ck, "step-000000005")
+            ino = os.stat(f5).st_ino
+            sha = faults_io._file_sha(os.path.join(f5, "rank-00000.bin"))
+            # verify passes an intact snapshot recorded as damaged
+            st.damage.append({"tier": "local", "step": 5, "what": "rank-00000.bin", "name": "step-000000005",
+                              "sha": sha, "dir_ino": ino, "how": "flip"})
+            # the same folder, its file no longer the damaged bytes: changed in place
+            st.damage.append({"tier": "local", "step": 5, "what": "rank-00000.bin", "name": "step-000000005",
+                              "sha": "0" * 64, "dir_ino": ino, "how": "truncate"})
+            # removed by retention: no problem
+            st.damage.append({"tier": "local", "step": 3, "what": "rank-00000.bin", "name": "step-000000003",
+                              "sha": sha, "dir_ino": 1, "how": "flip"})
+            # a memory slot restored after the damage, never reported
+            st.damage.append({"tier": "memory", "step": 7, "what": "x.own-0 slot 1", "logs": {log: 7}})
+            with open(log, "a") as f:
+                f.write("[rank 0] INFO [train] rank 0: resumed from memory (own) at step 7 (run r, saved by 2 ranks)\n")
+            # a truncated copy set aside by a resume, the step saved again: the set-aside one counts
+            aside = os.path.join(ck, "step-000000010.corrupt-1")
+            shutil.copytree(os.path.join(ck, "step-000000010"), aside)
+            with open(os.path.join(aside, "rank-00000.bin"), "r+b") as f:
+                f.truncate(os.path.getsize(os.path.join(aside, "rank-00000.bin")) - 1)
+            st.damage.append({"tier": "local", "step": 10, "what": "rank-00000.bin", "name": "step-000000010",
+                              "sha": faults_io._file_sha(os.path.join(aside, "rank-00000.bin")), "dir_ino": 1,
+                              "how": "truncate"})
+            problems = faults_io.verify_expectations(job)
+            self.assertEqual(len(problems), 4, "\n".join(problems))
+            self.assertIn("verify passes", problems[0])
+            self.assertIn("changed in place", problems[1])
+            self.assertIn("restored step 7 from memory (own)", problems[2])
+            self.assertIn("no log line reports", problems[3])
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -299,7 +299,7 @@ def _pick_weighted(job, cands):
     return job.rnd.choice(cands[:-1])
 
 
-def _corrupt_local(job, how):
+def _corrupt_local(job, how, step=None):
     steps = _local_steps(job)
     if len(steps) < 2:
         return None
@@ -307,6 +307,8 @@ def _corrupt_local(job, how):
     cands = [s for s in steps[:-1] if s[0] not in damaged]
     if job.s3 is not None:
         cands = [s for s in cands if _s3_complete(job, s[0])]
+    if step is not None:
+        cands = [s for s in cands if s[0] == step]
     if not cands:
         return None
     step, name = _pick_weighted(job, cands)
@@ -345,12 +347,13 @@ def _corrupt_local(job, how):
     return f"{name}/{fname}: {detail} (newest committed step {newest})"
 
 
-def flip_local(job):
-    return _corrupt_local(job, "flip")
+def flip_local(job, step=None):
+    """step: damage that snapshot (None: chosen as the module doc says)."""
+    return _corrupt_local(job, "flip", step)
 
 
-def truncate_local(job):
-    return _corrupt_local(job, "truncate")
+def truncate_local(job, step=None):
+    return _corrupt_local(job, "truncate", step)
 
 
 # ---------------------------------------------------------------------------------------
@@ -373,7 +376,7 @@ def _s3_snapshots(job):
             for s, names in by.items() if "manifest.json" in names}
 
 
-def _corrupt_s3(job, how):
+def _corrupt_s3(job, how, step=None):
     if job.s3 is None:
         return None
     try:
@@ -381,7 +384,7 @@ def _corrupt_s3(job, how):
     except (OSError, s3env.S3Error):
         return None  # RGW down (s3_kill_restart): try another kind
     damaged = _damaged_steps(job, "s3")
-    cands = sorted(s for s, objs in snaps.items() if objs and s not in damaged)
+    cands = sorted(s for s, objs in snaps.items() if objs and s not in damaged and step in (None, s))
     if not cands:
         return None
     both = [s for s in cands if s in _damaged_steps(job, "local")]
@@ -415,12 +418,13 @@ def _corrupt_s3(job, how):
     return f"{job.s3.url}/{_step_name(step)}/{obj}: {detail} ({why})"
 
 
-def flip_s3(job):
-    return _corrupt_s3(job, "flip")
+def flip_s3(job, step=None):
+    """step: damage that snapshot's S3 copy (None: chosen as the module doc says)."""
+    return _corrupt_s3(job, "flip", step)
 
 
-def truncate_s3(job):
-    return _corrupt_s3(job, "truncate")
+def truncate_s3(job, step=None):
+    return _corrupt_s3(job, "truncate", step)
 
 
 # ---------------------------------------------------------------------------------------
@@ -462,8 +466,10 @@ def slots_of(path):
 def payload_regions(head, payload_bytes):
     """[(name, start, end)] of the payload bytes a checksum covers, from its 4096-byte
     header (FORMAT.md "Payload of a memory snapshot"): the header itself (the slot header's
-    payload_xxh3), each shard's bytes (chunk checksums), the trainer record (trainer_xxh3),
-    the chunk checksums. The padding between them is covered by nothing."""
+    payload_xxh3), each shard's bytes (chunk checksums), the trainer record (trainer_xxh3;
+    rank 0's only: a restore reads and checks rank 0's record and no other, so a flip in
+    another rank's record is neither found nor harmful), the chunk checksums. The padding
+    between them is covered by nothing."""
     regions = [("payload header", 0, 2200)]
     if head[:8] != b"CKPTMEM1":
         return regions
@@ -475,14 +481,17 @@ def payload_regions(head, payload_bytes):
         if nbytes:
             regions.append((f"shard of {name}", data_off, data_off + nbytes))
     trainer_off, trainer_len, sums_off, nsums = struct.unpack_from("<QQQQ", head, 240)
-    if trainer_len:
+    rank, = struct.unpack_from("<I", head, 28)
+    if trainer_len and rank == 0:
         regions.append(("trainer record", trainer_off, trainer_off + trainer_len))
     if nsums:
         regions.append(("chunk checksums", sums_off + 8, min(payload_bytes, sums_off + 8 + 8 * nsums)))
     return [r for r in regions if r[1] < r[2] <= payload_bytes]
 
 
-def flip_memory(job):
+def flip_memory(job, region=None, local_rank=None):
+    """region: a name prefix of payload_regions ("payload header", "shard", "shard of params",
+    "trainer record", "chunk checksums") to aim at, local_rank: the segment; None = random."""
     nodes = [n for n in getattr(job, "nodes", []) if n.alive() and n.workers()]
     if not nodes:
         return None
@@ -514,7 +523,9 @@ def flip_memory(job):
         if not common:
             return None
         step = max(common)  # the newest memory snapshot complete on this node: tried first
-        L = job.rnd.choice(locals_)
+        L = job.rnd.choice(locals_) if local_rank is None else local_rank
+        if L not in complete:
+            return None
         slot, _, _, pbytes, _, poff = complete[L][step]
         with open(segs[L], "r+b") as f:
             f.seek(poff)
@@ -522,8 +533,15 @@ def flip_memory(job):
             regions = payload_regions(head, pbytes)
             shards = [r for r in regions if r[0].startswith("shard")]
             others = [r for r in regions if not r[0].startswith("shard")]
-            region = job.rnd.choice(shards) if shards and (job.rnd.random() < 0.7 or not others) \
-                else job.rnd.choice(others)
+            if region is not None:
+                aimed = [r for r in regions if r[0].startswith(region)]
+                if not aimed:
+                    return None
+                region = job.rnd.choice(aimed)
+            elif shards and (job.rnd.random() < 0.7 or not others):
+                region = job.rnd.choice(shards)
+            else:
+                region = job.rnd.choice(others)
             off = job.rnd.randrange(region[1], region[2])
             mask = job.rnd.randint(1, 255)
             f.seek(poff + off)
