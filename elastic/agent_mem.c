@@ -587,28 +587,6 @@ static int recv_all(elastic_mem *m, int fd, void *buf, size_t n)
     return recv_dl(m, fd, buf, n, 0);
 }
 
-static void put32(unsigned char *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-
-static void put64(unsigned char *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-
-static uint32_t get32(const unsigned char *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-static uint64_t get64(const unsigned char *p)
-{
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
-    return v;
-}
-
 /* Equal lengths and bytes, in time that depends on neither (both at most TOKEN_MAX). */
 static int token_equal(const unsigned char *a, size_t alen, const unsigned char *b, size_t blen)
 {

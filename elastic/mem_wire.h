@@ -23,6 +23,8 @@
 #ifndef ELASTIC_MEM_WIRE_H
 #define ELASTIC_MEM_WIRE_H
 
+#include <stdint.h>
+
 #define MEMQ_MAGIC "CKMQ"
 #define MEMQ_VERSION 2u
 #define MEMQ_TOKEN_MAX 1024u
@@ -44,5 +46,28 @@ enum {
     MEMQ_ST_NOENT = 5,  /* no such segment, or the slot is not complete */
     MEMQ_ST_RANGE = 6   /* off + len beyond the slot's payload_bytes */
 };
+
+/* Little-endian field access of the wire formats above (and of the replica transfers). */
+static inline void put32(unsigned char *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static inline void put64(unsigned char *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static inline uint32_t get32(const unsigned char *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static inline uint64_t get64(const unsigned char *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
+    return v;
+}
 
 #endif /* ELASTIC_MEM_WIRE_H */
