@@ -10,6 +10,7 @@
 #include "train_internal.h"
 #include "vote.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -169,6 +170,121 @@ static void first_difference(const char *a, const char *b, char *out, size_t len
     }
 }
 
+/* Rank 0: remove the probe files a killed rank 0 left (it holds the folder's lock: no other
+ * run uses them), then write DIR/.probe-<token> holding the token. */
+static int write_probe(const char *dir, char token[40])
+{
+    DIR *d = opendir(dir);
+    if (d) {
+        struct dirent *de;
+        while ((de = readdir(d)))
+            if (!strncmp(de->d_name, ".probe-", 7)) unlinkat(dirfd(d), de->d_name, 0);
+        closedir(d);
+    }
+    uint64_t r = 0;
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        if (read(fd, &r, sizeof r) != (ssize_t)sizeof r) r = 0;
+        close(fd);
+    }
+    r ^= (uint64_t)time(NULL) * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid();
+    snprintf(token, 40, ".probe-%016" PRIx64, r);
+    char path[CKPT_PATH_MAX];
+    if (snprintf(path, sizeof path, "%s/%s", dir, token) >= (int)sizeof path) return -ENAMETOOLONG;
+    fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) return -errno;
+    size_t n = strlen(token);
+    int rc = write(fd, token, n) == (ssize_t)n ? 0 : -EIO;
+    if (close(fd) != 0 && rc == 0) rc = -errno;
+    if (rc < 0) unlink(path);
+    return rc;
+}
+
+/* A rank != 0: 0 when DIR/token holds the token; waits up to 2 s for it to appear (a network
+ * file system may show a new file to other clients late). */
+static int read_probe(const char *dir, const char *token)
+{
+    char path[CKPT_PATH_MAX];
+    if (snprintf(path, sizeof path, "%s/%s", dir, token) >= (int)sizeof path) return -ENAMETOOLONG;
+    int rc = -ENOENT;
+    for (int tries = 0; tries < 20; tries++) {
+        if (tries) {
+            struct timespec ts = {0, 100 * 1000000L};
+            nanosleep(&ts, NULL);
+        }
+        int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+        if (fd < 0) {
+            rc = -errno;
+            if (rc != -ENOENT && rc != -ENOTDIR) return rc;
+            continue;
+        }
+        char buf[40] = "";
+        ssize_t got = read(fd, buf, sizeof buf - 1);
+        close(fd);
+        if (got == (ssize_t)strlen(token) && !memcmp(buf, token, (size_t)got)) return 0;
+        rc = -ESTALE; /* another file of that name: not the folder rank 0 wrote to */
+    }
+    return rc;
+}
+
+/* Every rank must see the snapshot folder rank 0 writes to: the commit protocol has rank 0
+ * read the other ranks' part records there and write the manifest (docs/FORMAT.md), so
+ * node-local folders under one path would fail every snapshot. Rank 0 writes a probe file
+ * with a random name, every rank reads it back, rank 0 removes it (collective, two
+ * exchanges). Returns 0; 2 when a rank does not see it (a configuration error: a restart
+ * finds the same, DESIGN I8) or rank 0 cannot write it for a lasting reason; 1 when an
+ * exchange failed or rank 0's write failed transiently. */
+static int check_shared_folder(state *s)
+{
+    const char *dir = s->o->ckpt_dir;
+    typedef struct { int32_t err; char token[40]; } rec;
+    rec *all = calloc((size_t)s->world, sizeof *all);
+    if (!all) return 1;
+    if (s->rank == 0) all[0].err = write_probe(dir, all[0].token);
+    int rc = train_gather_records(s, all, sizeof *all);
+    if (rc == 0 && s->rank != 0) {
+        all[0].token[sizeof all[0].token - 1] = '\0';
+        all[s->rank].err = all[0].err ? 0 : read_probe(dir, all[0].token);
+        rc = train_gather_records(s, all, sizeof *all);
+    } else if (rc == 0) {
+        rc = train_gather_records(s, all, sizeof *all);
+    }
+    if (s->rank == 0 && all[0].err == 0) {
+        char path[CKPT_PATH_MAX];
+        if (snprintf(path, sizeof path, "%s/%s", dir, all[0].token) < (int)sizeof path) unlink(path);
+    }
+    int status = 0;
+    if (rc < 0) {
+        train_comm_failed(s, "check that every rank sees the snapshot folder", rc);
+        status = 1;
+    } else if (all[0].err) {
+        if (s->rank == 0)
+            LOG_E(TAG, "cannot write a probe file into the snapshot folder %s: %s", dir,
+                  strerror(-all[0].err));
+        status = train_input_status(all[0].err);
+    } else {
+        char who[256] = "";
+        size_t off = 0;
+        for (int r = 1; r < s->world; r++) {
+            if (!all[r].err) continue;
+            status = 2;
+            if (off < sizeof who)
+                off += (size_t)snprintf(who + off, sizeof who - off, "%s%d", off ? ", " : "", r);
+            if (r == s->rank)
+                LOG_E(TAG, "the snapshot folder %s here is not the one rank 0 writes to: its probe "
+                      "file %s is %s on this rank; every rank must see one shared --ckpt-dir (a "
+                      "shared file system: a sharded snapshot cannot be committed in node-local "
+                      "folders)", dir, all[0].token,
+                      all[r].err == -ESTALE ? "another file" : strerror(-all[r].err));
+        }
+        if (status && s->rank == 0)
+            LOG_E(TAG, "rank(s) %s do not see the snapshot folder %s that rank 0 writes to; every "
+                  "rank must see one shared --ckpt-dir", who, dir);
+    }
+    free(all);
+    return status;
+}
+
 /* Every rank's start-up status and settings, exchanged once (collective): returns 0 when all
  * ranks started and share rank 0's settings, else the exit status for every rank (the
  * largest status of a rank that failed, or 2 for different settings), each rank naming its
@@ -214,6 +330,7 @@ int train_startup_agree(state *s, int local)
         if (bad) status = 2;
     }
     free(all);
+    if (status == 0 && s->o->ckpt_dir) status = check_shared_folder(s);
     return status;
 }
 

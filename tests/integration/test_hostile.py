@@ -399,10 +399,14 @@ class Review(h.TempDirTest):
         self.assertEqual(r.final()["digest"], h.reference()["digest"])
 
     def test_a_rank_that_cannot_see_the_snapshot_renames_nothing(self):
-        """A rank that cannot see rank 0's snapshot (here: rank 1 runs in a mount namespace of
-        its own, with an empty tmpfs over the snapshot folder, as on a node without the shared
-        file system) says nothing about the snapshot's bytes: its ENOENT was taken for
-        corruption, and rank 0 set every valid snapshot aside. Now: exit 1, nothing renamed."""
+        """A rank that cannot see rank 0's snapshot folder (here: rank 1 runs in a mount
+        namespace of its own, with an empty tmpfs over the snapshot folder, as on a node
+        without the shared file system, or with node-local folders under one path) says
+        nothing about the snapshot's bytes: its ENOENT was once taken for corruption, and rank
+        0 set every valid snapshot aside. Now the start-up check finds it before any resume or
+        save (rank 0's probe file is not there): exit 2 on both ranks (a configuration error,
+        which elastic does not retry), rank 1 naming the folder, nothing renamed, no probe
+        file left."""
         base = list(h.SMALL)
         i = base.index("--grad-accum")
         base[i:i + 2] = ["--global-batch", "8"]
@@ -421,11 +425,14 @@ class Review(h.TempDirTest):
         p0 = subprocess.run(argv, capture_output=True, text=True, env=h.env(dict(env, RANK="0")),
                             timeout=180)
         err1 = p1.communicate(timeout=60)[1]
-        self.assertEqual((p0.returncode, p1.returncode), (1, 1), p0.stderr[-2000:] + err1[-1000:])
-        self.assertRegex(p0.stderr, r"cannot read \S+step-000000040: rank 1 could not read it: "
-                                    r"No such file or directory")
-        self.assertIn("no such snapshot folder", err1)
+        self.assertEqual((p0.returncode, p1.returncode), (2, 2), p0.stderr[-2000:] + err1[-1000:])
+        self.assertRegex(p0.stderr, r"rank\(s\) 1 do not see the snapshot folder \S+ that rank 0 "
+                                    r"writes to")
+        self.assertRegex(err1, r"the snapshot folder \S+ here is not the one rank 0 writes to: its "
+                               r"probe file \.probe-[0-9a-f]{16} is No such file or directory")
+        self.assertNotIn("resumed from", p0.stderr)
         self.assertEqual(h.snapshot_dirs(self.ckpt), names)
+        self.assertEqual([d for d in os.listdir(self.ckpt) if d.startswith(".probe-")], [])
         self.assertEqual([d for d in os.listdir(self.ckpt) if "corrupt" in d], [])
 
     def test_config_and_sample_log_fifos_do_not_hang(self):
