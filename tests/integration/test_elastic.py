@@ -317,8 +317,12 @@ class SingleNode(ElasticTest):
         self.assertEqual(self.rounds(err), [0])
 
     def test_failure_restarts_the_whole_group(self):
+        # rank 0 runs until stopped in round 0: with a fixed number of beats it could finish
+        # before rank 1's failure was handled (rank 1's interpreter starting late on a busy
+        # machine), and then it gets no SIGTERM
         rc, out, err = self.run_agent(["--nproc-per-node", "2"],
-                                      self.stub("--beats", "4", "--fail", "1:0:1:2"))
+                                      self.stub("--beats", "4", "--fail", "1:0:1:2",
+                                                "--forever", "0:0"))
         self.assertEqual(rc, 0, err)
         self.assertEqual(self.rounds(err), [0, 1])
         self.assertIn("rank 1 (pid", err)
