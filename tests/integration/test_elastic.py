@@ -225,6 +225,11 @@ class ElasticTest(TempDirTest):
     def tearDown(self):
         for a in self.agents:
             a.kill()
+        # A sanitizer report in any agent's log fails the test (scripts/test runs some of these
+        # tests with CKPT_ELASTIC from build-tsan/ and TSAN_OPTIONS=halt_on_error=1: the agent
+        # also exits 66, which a test that kills the agent would not see).
+        reports = {a.name: harness.sanitizer_reports(a.err()) for a in self.agents}
+        reports = {k: v for k, v in reports.items() if v}
         deadline = time.time() + 5
         left = procs_with(self.marker)
         while left and time.time() < deadline:
@@ -235,8 +240,11 @@ class ElasticTest(TempDirTest):
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+        errs = {a.name: a.err()[-6000:] for a in self.agents if a.name in reports}
         super().tearDown()
         self.assertEqual(left, [], "worker processes left behind")
+        self.assertEqual(reports, {}, "sanitizer report in an agent's log:\n" +
+                         "\n".join(f"--- {k}\n{v}" for k, v in errs.items()))
 
     def stub(self, *args):
         return [sys.executable, WORKER, "--marker", self.marker] + list(args)
