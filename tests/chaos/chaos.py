@@ -65,7 +65,8 @@ def main():
     a = ap.parse_args()
     seed = a.seed if a.seed is not None else random.randrange(1 << 30)
     rnd = random.Random(seed)
-    elastic = os.path.join(a.build, "elastic", "elastic")
+    # CKPT_ELASTIC: another agent binary (tests/integration/harness.py: a ThreadSanitizer build)
+    elastic = os.environ.get("CKPT_ELASTIC") or os.path.join(a.build, "elastic", "elastic")
     train = os.path.join(a.build, "train")
     for p in (elastic, train):
         if not os.access(p, os.X_OK):

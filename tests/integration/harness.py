@@ -5,6 +5,9 @@ Environment (set by tests/integration/meson.build):
   CKPT_BUILD  the build folder (build/train, build/ckpt-inspect, ...)
   CKPT_DATA   the folder with the Brown corpus shards (train_*.bin, val_*.bin), made by
               scripts/test (scripts/lib.sh prepare_brown)
+  CKPT_ELASTIC  (optional) the agent to run instead of $CKPT_BUILD/elastic/elastic:
+              scripts/test runs agent tests with build-tsan/'s (ThreadSanitizer) while
+              train comes from build/
 """
 import os
 import random
@@ -23,7 +26,17 @@ TRAIN = os.path.join(BUILD, "train")
 INSPECT = os.path.join(BUILD, "ckpt-inspect")
 PREPARE = os.path.join(BUILD, "train-prepare")
 RESEAL = os.environ.get("CKPT_RESEAL", os.path.join(BUILD, "tests", "reseal_manifest"))
-ELASTIC = os.path.join(BUILD, "elastic", "elastic")
+ELASTIC = os.environ.get("CKPT_ELASTIC") or os.path.join(BUILD, "elastic", "elastic")
+
+# What a sanitizer prints when it reports (TSan, ASan, UBSan); tests that read a program's
+# stderr fail on it even when the exit status was not checked.
+SANITIZER_RE = re.compile(r"^(WARNING: ThreadSanitizer:|==\d+==ERROR: AddressSanitizer|"
+                          r"\S+: runtime error: |SUMMARY: \w+Sanitizer)", re.M)
+
+
+def sanitizer_reports(text):
+    """The lines of text that start a sanitizer report (empty list: none)."""
+    return [m.group(0) for m in SANITIZER_RE.finditer(text)]
 
 # A small model that trains 60 steps in a few seconds on one core.
 SMALL = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--seq-len", "64",

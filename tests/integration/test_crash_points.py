@@ -2,9 +2,14 @@
 each named fault point of a save (ckpt/ckpt_internal.h), or the disk returns ENOSPC; the next
 `--resume auto` lands on the new or the previous snapshot, never fails, never loses a
 committed snapshot, leaves no temp folder, and the final weights equal the uninterrupted
-run's."""
+run's. Faults armed at run time by touching a file in CKPT_FAULT_DIR (what tests/chaos
+does) fire once, in one process, and then never again.
+"""
 import os
 import re
+import subprocess
+import tempfile
+import time
 
 import harness as h
 
@@ -17,6 +22,33 @@ POINTS = {
     "after-manifest": False,
     "after-rename": True,
 }
+
+
+def train_arming(args, fault_dir, name, after, timeout=300):
+    """Run train with CKPT_FAULT_DIR=fault_dir and touch fault_dir/name once its log matches
+    the regex `after` (None: before the start). Returns a CompletedProcess."""
+    if after is None:
+        open(os.path.join(fault_dir, name), "w").close()
+    err = tempfile.TemporaryFile("w+")
+    p = subprocess.Popen([h.TRAIN] + h.data_args() + h.SMALL + list(args), stdout=subprocess.PIPE,
+                         stderr=err, text=True, env=h.env({"CKPT_FAULT_DIR": fault_dir}))
+    try:
+        deadline = time.time() + timeout
+        while after is not None and p.poll() is None and time.time() < deadline:
+            err.seek(0)
+            if re.search(after, err.read()):
+                open(os.path.join(fault_dir, name), "w").close()
+                break
+            time.sleep(0.005)
+        out = p.communicate(timeout=max(1, deadline - time.time()))[0]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    err.seek(0)
+    text = err.read()
+    err.close()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, text)
 
 
 class CrashPoints(h.TempDirTest):
@@ -58,7 +90,8 @@ class CrashPoints(h.TempDirTest):
         block = header[header.index("Names along the save path"):header.index("void ckpt_fault_point")]
         names = set(re.findall(r"^ \*   ([a-z-]+) ", block, re.M))
         # during-retention: test_retention.py; after-part (ranks != 0 only): test_distributed.py;
-        # mid-upload: test_s3.py (armed through CKPT_FAULT_DIR)
+        # mid-upload: test_s3.py test_mid_upload_armed_in_fault_dir_c32 (armed through
+        # CKPT_FAULT_DIR; the arming itself: test_fault_dir_* below)
         self.assertEqual(names - {"during-retention", "after-part", "mid-upload"}, set(POINTS))
 
     def test_kill_before_first_chunk(self):
@@ -98,6 +131,101 @@ class CrashPoints(h.TempDirTest):
         self.assertEqual(h.snapshot_dirs(ckpt), ["step-000000020", "step-000000040"])
         self.assertEqual(h.temp_dirs(ckpt), [])
         r = h.train(args)
+        self.assertRegex(r.stderr, r"resumed from \S+step-000000040 at step 40")
+        self.assertEqual(h.final(r)["digest"], h.reference()["digest"])
+
+    # ------------------------------------------------------------------ CKPT_FAULT_DIR
+
+    def fault_dir_point(self, point, committed):
+        """A point armed while the run trains (after step 20 committed) fires once: at the
+        save of step 40, SIGKILL, its file gone; the resume with the same environment passes
+        the point again (saves of 40 and 60) without dying and ends on the reference."""
+        ckpt = os.path.join(self.tmp, point)
+        faults = os.path.join(self.tmp, "faults-" + point)
+        os.mkdir(faults)
+        args = ["--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume", "auto"]
+        p = train_arming(args, faults, point, r"snapshot step 20 committed")
+        self.assertEqual(p.returncode, -9, f"{point}: expected SIGKILL, got {p.returncode}\n{p.stderr[-1500:]}")
+        self.assertIn(f"fault point {point} reached at step 40: killing this process (armed in "
+                      "CKPT_FAULT_DIR)", p.stderr)
+        self.assertEqual(os.listdir(faults), [], "a point that fired removes its file")
+        want = ["step-000000020", "step-000000040"] if committed else ["step-000000020"]
+        self.assertEqual(h.snapshot_dirs(ckpt), want, point)
+        r = h.train(args, extra_env={"CKPT_FAULT_DIR": faults})
+        self.assertNotIn("fault point", r.stderr, "a one-shot point fired twice")
+        self.assertRegex(r.stderr, r"resumed from \S+step-0000000%d at step %d" %
+                         ((40, 40) if committed else (20, 20)))
+        self.assertEqual(h.temp_dirs(ckpt), [])
+        self.assertEqual(h.snapshot_dirs(ckpt), ["step-000000020", "step-000000040", "step-000000060"])
+        self.assertEqual(h.final(r)["digest"], h.reference()["digest"], point)
+
+    def test_fault_dir_after_rename_fires_once(self):
+        self.fault_dir_point("after-rename", True)
+
+    def test_fault_dir_mid_data_fires_once(self):
+        self.fault_dir_point("mid-data", False)
+
+    def test_fault_dir_armed_before_the_start_and_unarmed_points(self):
+        """A file touched before the start fires at the first save; a file of another name
+        (an unknown point) is left alone and never fires."""
+        ckpt = os.path.join(self.tmp, "early")
+        faults = os.path.join(self.tmp, "faults")
+        os.mkdir(faults)
+        open(os.path.join(faults, "no-such-point"), "w").close()
+        args = ["--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume", "auto"]
+        p = train_arming(args, faults, "before-chunk-write", None)
+        self.assertEqual(p.returncode, -9, p.stderr[-1500:])
+        self.assertIn("fault point before-chunk-write reached at step 20", p.stderr)
+        self.assertEqual(os.listdir(faults), ["no-such-point"])
+        self.assertEqual(h.snapshot_dirs(ckpt), [])
+        r = h.train(args, extra_env={"CKPT_FAULT_DIR": faults})
+        self.assertNotIn("fault point", r.stderr)
+        self.assertEqual(h.snapshot_dirs(ckpt), ["step-000000020", "step-000000040", "step-000000060"])
+        self.assertEqual(h.final(r)["digest"], h.reference()["digest"])
+
+    def fault_dir_store(self, name, error):
+        """store-enospc / store-eio armed after step 20 committed: the first data write of
+        step 40 fails, step 40 alone is not committed, training goes on to the reference."""
+        ckpt = os.path.join(self.tmp, name)
+        faults = os.path.join(self.tmp, "faults-" + name)
+        os.mkdir(faults)
+        args = ["--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume", "auto"]
+        p = train_arming(args, faults, name, r"snapshot step 20 committed")
+        self.assertEqual(p.returncode, 0, p.stderr[-1500:])
+        self.assertIn(f"snapshot step 40 failed: {error}; it is not committed", p.stderr)
+        self.assertEqual(len(re.findall(r"snapshot step \d+ failed", p.stderr)), 1, p.stderr[-2000:])
+        self.assertIn("snapshot step 60 committed", p.stderr)
+        self.assertEqual(os.listdir(faults), [])
+        self.assertEqual(h.snapshot_dirs(ckpt), ["step-000000020", "step-000000060"])
+        self.assertEqual(h.temp_dirs(ckpt), [], "a failed save removes its temp folder")
+        self.assertEqual(h.final(p)["digest"], h.reference()["digest"])
+
+    def test_fault_dir_store_enospc_costs_one_snapshot(self):
+        self.fault_dir_store("store-enospc", "No space left on device")
+
+    def test_fault_dir_store_eio_costs_one_snapshot(self):
+        self.fault_dir_store("store-eio", "Input/output error")
+
+    def test_fault_dir_store_eio_read_during_resume_is_transient(self):
+        """store-eio-read: the resume's read fails once; that is no verdict on the bytes (no
+        snapshot called corrupt, nothing renamed aside), the run exits 1, and the next run
+        with the same environment resumes from the same snapshot."""
+        ckpt = os.path.join(self.tmp, "eio-read")
+        faults = os.path.join(self.tmp, "faults")
+        os.mkdir(faults)
+        args = ["--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume", "auto"]
+        p = h.train(args, extra_env={"CKPT_FAULT_POINT": "after-rename@40"}, check=False)
+        self.assertEqual(p.returncode, -9, p.stderr[-1500:])
+        before = sorted(os.listdir(ckpt))
+        open(os.path.join(faults, "store-eio-read"), "w").close()
+        r = h.train(args, extra_env={"CKPT_FAULT_DIR": faults}, check=False)
+        self.assertEqual(r.returncode, 1, r.stderr[-2000:])
+        self.assertRegex(r.stderr, r"cannot read \S+step-000000040: .*Input/output error.*nothing "
+                         r"was renamed")
+        self.assertNotIn("corrupt", r.stderr)
+        self.assertEqual(os.listdir(faults), [])
+        self.assertEqual(sorted(os.listdir(ckpt)), before, "nothing renamed aside")
+        r = h.train(args, extra_env={"CKPT_FAULT_DIR": faults})
         self.assertRegex(r.stderr, r"resumed from \S+step-000000040 at step 40")
         self.assertEqual(h.final(r)["digest"], h.reference()["digest"])
 

@@ -358,6 +358,54 @@ class S3(TempDirTest):
         p = inspect("verify", self.url() + "/step-000000006", env=self.env)
         self.assertEqual(p.returncode, 0, p.stderr)
 
+    def test_mid_upload_armed_in_fault_dir_c32(self):
+        """The "mid-upload" point armed through CKPT_FAULT_DIR: the first rank to finish
+        uploading its objects of step 3 dies (SIGKILL) before the group's decision and the
+        manifest; step 3 is never listed complete; with the local folder lost, the restart
+        (same environment: the point does not fire again) saves step 3 again and uploads it
+        completely over the leftovers (C32), and verify of the S3 copy passes."""
+        ref, _ = ok(self, 1, ["--ckpt-dir", os.path.join(self.tmp, "ref"), "--ckpt-every", "3"],
+                    self.env)
+        d = os.path.join(self.tmp, "ck")
+        faults = os.path.join(self.tmp, "faults")
+        os.mkdir(faults)
+        open(os.path.join(faults, "mid-upload"), "w").close()
+        e = dict(self.env, CKPT_FAULT_DIR=faults)
+        args = ["--ckpt-dir", d, "--ckpt-every", "3", "--s3", self.url()]
+        ranks = Ranks(2, args, self.tmp, extra_env=e, base=DIST)
+        # The survivor is not waited for: when the peer dies after the last step, rank 0
+        # waits in its final drain for the dead rank's vote (up to --s3-snapshot-timeout);
+        # under elastic or torchrun the launcher stops it, here the test does.
+        deadline = time.time() + 120
+        while -signal.SIGKILL not in [p.poll() for p in ranks.procs] and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(1)
+        codes = [p.poll() for p in ranks.procs]
+        ranks.kill()
+        logs = "\n".join(ranks.stderr(r) for r in range(2))
+        self.all_logs.append(logs)
+        self.assertEqual(os.listdir(faults), [], "the point fired: its file is gone")
+        died = [r for r in range(2) if "fault point mid-upload reached at step 3: killing this "
+                "process (armed in CKPT_FAULT_DIR)" in ranks.stderr(r)]
+        self.assertEqual(len(died), 1, f"exits {codes}\n{logs[-4000:]}")
+        self.assertEqual(codes[died[0]], -signal.SIGKILL, codes)
+        # the dead rank's objects are there, the manifest is not
+        keys = self.keys("job/step-000000003/")
+        self.assertIn(f"job/step-000000003/rank-0000{died[0]}.bin", keys)
+        self.assertNotIn("job/step-000000003/manifest.json", keys)
+        self.assertNotIn("step 3 is on S3", logs)
+        steps = self.s3_steps()
+        self.assertEqual(steps.get(3), "incomplete", steps)
+        self.assertNotIn("committed", steps.values())
+        shutil.rmtree(d)
+        got, logs = ok(self, 2, args + ["--resume", "auto"], e)
+        self.assertNotIn("fault point", logs, "a one-shot point fired twice")
+        self.assertIn("step 3 is on S3", logs)
+        self.assertEqual(got["digest"], ref["digest"])
+        self.assertEqual(self.s3_steps(), {3: "committed", 6: "committed"})
+        p = inspect("verify", self.url() + "/step-000000003", env=self.env)
+        self.assertEqual(p.returncode, 0, p.stderr)
+
     def test_full_backlog_drops_the_oldest_and_the_lag_warns(self):
         """Slow uploads, a snapshot every step, a backlog of 1: older waiting snapshots are
         dropped (logged, counted), the newest always goes; the lag warning fires."""
