@@ -4,6 +4,7 @@
 #include "log.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -241,17 +242,21 @@ int ckpt_path_join(char *out, size_t len, const char *dir, const char *name)
 }
 
 /* CKPT_FAULT_DIR: a point fires when this process is the one that removes DIR/<name>. */
+static char fault_dir[3072];
+static pthread_once_t fault_dir_once = PTHREAD_ONCE_INIT;
+
+static void fault_dir_load(void)
+{
+    const char *s = getenv("CKPT_FAULT_DIR");
+    if (s && *s && strlen(s) < sizeof fault_dir) memcpy(fault_dir, s, strlen(s) + 1);
+}
+
 static bool fault_dir_armed(const char *name)
 {
-    static int loaded;
-    static char dir[3072];
-    if (!__atomic_load_n(&loaded, __ATOMIC_ACQUIRE)) {
-        const char *s = getenv("CKPT_FAULT_DIR");
-        if (s && *s && strlen(s) < sizeof dir) snprintf(dir, sizeof dir, "%s", s);
-        __atomic_store_n(&loaded, 1, __ATOMIC_RELEASE);
-    }
+    pthread_once(&fault_dir_once, fault_dir_load);
+    const char *dir = fault_dir;
     if (!dir[0]) return false;
-    char path[sizeof dir + 64];
+    char path[sizeof fault_dir + 64];
     if (snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path) return false;
     return unlink(path) == 0;
 }
