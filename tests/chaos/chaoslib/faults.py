@@ -35,7 +35,8 @@ def _running(job):
     """The job trains right now: every node of the group up, not stopped, ranks running."""
     job.poll()
     live = job.live_nodes()
-    return (job.relaunch is None and live and len(live) == len(job.nodes) and
+    members = [n for n in job.nodes if n.expected is None]
+    return (job.relaunch is None and live and len(live) == len(members) and
             not any(n.stopped for n in live) and all(n.workers() for n in live))
 
 

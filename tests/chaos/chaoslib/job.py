@@ -28,16 +28,19 @@ import s3env  # noqa: E402
 FINAL_RE = re.compile(r"final step=(\d+) loss=(\S+) val_loss=(\S+) params_digest=([0-9a-f]{32})")
 TS_RE = re.compile(r"(?:\[(?:rank (\d+)|flush)\] )?(\d\d):(\d\d):(\d\d)\.(\d\d\d) ")
 # what the agents' logs say (train, ckpt and elastic lines)
+R0 = r"(?:rank 0: )?"   # W = 1 logs without a rank prefix; other ranks do not match
 EVENT_RES = [
-    ("step", re.compile(r"\[train\] rank 0: step (\d+)/")),
-    ("launch", re.compile(r"\[train\] rank 0: (?:no usable snapshot in \S+: )?(fresh start) \(")),
-    ("launch", re.compile(r"\[train\] rank 0: resumed from (memory \((\w+)\)|s3://\S+|\S+) at step (\d+)")),
-    ("committed", re.compile(r"\[ckpt\] rank 0: snapshot step (\d+) committed")),
-    ("removed", re.compile(r"\[ckpt\] rank 0: retention: removed \S*step-0*(\d+)$")),
+    ("step", re.compile(r"\[train\] " + R0 + r"step (\d+)/")),
+    ("launch", re.compile(r"\[train\] " + R0 + r"(?:no usable snapshot in \S+: )?(fresh start) \(")),
+    ("launch", re.compile(r"\[train\] " + R0 + r"resumed from (memory \((\w+)\)|s3://\S+|\S+) at step (\d+)")),
+    ("committed", re.compile(r"\[ckpt\] " + R0 + r"snapshot step (\d+) committed")),
+    ("removed", re.compile(r"\[ckpt\] " + R0 + r"retention: removed \S*step-0*(\d+)$")),
+    # a removal by retention that a crash interrupted, finished by the next start
+    ("removed", re.compile(r"\] " + R0 + r"removed leftover temp folder \S*\.tmp-step-0*(\d+)-retired")),
     ("flushed", re.compile(r"flushed the memory snapshot of step (\d+) from")),
-    ("on_s3", re.compile(r"rank 0: .*step (\d+) is on S3")),
-    ("s3_removed", re.compile(r"remote retention: removed step-0*(\d+)")),
-    ("failed", re.compile(r"snapshot step (\d+) failed")),
+    ("on_s3", re.compile(r"\[s3\] " + R0 + r"step (\d+) is on S3")),
+    ("s3_removed", re.compile(r"\] " + R0 + r"remote retention: removed step-0*(\d+)")),
+    ("failed", re.compile(r"\] " + R0 + r"snapshot step (\d+) failed")),
     ("set_aside", re.compile(r"set aside .*step-0*(\d+)|step-0*(\d+)\.corrupt-")),
     ("store_on", re.compile(r"\[elastic\] (?:hosting the rendezvous store at|store on) (\S+)")),
     ("round", re.compile(r"\[elastic\] round (\d+): started ranks")),
