@@ -470,6 +470,9 @@ class Job:
     def recovered(self):
         if self.relaunch is not None or any(not p[2].startswith("late:") for p in self.pending):
             return False
+        return self._trained_since_marker()
+
+    def _trained_since_marker(self):
         ev = self.events(after=self.marker or {})
         if self.marker_restart:
             i = next((k for k, e in enumerate(ev) if e[1] == "launch"), None)
@@ -493,7 +496,8 @@ class Job:
         self.poll()
         self.faults.append((kind, detail, time.monotonic() - self.t0))
         # a fault whose relaunch or restart is already scheduled keeps the stronger condition
-        self.set_marker(kind in RESTARTING or (self.marker_restart and not self.recovered()))
+        self.set_marker(kind in RESTARTING or (self.marker_restart and
+                                               not self._trained_since_marker()))
 
     def wait_end(self, timeout):
         deadline = time.monotonic() + timeout
