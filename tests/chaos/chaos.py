@@ -1,22 +1,26 @@
 #!/usr/bin/env python3
-"""Chaos driver (issue 5): run a training job under `elastic`, SIGKILL random ranks at random
-moments, and check that the final weights equal those of an uninterrupted run.
+"""Chaos driver (issue 14): real training jobs under elastic, faults of every kind drawn
+from a seed, and checks after each scenario (tests/chaos/README.md, "The driver").
 
-    tests/chaos/chaos.py [--kills N] [--nproc N] [--steps S] [--seed X] [--build DIR]
-                         [--data DIR] [--keep]
+    tests/chaos/chaos.py [--profile ci|soak] [--faults N] [--seed S] [--scenario NAME]
+                         [--only KIND] [--build DIR] [--data DIR] [--keep] [--list]
 
-Each kill waits until the current group has trained at least one step since its launch, then
-a random delay, then SIGKILLs one random rank (a child of the agent running train; not
-the agent's guardian). The agent must notice,
-stop the group and restart it with --resume auto. At the end the driver runs the same
-training uninterrupted (one process: the contract of DESIGN section 4 makes the world size
-irrelevant) and compares params_digest. It prints one summary line
-
-    kills=<n> restarts=<n> resumed_from=<steps> digest_equal=<yes|no>
-
-and exits 0 only when the job succeeded, every kill happened and the digests are equal.
+A scenario is one job (layout, S3 or not, a tmpfs snapshot folder or not) and a schedule
+of faults drawn from random.Random("SEED:NAME"): the same seed and name give the same
+schedule of kinds (timing is real). Before each fault the driver waits until the job
+recovered from the previous one. After the scenario chaoslib.checks compares the final
+params_digest with an uninterrupted one-process run of the same config, verifies every
+snapshot left on every tier and looks for leftovers. The output ends with a table (kind |
+injected), restarts, snapshots verified per tier, restore sources, the seed, and the lines
+`faults=N` and `digest_equal=yes|no`. Exit 0 only when every scenario is ok and (ci) every
+kind was injected at least once; a failure prints the seed and the scenario's schedule and
+keeps its work folder.
 """
 import argparse
+import atexit
+import collections
+import hashlib
+import json
 import os
 import random
 import re
@@ -25,124 +29,372 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
+
+from chaoslib import checks, faults  # noqa: E402
+from chaoslib import job as jobmod  # noqa: E402
+from chaoslib.result import ScenarioResult, Summary  # noqa: E402
+
+KINDS = dict(faults.KINDS)
+NEEDS = dict(faults.NEEDS)
+MISSING = []
+try:
+    from chaoslib import faults_io  # noqa: E402
+    KINDS.update(faults_io.KINDS)
+    NEEDS.update(faults_io.NEEDS)
+except ImportError:
+    MISSING += ["s3_kill_restart", "s3_hang", "s3_503", "flip_local", "truncate_local",
+                "flip_s3", "truncate_s3", "flip_memory"]
+try:
+    from chaoslib import netns  # noqa: E402
+except ImportError:
+    netns = None
+    MISSING.append("partition")
+
+ALL_KINDS = ["kill_rank", "kill_ranks", "kill_agent", "kill_store_host", "stop_rank",
+             "stop_agent", "fault_point", "store_enospc", "store_eio", "disk_full",
+             "world_size_change", "s3_kill_restart", "s3_hang", "s3_503", "flip_local",
+             "truncate_local", "flip_s3", "truncate_s3", "flip_memory", "partition"]
+STORAGE = {"store_enospc", "store_eio", "disk_full", "s3_hang", "s3_503", "flip_local",
+           "truncate_local", "flip_s3", "truncate_s3", "flip_memory", "s3_kill_restart"}
+PROCESS = {"kill_rank", "kill_ranks", "stop_rank", "fault_point"}
+
+STEPS = 1000          # every ci scenario: one reference run serves them all
+# scenario templates: name -> (layout (nodes, ranks per node), s3, tmpfs, faults, favoured kinds)
+TEMPLATES = [
+    ("two-nodes-s3", (2, 1), True, False, 13, ["kill_agent", "kill_store_host", "stop_agent",
+                                               "kill_ranks", "s3_kill_restart", "flip_s3"]),
+    ("tmpfs-storage", (1, 2), False, True, 13, ["disk_full", "store_enospc", "store_eio",
+                                                "stop_rank", "flip_local", "truncate_local"]),
+    ("resize-s3", (1, 2), True, False, 12, ["world_size_change", "fault_point", "s3_503",
+                                            "truncate_s3", "kill_rank"]),
+    ("mixed", (2, 1), True, True, 13, ["fault_point", "flip_memory", "s3_hang", "kill_rank",
+                                       "stop_agent", "world_size_change"]),
+    ("wide", (1, 4), False, True, 11, ["fault_point", "kill_ranks", "stop_rank", "store_eio",
+                                      "kill_store_host"]),
+]
 
 
-def workers(pid, exe):
-    """Live children of the agent `pid` that run `exe` (its ranks; not its guardian)."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[1]) != pid or fields[0] == "Z":
+class Ctx:
+    """What scenarios share: paths, the seed, the reference runs, the one RGW."""
+
+    def __init__(self, a, seed):
+        self.build, self.data, self.seed, self.keep = a.build, a.data, seed, a.keep
+        self.rnd = random.Random(seed)
+        self.work_root = tempfile.mkdtemp(prefix=f"chaos-{seed}-")
+        self._rgw = None
+        self._refs = {}
+        self._ref_lock = threading.Lock()
+        self._cache = os.path.join(a.build, "chaos-reference-cache.json")
+
+    def rgw(self):
+        if self._rgw is None:
+            import s3env
+            self._rgw = s3env.shared_rgw()
+        return self._rgw
+
+    def _train_hash(self):
+        h = hashlib.sha256()
+        with open(os.path.join(self.build, "train"), "rb") as f:
+            for b in iter(lambda: f.read(1 << 20), b""):
+                h.update(b)
+        return h.hexdigest()
+
+    def reference(self, steps):
+        """(digest, loss) of the uninterrupted one-process run of the chaos config at
+        `steps`; cached by config (in memory, and on disk keyed by the train binary)."""
+        with self._ref_lock:
+            if steps in self._refs:
+                return self._refs[steps]
+            args = [os.path.join(self.build, "train"), "--data",
+                    os.path.join(self.data, "train_*.bin")] + jobmod.MODEL + ["--steps", str(steps)]
+            key = self._train_hash() + " " + " ".join(args[1:])
+            try:
+                with open(self._cache) as f:
+                    cache = json.load(f)
+            except (OSError, ValueError):
+                cache = {}
+            if key in cache:
+                self._refs[steps] = tuple(cache[key])
+                return self._refs[steps]
+            env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+            env.pop("CKPT_FAULT_DIR", None)
+            p = subprocess.run(["nice"] + args, capture_output=True, text=True, env=env, timeout=900)
+            m = jobmod.FINAL_RE.search(p.stdout)
+            if not m:
+                print(f"chaos: the reference run failed (exit {p.returncode}): "
+                      f"{p.stderr[-500:]}", file=sys.stderr)
+                self._refs[steps] = None
+                return None
+            self._refs[steps] = (m.group(4), float(m.group(2)))
+            cache[key] = list(self._refs[steps])
+            try:
+                with open(self._cache + ".tmp", "w") as f:
+                    json.dump(cache, f)
+                os.replace(self._cache + ".tmp", self._cache)
+            except OSError:
+                pass
+            return self._refs[steps]
+
+
+def caps(template):
+    _, layout, s3, tmpfs, _, _ = template
+    c = {"retention"}
+    if s3:
+        c.add("s3")
+    if tmpfs:
+        c.add("tmpfs")
+    if layout[0] > 1:
+        c.add("two_nodes")
+    return c
+
+
+def usable(kind, c):
+    return kind in KINDS and NEEDS.get(kind, set()) <= c
+
+
+def schedule(template, rnd, nfaults, only=None):
+    """The scenario's schedule: a list of entries, each a list of 1 or 2 kinds (two: a
+    storage fault and a process fault at once). Favoured kinds come first, the rest is
+    random among the kinds the scenario can take."""
+    c = caps(template)
+    pool = [k for k in ALL_KINDS if usable(k, c)]
+    if only:
+        return [[only] for _ in range(nfaults)] if only in pool else []
+    fav = [k for k in template[5] if k in pool]
+    out = [[k] for k in fav]
+    while sum(len(e) for e in out) < nfaults:
+        if rnd.random() < 0.25:
+            st = [k for k in pool if k in STORAGE]
+            pr = [k for k in pool if k in PROCESS]
+            if st and pr:
+                out.append([rnd.choice(st), rnd.choice(pr)])
                 continue
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                argv0 = f.read().split(b"\0")[0].decode(errors="replace")
-            if os.path.realpath(argv0) == os.path.realpath(exe):
-                out.append(int(name))
-        except (OSError, IndexError, ValueError):
+        out.append([rnd.choice(pool)])
+    # the favoured kinds first (each scenario covers its own: the ci profile's "every
+    # kind" rule), in a random order, then the random rest
+    head, tail = out[:len(fav)], out[len(fav):]
+    rnd.shuffle(head)
+    return head + tail
+
+
+def describe(name, template, sched):
+    _, layout, s3, tmpfs, _, _ = template
+    return (f"{name}: layout {layout[0]}x{layout[1]}, s3 {'on' if s3 else 'off'}, tmpfs "
+            f"{'on' if tmpfs else 'off'}, schedule " +
+            " ; ".join("+".join(e) for e in sched))
+
+
+def run_scenario(ctx, name, template, sched, rnd, verbose=True):
+    _, layout, s3, tmpfs, _, _ = template
+    r = ScenarioResult(name=name, seed=ctx.seed, description=describe(name, template, sched))
+    t0 = time.monotonic()
+    job = None
+    c = caps(template)
+    pool = [k for k in ALL_KINDS if usable(k, c)]
+    try:
+        job = jobmod.Job(ctx, name, rnd, layout=layout, steps=STEPS, s3=s3, tmpfs=tmpfs)
+        r.work = job.work
+        _ACTIVE.add(job)
+        job.launch()
+        if not job.wait_steps(1, 90):
+            r.problems.append("the job trained no step within 90 s of its launch")
+        for entry in sched:
+            job.poll()
+            st = job.last_step() or 0
+            if job.ended() or st > 0.9 * STEPS:
+                r.notes.append(f"the job reached step {st} of {STEPS}: "
+                               f"{len(sched) - sched.index(entry)} entries not injected")
+                break
+            # a random moment: up to half a second of training
+            pause = time.monotonic() + rnd.uniform(0.0, 0.3)
+            while time.monotonic() < pause:
+                job.poll()
+                time.sleep(0.02)
+            did = []
+            for kind in entry:
+                tried = [kind] + rnd.sample(pool, min(3, len(pool)))
+                for k in tried:
+                    if k not in KINDS or (k in did and len(entry) > 1):
+                        continue
+                    try:
+                        detail = KINDS[k](job)
+                    except Exception as e:  # noqa: BLE001 - an injector bug is a failure
+                        r.problems.append(f"injector {k} raised {e!r}")
+                        detail = None
+                    if detail:
+                        job.record(k, detail)
+                        r.faults[k] += 1
+                        did.append(k)
+                        if verbose:
+                            print(f"chaos: {name} +{time.monotonic() - t0:5.1f}s step "
+                                  f"{job.last_step()}: {k}: {detail}", flush=True)
+                        break
+                    elif verbose:
+                        print(f"chaos: {name}: {k} cannot act now", flush=True)
+            if did and not job.wait_recovered(90):
+                r.problems.append(f"no recovery within 90 s after {'+'.join(did)} "
+                                  f"(a hang?): live agents {job.live_nodes()}")
+                break
+        remaining = STEPS - (job.last_step() or 0)
+        if not r.problems and not job.wait_end(120 + remaining * 0.1):
+            r.problems.append(f"the job did not end (step {job.last_step()} of {STEPS})")
+        ref = ctx.reference(STEPS)
+        r.problems += job.problems
+        r.notes += job.notes
+        checks.after_run(job, r, ref)
+    except Exception as e:  # noqa: BLE001 - reported as the scenario's failure
+        import traceback
+        r.problems.append(f"driver error: {e!r}\n{traceback.format_exc()}")
+    finally:
+        if job is not None:
+            r.log = list(job.faults)
+            job.close(keep=ctx.keep or bool(r.problems) or not r.ok)
+            checks.after_close(job, r)
+            _ACTIVE.discard(job)
+    r.seconds = time.monotonic() - t0
+    return r
+
+
+_ACTIVE = set()
+
+
+def _cleanup():
+    for j in list(_ACTIVE):
+        try:
+            j.close(keep=True)
+        except Exception:  # noqa: BLE001
             pass
+
+
+def plan(a, seed):
+    """[(name, template, schedule, rnd)] of the profile."""
+    out = []
+    if a.profile == "ci":
+        templates = [(t[0], t) for t in TEMPLATES]
+    else:
+        templates, i = [], 0
+        while sum(t[4] for _, t in templates) < a.faults:
+            t = TEMPLATES[i % len(TEMPLATES)]
+            templates.append((f"{t[0]}-{i // len(TEMPLATES)}", t))
+            i += 1
+    for name, t in templates:
+        if a.scenario and name != a.scenario:
+            continue
+        rnd = random.Random(f"{seed}:{name}")
+        if a.only:
+            if a.only not in KINDS or not usable(a.only, caps(t)):
+                continue
+            sched = schedule(t, rnd, 3, only=a.only)
+        else:
+            sched = schedule(t, rnd, t[4])
+        out.append((name, t, sched, rnd))
+        if a.only:
+            break
     return out
 
 
 def main():
+    global STEPS
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    ap.add_argument("--kills", type=int, default=10)
-    ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=1200,
-                    help="long enough that the kills end well before the job")
-    ap.add_argument("--seed", type=int, default=None, help="seed of the kill schedule")
+    ap.add_argument("--profile", choices=["ci", "soak"], default="ci")
+    ap.add_argument("--faults", type=int, default=1000, help="soak: faults to inject in all")
+    ap.add_argument("--seed", type=int, default=None, help="seed of the schedules")
+    ap.add_argument("--scenario", default=None, help="run only this scenario")
+    ap.add_argument("--only", default=None, help="run only this fault kind (3 faults)")
     ap.add_argument("--build", default=os.environ.get("CKPT_BUILD", os.path.join(ROOT, "build")))
     ap.add_argument("--data", default=os.environ.get("CKPT_DATA", os.path.join(ROOT, "data", "brown")))
-    ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    ap.add_argument("--keep", action="store_true", help="keep every work folder")
+    ap.add_argument("--steps", type=int, default=1000, help="steps of every job (default %(default)s)")
+    ap.add_argument("--list", action="store_true", help="print the scenarios and schedules")
+    ap.add_argument("--quiet", action="store_true", help="no line per fault")
     a = ap.parse_args()
+    a.build, a.data = os.path.abspath(a.build), os.path.abspath(a.data)
+    STEPS = a.steps
     seed = a.seed if a.seed is not None else random.randrange(1 << 30)
-    rnd = random.Random(seed)
-    # CKPT_ELASTIC: another agent binary (tests/integration/harness.py: a ThreadSanitizer build)
-    elastic = os.environ.get("CKPT_ELASTIC") or os.path.join(a.build, "elastic", "elastic")
-    train = os.path.join(a.build, "train")
-    for p in (elastic, train):
-        if not os.access(p, os.X_OK):
-            print(f"chaos: {p} is missing; build first", file=sys.stderr)
+    for p in ("train", "elastic/elastic", "ckpt-inspect"):
+        if not os.access(os.path.join(a.build, p), os.X_OK):
+            print(f"chaos: {os.path.join(a.build, p)} is missing; build first", file=sys.stderr)
             return 2
-    work = tempfile.mkdtemp(prefix="chaos-")
-    ckpt = os.path.join(work, "ckpt")
-    env = dict(os.environ)
-    env.setdefault("OPENBLAS_NUM_THREADS", "1")
-    # 8 sequences per step: a power-of-two number of micro-batches per rank at W = 1, 2, 4
-    job = ["--data", os.path.join(a.data, "train_*.bin"), "--n-layer", "2", "--n-embd", "64",
-           "--n-head", "4", "--seq-len", "64", "--micro-batch", "2", "--global-batch", "8",
-           "--steps", str(a.steps), "--lr", "3e-3", "--warmup", "10", "--seed", "11",
-           "--log-every", "1"]
-    cmd = [elastic, "--nproc-per-node", str(a.nproc), "--max-restarts", str(a.kills + 5),
-           "--monitor-interval", "0.1", "--stop-grace", "5", "--", train] + job + \
-          ["--ckpt-dir", ckpt, "--ckpt-every", "10", "--resume", "auto"]
-    log_path = os.path.join(work, "elastic.log")
-    print(f"chaos: seed {seed}, {a.kills} kills, {a.nproc} ranks, {a.steps} steps; log {log_path}",
-          flush=True)
-    t_start = time.time()
-    with open(log_path, "w") as log:
-        agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    # "resumed from DIR/step-N at step N" (disk, S3) or "resumed from memory (own|replica|peer) at
-    # step N" (the memory tier, on by default under elastic)
-    launch_re = re.compile(r"(fresh start|resumed from (?:memory \(\w+\)|\S+) at step (\d+))")
-    step_re = re.compile(r"\] .*step (\d+)/")
-    kills, resumed = 0, []
+    if a.only and a.only not in ALL_KINDS:
+        print(f"chaos: unknown kind {a.only}; kinds: {' '.join(ALL_KINDS)}", file=sys.stderr)
+        return 2
+    scen = plan(a, seed)
+    run_netns = netns is not None and not a.only and (a.scenario in (None, "partition"))
+    if a.only == "partition":
+        run_netns = netns is not None
+    if a.list:
+        for name, t, sched, _ in scen:
+            print(describe(name, t, sched))
+        if run_netns:
+            print("partition: netns.run_partition_scenario")
+        return 0
+    if not scen and not run_netns:
+        print("chaos: nothing to run (unknown scenario, or a kind no scenario can take; "
+              f"missing modules: {' '.join(MISSING) or 'none'})", file=sys.stderr)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda s, f: sys.exit(128 + s))
+    atexit.register(_cleanup)
+    ctx = Ctx(a, seed)
+    print(f"chaos: seed {seed}, profile {a.profile}, {len(scen)} scenario(s), work "
+          f"{ctx.work_root}" + (f"; missing kinds (modules not merged): {' '.join(MISSING)}"
+                                if MISSING else ""), flush=True)
+    # the reference run overlaps RGW's start and the first scenario
+    threading.Thread(target=ctx.reference, args=(STEPS,), daemon=True).start()
+    summary = Summary(seed, ALL_KINDS)
     try:
-        seen_launches = 0
-        while kills < a.kills and agent.poll() is None and time.time() - t_start < a.timeout:
-            # wait for a step logged after the newest launch of the group
-            text = open(log_path).read()
-            launches = list(launch_re.finditer(text))
-            if len(launches) <= seen_launches or not step_re.search(text, launches[-1].end()):
-                time.sleep(0.02)
-                continue
-            time.sleep(rnd.uniform(0.0, 0.6))
-            pids = workers(agent.pid, train)
-            if not pids or agent.poll() is not None:
-                continue
-            victim = rnd.choice(pids)
-            try:
-                os.kill(victim, signal.SIGKILL)
-            except ProcessLookupError:
-                continue
-            kills += 1
-            seen_launches = len(launches)
-            print(f"chaos: kill {kills}: SIGKILL pid {victim} after "
-                  f"{time.time() - t_start:.1f} s", flush=True)
-        out, _ = agent.communicate(timeout=max(1.0, a.timeout - (time.time() - t_start)))
+        for name, t, sched, rnd in scen:
+            print(f"chaos: scenario {describe(name, t, sched)}", flush=True)
+            r = run_scenario(ctx, name, t, sched, rnd, verbose=not a.quiet)
+            summary.add(r)
+            for n in r.notes:
+                print(f"chaos: {name}: note: {n}", flush=True)
+            print(f"chaos: {name}: {'ok' if r.ok else 'FAILED'} in {r.seconds:.0f} s, "
+                  f"{sum(r.faults.values())} faults, {r.restarts} restarts", flush=True)
+            if not r.ok:
+                _report_failure(r)
+        if run_netns:
+            ctx.reference_steps = STEPS
+            r = netns.run_partition_scenario(ctx)
+            summary.add(r)
+            print(f"chaos: partition: {'ok' if r.ok else 'FAILED'} in {r.seconds:.0f} s", flush=True)
+            if not r.ok:
+                _report_failure(r)
     finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait()
-    text = open(log_path).read()
-    resumed = [int(m.group(2)) for m in launch_re.finditer(text) if m.group(2)]
-    from_mem = len(re.findall(r"resumed from memory \(", text))
-    launches = len(launch_re.findall(text))
-    m = re.search(r"params_digest=([0-9a-f]{32})", out)
-    got = m.group(1) if m else None
-    ref = subprocess.run([train] + job, capture_output=True, text=True, env=env)
-    m = re.search(r"params_digest=([0-9a-f]{32})", ref.stdout)
-    want = m.group(1) if m else None
-    equal = got is not None and got == want
-    print(f"kills={kills} restarts={max(0, launches - 1)} "
-          f"resumed_from={','.join(map(str, resumed)) or '-'} from_memory={from_mem} "
-          f"digest_equal={'yes' if equal else 'no'}", flush=True)
-    # every kill lands in a running round, so each must have caused exactly one restart
-    ok = agent.returncode == 0 and kills == a.kills and launches - 1 == kills and equal
-    if not ok:
-        print(f"chaos: agent exit {agent.returncode}, {kills} kills, {launches - 1} restarts, "
-              f"digest {got} vs uninterrupted {want}; log kept in {work}", file=sys.stderr)
-    elif not a.keep:
-        shutil.rmtree(work, ignore_errors=True)
+        _cleanup()
+    print(summary.table(), flush=True)
+    ok = bool(summary.results) and all(r.ok for r in summary.results)
+    if a.profile == "ci" and not a.scenario and not a.only:
+        got = summary.total("faults")
+        missing = [k for k in ALL_KINDS if not got.get(k)]
+        if missing:
+            print(f"chaos: ci profile: kinds never injected: {' '.join(missing)}", file=sys.stderr)
+            ok = False
+        if sum(got.values()) < 50:
+            print(f"chaos: ci profile: only {sum(got.values())} faults (at least 50)", file=sys.stderr)
+            ok = False
+    if ok and not a.keep:
+        shutil.rmtree(ctx.work_root, ignore_errors=True)
+    elif not ok:
+        print(f"chaos: FAILED with seed {seed}; work kept in {ctx.work_root}", file=sys.stderr)
     return 0 if ok else 1
+
+
+def _report_failure(r):
+    print(f"chaos: FAILED scenario (rerun: tests/chaos/chaos.py --seed {r.seed} --scenario "
+          f"{r.name})\n  {r.description}\n  work folder kept: {r.work}", file=sys.stderr)
+    for f in r.log:
+        print(f"  fault at +{f[2]:.1f}s: {f[0]}: {f[1]}", file=sys.stderr)
+    for p in r.problems:
+        print(f"  problem: {p}", file=sys.stderr)
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":
