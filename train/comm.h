@@ -1,7 +1,7 @@
 /* comm.h - collectives between the ranks of one data-parallel job: all-reduce, reduce-scatter,
  * all-gather, broadcast and barrier, each bounded by a timeout (DESIGN I4).
  *
- * Backend: CPU, one node. Every pair of ranks shares one TCP connection over loopback (a full
+ * Backend: CPU. Every pair of ranks shares one TCP connection (loopback on one node; a full
  * mesh), set up through the elastic key-value store (store.h), the way torchrun/gloo do it.
  * TCP rather than shared memory because the kernel then reports a dead peer for us: when a
  * process dies (SIGKILL included) its sockets are closed, and every peer that reads from or
@@ -11,7 +11,8 @@
  * in an unknown state. Loopback TCP moves several GB/s, enough for CPU training; the same
  * code works across hosts should the launcher give one.
  *
- * Bootstrap (train_comm_init): each rank listens on opts->listen_host, port 0, and publishes
+ * Bootstrap (train_comm_init): each rank listens on opts->listen_host (default: the address
+ * its store connection comes from, so ranks on other hosts reach it), port 0, and publishes
  * "<prefix>/addr/<rank>" = "host port" in the store; the ranks agree on a random 32-byte job
  * secret through "<prefix>/secret" (compare-and-set: the first writer wins). For every pair
  * i < j, rank j connects to rank i and both sides present the secret, their rank and the world
@@ -65,14 +66,16 @@ typedef struct train_comm_opts {
     const char *prefix;       /* key prefix in the store, 1..200 bytes, no NUL; default
                                  "comm"; use a new one per restart/generation */
     const char *listen_host;  /* numeric address this rank listens on and publishes; default
-                                 "127.0.0.1" (one node) */
+                                 NULL: the local address of its connection to the store (the
+                                 interface that reaches MASTER_ADDR; 127.0.0.1 when the store
+                                 is on loopback), so that ranks on other hosts can reach it */
     double timeout_s;         /* deadline of each collective, seconds from its start;
                                  (0, 86400]; default 30 */
     double connect_timeout_s; /* deadline of train_comm_init (store connection, rendezvous,
                                  mesh set-up), seconds; (0, 86400]; default 60 */
 } train_comm_opts;
 
-#define TRAIN_COMM_OPTS_INIT {0, 1, NULL, 0, NULL, "comm", "127.0.0.1", 30.0, 60.0}
+#define TRAIN_COMM_OPTS_INIT {0, 1, NULL, 0, NULL, "comm", NULL, 30.0, 60.0}
 
 typedef struct train_comm train_comm;
 

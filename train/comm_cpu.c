@@ -611,14 +611,29 @@ static int mesh_setup(train_comm *c, const train_comm_opts *o)
     void *v = NULL;
     size_t vlen = 0;
 
-    ret = open_listener(o->listen_host, &lfd, &port);
-    if (ret < 0) goto out;
+    char local[NI_MAXHOST];
     ret = elastic_store_connect(&st, o->store_host, o->store_port, o->store_token,
                                 o->connect_timeout_s);
     if (ret < 0) {
         store_err(ret, "connect");
         goto out;
     }
+    /* No listen host given: the address this rank reaches the store from, i.e. the interface
+     * the other nodes reach this one through (127.0.0.1 when the store is on loopback). A
+     * fixed 127.0.0.1 would be published to ranks on other hosts, which then connect to
+     * their own loopback. */
+    const char *listen_host = o->listen_host;
+    if (!listen_host) {
+        ret = elastic_store_local_addr(st, local, sizeof local);
+        if (ret < 0) {
+            LOG_E(TAG, "cannot read the local address of the store connection: %s",
+                  strerror(-ret));
+            goto out;
+        }
+        listen_host = local;
+    }
+    ret = open_listener(listen_host, &lfd, &port);
+    if (ret < 0) goto out;
     /* the job secret: every rank proposes one, the first to arrive wins */
     if (getrandom(secret, sizeof secret, 0) != (ssize_t)sizeof secret) {
         ret = -EIO;
@@ -640,7 +655,7 @@ static int mesh_setup(train_comm *c, const train_comm_opts *o)
     free(v);
     v = NULL;
 
-    const char *pub = o->listen_host;
+    const char *pub = listen_host;
     if (!strcmp(pub, "0.0.0.0")) pub = "127.0.0.1";
     else if (!strcmp(pub, "::")) pub = "::1";
     snprintf(key, sizeof key, "%s/addr/%d", o->prefix, c->rank);
@@ -769,9 +784,8 @@ int train_comm_init(train_comm **out, const train_comm_opts *o)
     }
     if (o->world_size > 1 &&
         (!o->store_host || !*o->store_host || o->store_port < 1 || o->store_port > 65535 ||
-         !o->prefix || !*o->prefix || strlen(o->prefix) > PREFIX_MAX || !o->listen_host)) {
-        LOG_E(TAG, "bad options: store address, prefix (1..%d bytes) and listen host needed",
-              PREFIX_MAX);
+         !o->prefix || !*o->prefix || strlen(o->prefix) > PREFIX_MAX)) {
+        LOG_E(TAG, "bad options: store address and prefix (1..%d bytes) needed", PREFIX_MAX);
         return -EINVAL;
     }
     train_comm *c = calloc(1, sizeof *c);

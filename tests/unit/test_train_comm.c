@@ -288,7 +288,7 @@ static void scenario_fail(child *ch, const fail_case *fc)
 
 /* ------------------------------------------------------------------ parent side */
 
-enum { SC_FUNC, SC_BIG, SC_MISMATCH, SC_FAIL, SC_STRAY };
+enum { SC_FUNC, SC_BIG, SC_MISMATCH, SC_FAIL, SC_STRAY, SC_V6 };
 
 /* Before its own init, rank 1 reads rank 0's address from the store and connects with a
  * well-formed hello that carries a wrong secret: rank 0 must close that connection and
@@ -323,6 +323,25 @@ static void stray_connect(child *ch, int port)
     close(fd);
 }
 
+/* The address this rank published is the one its store connection comes from (::1 for a
+ * store on ::1), not a fixed 127.0.0.1 that ranks on other hosts would take for their own. */
+static void check_published_addr(child *ch, int port)
+{
+    elastic_store_client *st = NULL;
+    int r = elastic_store_connect(&st, "::1", port, "test-token", 5.0);
+    C_CHECK(ch, r == 0, "connect to the store on ::1: %d", r);
+    if (r < 0) return;
+    char key[64];
+    snprintf(key, sizeof key, "test/gen0/addr/%d", ch->rank);
+    void *v = NULL;
+    size_t len = 0;
+    r = elastic_store_get(st, key, &v, &len, 5.0);
+    C_CHECK(ch, r == 0 && len > 4 && !memcmp(v, "::1 ", 4), "published address %.*s (rc %d)",
+            r == 0 ? (int)len : 0, r == 0 ? (const char *)v : "", r);
+    free(v);
+    elastic_store_close(st);
+}
+
 static void child_main(int rank, int W, int sc, const fail_case *fc, int port_rd, int port_wr,
                        int out_fd)
 {
@@ -337,6 +356,7 @@ static void child_main(int rank, int W, int sc, const fail_case *fc, int port_rd
         if (rank == 0) {
             elastic_store_server_opts so = ELASTIC_STORE_SERVER_OPTS_INIT;
             so.token = "test-token";
+            if (sc == SC_V6) so.host = "::1";
             int r = elastic_store_server_start(&srv, &so);
             if (r < 0) _exit(3);
             port = elastic_store_server_port(srv);
@@ -351,7 +371,7 @@ static void child_main(int rank, int W, int sc, const fail_case *fc, int port_rd
     train_comm_opts o = TRAIN_COMM_OPTS_INIT;
     o.rank = rank;
     o.world_size = W;
-    o.store_host = "127.0.0.1";
+    o.store_host = sc == SC_V6 ? "::1" : "127.0.0.1";
     o.store_port = port;
     o.store_token = "test-token";
     o.prefix = "test/gen0";
@@ -369,6 +389,7 @@ static void child_main(int rank, int W, int sc, const fail_case *fc, int port_rd
         case SC_MISMATCH: scenario_mismatch(&ch); break;
         case SC_FAIL: scenario_fail(&ch, fc); break;
         case SC_STRAY: check_allreduce(&ch, 9, 1000); break;
+        case SC_V6: check_published_addr(&ch, port); check_allreduce(&ch, 5, 1000); break;
         }
     }
     send_msg(&ch, MSG_DONE);
@@ -559,6 +580,25 @@ int main(void)
                ename(g.done[1].rc));
     }
 
+    {
+        /* a store on ::1: the ranks listen on and publish the address of their store
+         * connection (before, always 127.0.0.1: unreachable from another host) */
+        int v6 = socket(AF_INET6, SOCK_STREAM, 0);
+        struct sockaddr_in6 a6;
+        memset(&a6, 0, sizeof a6);
+        a6.sin6_family = AF_INET6;
+        a6.sin6_addr = in6addr_loopback;
+        int have = v6 >= 0 && bind(v6, (struct sockaddr *)&a6, sizeof a6) == 0;
+        if (v6 >= 0) close(v6);
+        if (have) {
+            group g;
+            int bad = run_group(&g, 3, SC_V6, NULL);
+            T_CHECK(bad == 0, "store on ::1: %d rank(s) failed", bad);
+            printf("store on ::1, ranks publish ::1: %s\n", bad ? "FAILED" : "ok");
+        } else {
+            printf("store on ::1: skipped (no IPv6 loopback)\n");
+        }
+    }
     {
         group g;
         int bad = run_group(&g, 2, SC_STRAY, NULL);
