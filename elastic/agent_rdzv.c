@@ -30,7 +30,9 @@
  * Rounds: an agent joins round g (P gen, or the round after its last one) with ADD on
  * r/<g>/n. The round closes when max_nodes joined, or last_call_s after min_nodes had joined
  * (each waiting agent times this itself; the first compare-and-set wins), and only once round
- * g-1 is over (its stop key is set), so that two rounds never run at once. A joiner whose
+ * g-1 is over (its stop key is set) and each of its members joined round g or went silent
+ * (prev_pending: a member's workers may still be taking a final snapshot), so that two
+ * rounds never run at once. A joiner whose
  * number is above N came late and goes on to round g+1; its presence there (r/<g+1>/n > 0)
  * makes the members of a round with fewer than max_nodes stop it gracefully (kind S). An
  * outsider waiting for round g+1 also watches the heartbeats of round g's members and stops
@@ -107,6 +109,12 @@ struct elastic_rdzv {
     /* watcher-thread data (read by close after the thread is joined) */
     peer *peers;
     int npeers, cap;
+
+    /* main-thread data of elastic_rdzv_join: the members of the round before the one it
+     * joins, until each one joined that round too or went silent (prev_pending) */
+    peer *prev;
+    unsigned char *prev_done;  /* 1: joined, silent, or this agent */
+    int nprev, prev_gen;
 };
 
 static void key(const elastic_rdzv *r, char *out, const char *fmt, ...)
@@ -641,6 +649,78 @@ int elastic_rdzv_local_addr(const elastic_rdzv *r, char *host, size_t host_len)
     return elastic_store_local_addr(r->c, host, host_len);
 }
 
+/* Round g-1 is over (its stop key is set), but its members may still be stopping: workers
+ * that finish their step, take a final snapshot and drain uploads hold the snapshot folder
+ * and their node's memory segments for up to --preempt-grace. Round g must not start
+ * without them (a newcomer alone would close it after --last-call and meet their lock).
+ * Returns how many members of g-1 other than this agent neither joined round g (r/<g>/a/N)
+ * nor went silent (heartbeat stale for the timeout: dead, or gone); 0 when round g-1 never
+ * closed; <0 a store error. Main thread only (r->prev). */
+static int prev_pending(elastic_rdzv *r, int g)
+{
+    char k[KEY_MAX], *v = NULL;
+    int rc;
+    if (r->prev_gen != g) {
+        free(r->prev);
+        free(r->prev_done);
+        r->prev = NULL;
+        r->prev_done = NULL;
+        r->nprev = 0;
+        r->prev_gen = g;
+        key(r, k, "r/%d/closed", g - 1);
+        if ((rc = get_opt(r->c, k, &v, 0)) <= 0) return rc;
+        int n = atoi(v);
+        free(v);
+        v = NULL;
+        if (n <= 0) return 0;
+        r->prev = calloc((size_t)n, sizeof *r->prev);
+        r->prev_done = calloc((size_t)n, 1);
+        if (!r->prev || !r->prev_done) return -ENOMEM;
+        for (int i = 0; i < n; i++) {
+            key(r, k, "r/%d/a/%d", g - 1, i + 1);
+            if ((rc = get_opt(r->c, k, &v, 0)) < 0) return rc;
+            char desc[DESC_MAX];
+            peer *p = &r->prev[r->nprev++];
+            if (rc == 1) {
+                parse_desc(v, p->aid, sizeof p->aid, desc, sizeof desc);
+                free(v);
+                v = NULL;
+            } else {
+                snprintf(p->aid, sizeof p->aid, "?%d", i + 1); /* never registered: silent */
+            }
+            p->node = -1;
+            p->changed = clock_now_s();
+            r->prev_done[i] = !strcmp(p->aid, r->aid) || p->aid[0] == '?';
+        }
+    }
+    int pending = 0;
+    int64_t count = 0;
+    key(r, k, "r/%d/n", g);
+    if ((rc = elastic_store_add(r->c, k, 0, &count)) < 0) return rc;
+    for (int i = 0; i < r->nprev; i++) {
+        peer *p = &r->prev[i];
+        if (r->prev_done[i]) continue;
+        for (int64_t j = 1; j <= count && !r->prev_done[i]; j++) {
+            key(r, k, "r/%d/a/%" PRId64, g, j);
+            if ((rc = get_opt(r->c, k, &v, 0)) < 0) return rc;
+            if (rc == 1) {
+                char aid[24], desc[DESC_MAX];
+                parse_desc(v, aid, sizeof aid, desc, sizeof desc);
+                free(v);
+                v = NULL;
+                if (!strcmp(aid, p->aid)) r->prev_done[i] = 1;
+            }
+        }
+        double silent = 0;
+        if (!r->prev_done[i]) {
+            if ((rc = peer_stale(r, r->c, p, &silent)) < 0) return rc;
+            r->prev_done[i] = rc == 1;
+        }
+        pending += !r->prev_done[i];
+    }
+    return pending;
+}
+
 int elastic_rdzv_join(elastic_rdzv *r, int from_gen, elastic_round *out,
                       int (*interrupted)(void *), void *arg)
 {
@@ -668,7 +748,7 @@ int elastic_rdzv_join(elastic_rdzv *r, int from_gen, elastic_round *out,
         if ((rc = elastic_store_set(r->c, k, gs, (size_t)gl)) < 0) return main_lost(r, rc);
         LOG_D(EA_TAG, "joined round %d as number %" PRId64, g, me);
         double t_min = -1;
-        int watching_prev = 0, n = 0;
+        int watching_prev = 0, waiting_members = 0, n = 0;
         char closed[KEY_MAX];
         key(r, closed, "r/%d/closed", g);
         for (;;) {
@@ -712,6 +792,21 @@ int elastic_rdzv_join(elastic_rdzv *r, int from_gen, elastic_round *out,
                 }
                 t_min = -1;
                 continue;
+            }
+            /* ... and once its members finished stopping (joined this round, or went silent) */
+            if (g > 0) {
+                int pend = prev_pending(r, g);
+                if (pend < 0) return main_lost(r, pend);
+                if (pend > 0) {
+                    if (!waiting_members) {
+                        LOG_I(EA_TAG, "round %d: waiting for %d agent(s) of round %d to finish "
+                              "stopping (they join this round, or are dead after %.0f s of silence)",
+                              g, pend, g - 1, r->o.heartbeat_timeout_s);
+                        waiting_members = 1;
+                    }
+                    t_min = -1;
+                    continue;
+                }
             }
             int64_t count = 0;
             key(r, k, "r/%d/n", g);
@@ -880,6 +975,8 @@ void elastic_rdzv_close(elastic_rdzv *r)
     if (r->notify[1] >= 0) close(r->notify[1]);
     pthread_mutex_destroy(&r->mu);
     free(r->peers);
+    free(r->prev);
+    free(r->prev_done);
     free(r->host);
     free(r->token);
     free(r->run_id);

@@ -776,6 +776,27 @@ class MultiNode(ElasticTest):
             self.assertRegex(x.err(), r"round 1: node \d of 3, ranks \d\.\.\d of world size 3")
             self.assertNotIn("restart 1", x.err())  # a scale-up is not a failure
 
+    def test_scale_up_waits_for_the_members_still_stopping(self):
+        """A runs alone (--nnodes 1:2, --last-call 0.5); B joins, so A's round stops (scale-up)
+        and A's worker takes 3 s to stop (a final snapshot, an upload drain). Round 1 must not
+        close with B alone after the last call while A's worker still holds its snapshot
+        folder (B's rank then met A's lock and the job ended with exit 2): it waits for A, and
+        round 1 has both nodes; B's worker starts after A's exited."""
+        port = free_port()
+        cmd = self.stub("--beats", "5", "--forever", "*:0", "--term-sleep", "3")
+        a = self.multi(port, "1:2", 1, cmd, name="A")
+        a.wait_for(r"round 0: first progress")
+        b = self.multi(port, "1:2", 1, cmd, name="B")
+        for x in (a, b):
+            self.assertEqual(x.wait(60), 0, x.err())
+        self.assertIn("scale-up", a.err())
+        self.assertRegex(b.err(), r"round 1: waiting for 1 agent\(s\) of round 0 to finish stopping")
+        for x in (a, b):
+            self.assertRegex(x.err(), r"round 1: node \d of 2, ranks \d\.\.\d of world size 2")
+            self.assertNotIn("round 1: node 0 of 1", x.err())
+        self.assertIn("exit rank=0 gen=0", a.out())
+        self.assertRegex(b.out(), r"start rank=\d gen=1 .*world=2 ")
+
     def test_c28_leave_and_rejoin_cycles_are_counted(self):
         """C28: node B leaves (SIGKILL) and rejoins at once, again and again; with
         --max-restarts 3 the fourth departure ends the job with a clear message."""

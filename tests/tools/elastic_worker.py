@@ -12,6 +12,8 @@ lines to ELASTIC_HEARTBEAT_FD, and exits, fails, hangs or ignores SIGTERM on req
   --spam N              print N lines of 1 KiB on stdout at start (a flood for slow readers)
   --silent R:G[:K]      rank R in round G stops writing progress lines after K lines (hangs)
   --ignore-term         ignore SIGTERM (the launcher must SIGKILL us)
+  --term-sleep S        on SIGTERM, print "term", then go on writing progress lines for S
+                        seconds before the exit (a graceful stop that takes a final snapshot)
   --on-term R:G:ACTION  rank R (or *) in round G (or *) on SIGTERM: exit ACTION (a status)
                         after the "term" line instead of 143, or ignore it (ACTION "ignore")
   --child MARKER        start a grandchild (same process group) that sleeps with
@@ -102,6 +104,7 @@ def main():
     ap.add_argument("--spam", type=int, default=0)
     ap.add_argument("--ignore-term", action="store_true")
     ap.add_argument("--on-term", action="append", default=[])
+    ap.add_argument("--term-sleep", type=float, default=0)
     ap.add_argument("--child")
     ap.add_argument("--token-check")
     ap.add_argument("--marker")
@@ -139,6 +142,10 @@ def main():
 
     def on_term(sig, frame):
         print(f"term rank={rank} gen={gen}", flush=True)
+        end = time.time() + a.term_sleep
+        while time.time() < end:
+            time.sleep(min(0.05, max(0.0, end - time.time())))
+        print(f"exit rank={rank} gen={gen}", flush=True)
         os._exit(int(term_action))
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN if term_action == "ignore" else on_term)
