@@ -349,8 +349,23 @@ def main():
     # the reference run overlaps RGW's start and the first scenario
     threading.Thread(target=ctx.reference, args=(STEPS,), daemon=True).start()
     summary = Summary(seed, ALL_KINDS)
+    def partition(i):
+        # its own random stream from the seed; the ci profile makes two cuts (a long one and
+        # a short one), the soak profile 1..3 each time
+        ctx.rnd = random.Random(f"{seed}:partition-{i}")
+        ctx.cuts = 2 if a.profile == "ci" else None
+        r = netns.run_partition_scenario(ctx)
+        r.name = f"partition-{i}" if a.profile == "soak" else "partition"
+        summary.add(r)
+        print(f"chaos: {r.name}: {'ok' if r.ok else 'FAILED'} in {r.seconds:.0f} s, "
+              f"{sum(r.faults.values())} cuts, {r.restarts} restarts", flush=True)
+        if not r.ok:
+            _report_failure(r)
+
     try:
-        for name, t, sched, rnd in scen:
+        for k, (name, t, sched, rnd) in enumerate(scen):
+            if run_netns and a.profile == "soak" and k and k % len(TEMPLATES) == 0:
+                partition(k // len(TEMPLATES) - 1)  # one partition scenario per round of templates
             print(f"chaos: scenario {describe(name, t, sched)}", flush=True)
             r = run_scenario(ctx, name, t, sched, rnd, verbose=not a.quiet)
             summary.add(r)
@@ -361,12 +376,7 @@ def main():
             if not r.ok:
                 _report_failure(r)
         if run_netns:
-            ctx.reference_steps = STEPS
-            r = netns.run_partition_scenario(ctx)
-            summary.add(r)
-            print(f"chaos: partition: {'ok' if r.ok else 'FAILED'} in {r.seconds:.0f} s", flush=True)
-            if not r.ok:
-                _report_failure(r)
+            partition(len(scen) // len(TEMPLATES) if a.profile == "soak" else 0)
     finally:
         _cleanup()
     print(summary.table(), flush=True)

@@ -403,6 +403,16 @@ class Job:
             return
         if rc == 0 and others:
             return  # a node of the final round that finished first
+        host = [x for x in self.nodes if x is not n and x.store_host]
+        if (rc == 1 and host and (host[0].stopped or getattr(host[0], "was_stopped", False))
+                and "lost the rendezvous store" in self.tail(n, 40)):
+            # stop_agent stopped the store host longer than the store client waits: to this
+            # agent the store is gone (no replicated store): exit 1 is right; replace it
+            n.expected = "store host was stopped (SIGSTOP): store lost"
+            self.notes.append(f"{n} lost the stopped store host and exited 1; replaced")
+            if others:
+                self.later(0.2, self.add_node, "replace the agent that lost the store")
+            return
         if others:
             self.problems.append(f"{n} exited {rc} while the job ran: {self.tail(n, 3)}")
 
@@ -510,12 +520,15 @@ class Job:
         return False
 
     def final(self):
-        """(step, loss, val_loss, digest) of the last group's final line, or None."""
-        for n in reversed(self.nodes):
+        """(step, loss, val_loss, digest) of the final line of the newest step any agent
+        printed (an agent that stopped early, e.g. one that lost the store, prints the step it
+        stopped at), the last agent's on a tie; None when there is none."""
+        best = None
+        for n in self.nodes:
             f = n.final()
-            if f:
-                return int(f[0]), float(f[1]), f[2], f[3]
-        return None
+            if f and (best is None or int(f[0]) >= best[0]):
+                best = (int(f[0]), float(f[1]), f[2], f[3])
+        return best
 
     def launches(self):
         return [e for e in self.events("launch")]
