@@ -974,17 +974,23 @@ int ckpt_retain(const char *dir, unsigned keep_last, uint64_t keep_every, const 
         if (r == 0) r = ckpt_path_join(to, sizeof to, dir, tmp_name);
         if (r == 0 && rename(from, to) != 0) r = -errno;
         if (r == 0) r = store_fsync_dir(dir);
-        if (r == 0) {
-            ckpt_fault_point("during-retention", e[i].step);
-            r = store_remove_tree(to);
-        }
         if (r < 0) {
             LOG_W(TAG, "retention: cannot remove %s: %s", from, strerror(-r));
             if (!first_err) first_err = r;
             continue;
         }
+        /* renamed durably: no longer a snapshot. Said before its files are deleted, so that a
+         * crash during the deletion leaves a log that accounts for the step (the temp folder
+         * is removed at the next start, "interrupted removal by retention") */
         LOG_I(TAG, "retention: removed %s", from);
         removed++;
+        ckpt_fault_point("during-retention", e[i].step);
+        r = store_remove_tree(to);
+        if (r < 0) {
+            LOG_W(TAG, "retention: deleting the files of %s (now %s) failed: %s; the next start "
+                  "removes them", from, to, strerror(-r));
+            if (!first_err) first_err = r;
+        }
     }
     if (removed) {
         int r = store_fsync_dir(dir);
