@@ -67,9 +67,11 @@ typedef struct ckpt_save_opts {
     int filter;            /* enum ckpt_filter; default CKPT_FILTER_NONE */
     int direct_io;         /* 1: O_DIRECT data writes where allowed (default); 0: buffered */
     unsigned queue_depth;  /* io_uring writes in flight; default 8; range [1, 64] */
+    const char *lock_owner;/* ckpt_mem_flush: the job named in the folder's lock while it
+                              writes (ckpt_dir_lock_acquire_owned); NULL none */
 } ckpt_save_opts;
 
-#define CKPT_SAVE_OPTS_INIT {NULL, 4u << 20, 1, CKPT_FILTER_NONE, 1, 8u}
+#define CKPT_SAVE_OPTS_INIT {NULL, 4u << 20, 1, CKPT_FILTER_NONE, 1, 8u, NULL}
 
 /* One buffer (or this rank's shard of it) to save. The bytes are only read. */
 typedef struct ckpt_buffer {
@@ -326,6 +328,15 @@ typedef struct ckpt_dir_lock ckpt_dir_lock;
  * device, -EMLINK it has other hard links, -EINVAL dir is a snapshot folder, -ENOTDIR /
  * -EACCES / -EROFS / other -errno of mkdir or open (the folder is unusable), -ENOMEM. */
 int ckpt_dir_lock_acquire(const char *dir, ckpt_dir_lock **out, long *holder_pid);
+
+/* As ckpt_dir_lock_acquire; the lock file then reads "<pid> <owner>\n", owner (1-64
+ * characters of [A-Za-z0-9_.-], or NULL for none) naming the job that holds it (train passes
+ * the launcher's ELASTIC_RUN_ID). On -EBUSY, holder_owner (holder_len bytes, may be NULL)
+ * gets the holder's owner, "" when it named none: a caller can tell a rank of an earlier
+ * round of its own job, still stopping, from another run. Errors: those of
+ * ckpt_dir_lock_acquire, and -EINVAL for an owner outside that alphabet. Thread-safe. */
+int ckpt_dir_lock_acquire_owned(const char *dir, const char *owner, ckpt_dir_lock **out,
+                                long *holder_pid, char *holder_owner, size_t holder_len);
 
 /* Release the lock and free the handle; accepts NULL. */
 void ckpt_dir_lock_release(ckpt_dir_lock *l);

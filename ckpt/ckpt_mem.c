@@ -1137,7 +1137,7 @@ int64_t ckpt_mem_flush_checked(const char *path_prefix, const char *ckpt_dir, co
     o.dir = ckpt_dir;
     ckpt_dir_lock *lock = NULL;
     long holder = 0;
-    int rc = ckpt_dir_lock_acquire(ckpt_dir, &lock, &holder);
+    int rc = ckpt_dir_lock_acquire_owned(ckpt_dir, o.lock_owner, &lock, &holder, NULL, 0);
     if (rc < 0) {
         if (rc == -EBUSY) log_why(why, why_len, "%s is locked by process %ld", ckpt_dir, holder);
         else log_why(why, why_len, "cannot lock %s: %s", ckpt_dir, strerror(-rc));

@@ -6,6 +6,7 @@
 #include "thread.h"
 
 #include <dirent.h>
+#include <ctype.h>
 #include <errno.h>
 #include <jansson.h>
 #include <pthread.h>
@@ -1006,8 +1007,25 @@ struct ckpt_dir_lock {
 
 int ckpt_dir_lock_acquire(const char *dir, ckpt_dir_lock **out, long *holder_pid)
 {
+    return ckpt_dir_lock_acquire_owned(dir, NULL, out, holder_pid, NULL, 0);
+}
+
+static int owner_ok(const char *s)
+{
+    size_t n = strlen(s);
+    if (n == 0 || n > 64) return 0;
+    for (size_t i = 0; i < n; i++)
+        if (!(isalnum((unsigned char)s[i]) || s[i] == '_' || s[i] == '.' || s[i] == '-')) return 0;
+    return 1;
+}
+
+int ckpt_dir_lock_acquire_owned(const char *dir, const char *owner, ckpt_dir_lock **out,
+                                long *holder_pid, char *holder_owner, size_t holder_len)
+{
     *out = NULL;
     if (holder_pid) *holder_pid = 0;
+    if (holder_owner && holder_len) holder_owner[0] = '\0';
+    if (owner && !owner_ok(owner)) return -EINVAL;
     if (ckpt_within_snapshot_folder(dir)) return -EINVAL;
     int rc = mkdir_p(dir);
     if (rc < 0) return rc;
@@ -1026,16 +1044,26 @@ int ckpt_dir_lock_acquire(const char *dir, ckpt_dir_lock **out, long *holder_pid
     }
     if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
         rc = errno == EWOULDBLOCK ? -EBUSY : -errno;
-        if (holder_pid) {
-            char buf[32] = "";
-            ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
-            if (n > 0) *holder_pid = strtol(buf, NULL, 10);
+        char buf[96] = "";
+        ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+        if (n > 0) {
+            buf[n] = '\0';
+            char *end = NULL;
+            long pid = strtol(buf, &end, 10);
+            if (holder_pid) *holder_pid = pid;
+            /* "<pid> <owner>\n": the owner only when it is one (a garbled file names none) */
+            if (holder_owner && holder_len && end && *end == ' ') {
+                char *o = end + 1, *nl = strchr(o, '\n');
+                if (nl) *nl = '\0';
+                if (owner_ok(o)) snprintf(holder_owner, holder_len, "%s", o);
+            }
         }
         close(fd);
         return rc;
     }
-    char buf[32];
-    int n = snprintf(buf, sizeof buf, "%ld\n", (long)getpid());
+    char buf[96];
+    int n = owner ? snprintf(buf, sizeof buf, "%ld %s\n", (long)getpid(), owner)
+                  : snprintf(buf, sizeof buf, "%ld\n", (long)getpid());
     if (ftruncate(fd, 0) != 0 || pwrite(fd, buf, (size_t)n, 0) != n) {
         rc = -errno;
         close(fd);

@@ -421,6 +421,13 @@ int train_mem_flush_main(const options *o)
     so.zstd_level = o->zstd_level;
     so.filter = o->filter;
     so.direct_io = o->direct_io;
+    /* the folder's lock names this job while the flush writes, as the ranks' does
+     * (train_startup_local): a new round's rank 0 waits for it rather than exiting 2 */
+    const char *job_id = getenv("ELASTIC_RUN_ID");
+    if (job_id && *job_id && strlen(job_id) <= 64 &&
+        strspn(job_id, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-") ==
+            strlen(job_id))
+        so.lock_owner = job_id;
     double t0 = clock_now_s();
     char why[600] = "";
     /* the job's data hash and model size, for the checks a restore makes (flush_check) */

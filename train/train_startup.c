@@ -1,6 +1,7 @@
 /* train_startup.c - start-up of the train program's ranks: the group, each rank's own start-up,
  * the ranks' agreement on it, shard ranges (see train_internal.h). */
 #include "ckpt.h"
+#include "clock.h"
 #include "comm.h"
 #include "data.h"
 #include "log.h"
@@ -80,7 +81,37 @@ int train_startup_local(state *s)
         struct stat st;
         int existed = stat(o->ckpt_dir, &st) == 0;
         long holder = 0;
-        rc = ckpt_dir_lock_acquire(o->ckpt_dir, &s->lock, &holder);
+        char howner[80] = "";
+        /* the launcher's job id names this job in the lock: a rank of an earlier round of the
+         * same job that still holds it (stopping slowly, or on a node cut off from the store
+         * that has not noticed yet) is waited for, within half the collective deadline (the
+         * other ranks wait for rank 0 at the start-up agreement), then exit 1, a restart; only
+         * another run's lock is a configuration error */
+        const char *job = getenv("ELASTIC_RUN_ID");
+        if (job && (!*job || strlen(job) > 64 || strspn(job, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghij"
+                                                            "klmnopqrstuvwxyz0123456789_.-") != strlen(job)))
+            job = NULL;
+        rc = ckpt_dir_lock_acquire_owned(o->ckpt_dir, job, &s->lock, &holder, howner, sizeof howner);
+        if (rc == -EBUSY && job && !strcmp(howner, job)) {
+            double wait_s = o->comm_timeout / 2, t0 = clock_now_s();
+            LOG_W(TAG, "snapshot folder %s is still locked by pid %ld of an earlier round of this "
+                  "job (%s): waiting up to %.0f s for it to exit", o->ckpt_dir, holder, job, wait_s);
+            while (rc == -EBUSY && !strcmp(howner, job) && clock_now_s() - t0 < wait_s) {
+                struct timespec ts = {0, 100 * 1000000L};
+                nanosleep(&ts, NULL);
+                rc = ckpt_dir_lock_acquire_owned(o->ckpt_dir, job, &s->lock, &holder, howner,
+                                                 sizeof howner);
+            }
+            if (rc == 0) {
+                LOG_I(TAG, "snapshot folder %s: the earlier round's lock was released after %.1f s",
+                      o->ckpt_dir, clock_now_s() - t0);
+            } else if (rc == -EBUSY && !strcmp(howner, job)) {
+                LOG_E(TAG, "snapshot folder %s is still locked by pid %ld of an earlier round of this "
+                      "job (%s) after %.0f s; exiting 1 so that the launcher tries again", o->ckpt_dir,
+                      holder, job, wait_s);
+                return 1;
+            }
+        }
         if (rc == -EBUSY) {
             LOG_E(TAG, "snapshot folder %s is in use by another run (pid %ld); two runs must not "
                   "share a --ckpt-dir", o->ckpt_dir, holder);

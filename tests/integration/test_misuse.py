@@ -48,6 +48,59 @@ class Misuse(h.TempDirTest):
         p = h.train(["--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume", "auto"])
         self.assertEqual(h.final(p)["step"], 60)
 
+    def test_lock_of_an_earlier_round_of_the_same_job_is_waited_for(self):
+        """A rank of an earlier round of the same job (ELASTIC_RUN_ID) that still holds the
+        folder's lock (stopping slowly, or on a node cut off from the store: the chaos suite's
+        partition scenario hit it) is waited for, within half of --comm-timeout, then exit 1
+        (a restart), never exit 2; the lock names its job. Another job's lock is still exit 2
+        at once."""
+        ckpt = os.path.join(self.tmp, "ckpt")
+        env = {"ELASTIC_RUN_ID": "job-a"}
+        first = subprocess.Popen([h.TRAIN] + h.data_args() + h.SMALL +
+                                 ["--steps", "100000", "--ckpt-dir", ckpt, "--ckpt-every", "100000"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 env=h.env(env), text=True)
+        try:
+            lock = os.path.join(ckpt, ".lock")
+            deadline = time.time() + 60
+            while not (os.path.exists(lock) and open(lock).read().endswith(" job-a\n")) and \
+                    time.time() < deadline:
+                time.sleep(0.05)
+            self.assertEqual(open(lock).read(), f"{first.pid} job-a\n")
+            # another job: refused at once
+            t0 = time.time()
+            p = h.train(["--ckpt-dir", ckpt, "--resume", "auto"], check=False,
+                        extra_env={"ELASTIC_RUN_ID": "job-b"})
+            self.assertEqual(p.returncode, 2, p.stderr[-1000:])
+            self.assertLess(time.time() - t0, 20)
+            self.assertRegex(p.stderr, rf"is in use by another run \(pid {first.pid}\)")
+            # the same job, the holder never lets go: waits --comm-timeout / 2, then exit 1
+            t0 = time.time()
+            p = h.train(["--ckpt-dir", ckpt, "--resume", "auto", "--comm-timeout", "4"],
+                        check=False, extra_env=env)
+            took = time.time() - t0
+            self.assertEqual(p.returncode, 1, p.stderr[-1000:])
+            self.assertGreaterEqual(took, 2.0)
+            self.assertRegex(p.stderr, rf"still locked by pid {first.pid} of an earlier round of "
+                                       rf"this job \(job-a\) after 2 s; exiting 1")
+            # the same job, the holder exits meanwhile: the new run goes on
+            second = subprocess.Popen([h.TRAIN] + h.data_args() + h.SMALL +
+                                      ["--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume", "auto"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      env=h.env(env), text=True)
+            time.sleep(1.0)
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+            out, err = second.communicate(timeout=120)
+            self.assertEqual(second.returncode, 0, err[-1500:])
+            self.assertRegex(err, r"waiting up to 30 s for it to exit")
+            self.assertRegex(err, r"the earlier round's lock was released after")
+            self.assertIn("final step=60 ", out)
+        finally:
+            if first.poll() is None:
+                first.send_signal(signal.SIGKILL)
+                first.wait()
+
     def test_refuse_to_overwrite_later_steps(self):
         ckpt = os.path.join(self.tmp, "ckpt")
         h.train(["--ckpt-dir", ckpt, "--ckpt-every", "20"])
