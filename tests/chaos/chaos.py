@@ -326,7 +326,9 @@ def main():
         print(f"chaos: unknown kind {a.only}; kinds: {' '.join(ALL_KINDS)}", file=sys.stderr)
         return 2
     scen = plan(a, seed)
-    run_netns = netns is not None and not a.only and (a.scenario in (None, "partition"))
+    # "partition" (ci) or "partition-N" (the soak's N-th) reruns one partition scenario
+    m_part = re.fullmatch(r"partition(?:-(\d+))?", a.scenario or "")
+    run_netns = netns is not None and not a.only and (a.scenario is None or bool(m_part))
     if a.only == "partition":
         run_netns = netns is not None
     if a.list:
@@ -376,7 +378,10 @@ def main():
             if not r.ok:
                 _report_failure(r)
         if run_netns:
-            partition(len(scen) // len(TEMPLATES) if a.profile == "soak" else 0)
+            if m_part and m_part.group(1):
+                partition(int(m_part.group(1)))
+            else:
+                partition(len(scen) // len(TEMPLATES) if a.profile == "soak" else 0)
     finally:
         _cleanup()
     print(summary.table(), flush=True)
