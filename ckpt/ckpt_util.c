@@ -2,9 +2,9 @@
 #include "ckpt_internal.h"
 
 #include "log.h"
+#include "storage.h"
 
 #include <errno.h>
-#include <pthread.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -241,33 +241,13 @@ int ckpt_path_join(char *out, size_t len, const char *dir, const char *name)
     return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
 }
 
-/* CKPT_FAULT_DIR: a point fires when this process is the one that removes DIR/<name>. */
-static char fault_dir[3072];
-static pthread_once_t fault_dir_once = PTHREAD_ONCE_INIT;
-
-static void fault_dir_load(void)
-{
-    const char *s = getenv("CKPT_FAULT_DIR");
-    if (s && *s && strlen(s) < sizeof fault_dir) memcpy(fault_dir, s, strlen(s) + 1);
-}
-
-static bool fault_dir_armed(const char *name)
-{
-    pthread_once(&fault_dir_once, fault_dir_load);
-    const char *dir = fault_dir;
-    if (!dir[0]) return false;
-    char path[sizeof fault_dir + 64];
-    if (snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path) return false;
-    return unlink(path) == 0;
-}
-
 /* CKPT_FAULT_POINT="<name>[@<step>]": read once; matching points kill the process. */
 void ckpt_fault_point(const char *name, uint64_t step)
 {
     static int loaded;
     static char want[64];
     static long long want_step = -1;
-    if (fault_dir_armed(name)) {
+    if (store_fault_armed(name)) { /* CKPT_FAULT_DIR/<name> (storage.h) */
         LOG_W("ckpt", "fault point %s reached at step %llu: killing this process (armed in "
               "CKPT_FAULT_DIR)", name, (unsigned long long)step);
         raise(SIGKILL);

@@ -29,7 +29,8 @@
  * One-shot faults armed at run time (tests/chaos): when CKPT_FAULT_DIR is set, the process
  * whose unlink of DIR/store-enospc or DIR/store-eio succeeds fails its next data write with
  * -ENOSPC or -EIO, and the one that removes DIR/store-eio-read fails its next read call with
- * -EIO; touching the file arms the fault once for all processes of a job.
+ * -EIO; touching the file arms the fault once for all processes of a job. store_fault_armed
+ * is that test, for other layers' fault points too (ckpt_fault_point).
  *
  * Thread-safety: a writer or reader handle is used by one thread at a time; different
  * handles are independent (each owns its ring).
@@ -207,5 +208,10 @@ int store_rename_durable(const char *from, const char *to);
  * Errors: -EINVAL path NULL or empty; -errno of the first failing stat/open/unlink/rmdir;
  * -ELOOP deeper than 128 levels. */
 int store_remove_tree(const char *path);
+
+/* 1 when CKPT_FAULT_DIR is set and this call's unlink of CKPT_FAULT_DIR/<name> succeeded (the
+ * one-shot fault named `name` is armed and this process takes it), else 0. Thread-safe; reads
+ * the variable once per process. */
+int store_fault_armed(const char *name);
 
 #endif /* STORAGE_H */

@@ -119,12 +119,12 @@ static void fault_dir_load(void)
     if (s && *s && strlen(s) < sizeof fault_dir) memcpy(fault_dir, s, strlen(s) + 1);
 }
 
-static bool fault_dir_take(const char *name)
+int store_fault_armed(const char *name)
 {
     pthread_once(&fault_dir_once, fault_dir_load);
-    if (!fault_dir[0]) return false;
-    char path[sizeof fault_dir + 32];
-    if (snprintf(path, sizeof path, "%s/%s", fault_dir, name) >= (int)sizeof path) return false;
+    if (!fault_dir[0]) return 0;
+    char path[sizeof fault_dir + 64];
+    if (snprintf(path, sizeof path, "%s/%s", fault_dir, name) >= (int)sizeof path) return 0;
     return unlink(path) == 0;
 }
 
@@ -132,8 +132,8 @@ static bool fault_dir_take(const char *name)
 static int fault_next(void)
 {
     fault_parse();
-    if (fault_dir_take("store-enospc")) return -ENOSPC;
-    if (fault_dir_take("store-eio")) return -EIO;
+    if (store_fault_armed("store-enospc")) return -ENOSPC;
+    if (store_fault_armed("store-eio")) return -EIO;
     unsigned long long slow = atomic_load(&fault_slow_ms);
     if (slow) {
         struct timespec ts = {(time_t)(slow / 1000), (long)(slow % 1000) * 1000000L};
@@ -876,7 +876,7 @@ static bool read_fault_next(void)
         struct timespec ts = {(time_t)(slow / 1000), (long)(slow % 1000) * 1000000L};
         nanosleep(&ts, NULL);
     }
-    if (fault_dir_take("store-eio-read")) return true;
+    if (store_fault_armed("store-eio-read")) return true;
     unsigned long long nth = atomic_load(&fault_read_nth);
     return nth && atomic_fetch_add(&fault_read_count, 1) + 1 == nth;
 }
