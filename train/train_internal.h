@@ -404,4 +404,8 @@ extern volatile sig_atomic_t train_stop_signal;
  * the wait for the last uploads. */
 extern volatile sig_atomic_t train_stop_count;
 
+/* 64 random bits (/dev/urandom, mixed with the time and pid should it fail): run ids and
+ * probe file names. Thread-safe. */
+uint64_t train_random_u64(void);
+
 #endif

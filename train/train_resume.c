@@ -25,7 +25,7 @@
 
 #define TAG "train"
 
-static void make_run_id(char out[64])
+uint64_t train_random_u64(void)
 {
     uint64_t r = 0;
     int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
@@ -33,8 +33,12 @@ static void make_run_id(char out[64])
         if (read(fd, &r, sizeof r) != (ssize_t)sizeof r) r = 0;
         close(fd);
     }
-    r ^= (uint64_t)time(NULL) * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid();
-    snprintf(out, 64, "run-%016" PRIx64, r);
+    return r ^ (uint64_t)time(NULL) * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid();
+}
+
+static void make_run_id(char out[64])
+{
+    snprintf(out, 64, "run-%016" PRIx64, train_random_u64());
 }
 
 /* Compare the snapshot's model config with ours; list the differing fields in diff. */

@@ -212,17 +212,10 @@ static int write_probe(const char *dir, char token[40])
             if (!strncmp(de->d_name, ".probe-", 7)) unlinkat(dirfd(d), de->d_name, 0);
         closedir(d);
     }
-    uint64_t r = 0;
-    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
-    if (fd >= 0) {
-        if (read(fd, &r, sizeof r) != (ssize_t)sizeof r) r = 0;
-        close(fd);
-    }
-    r ^= (uint64_t)time(NULL) * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid();
-    snprintf(token, 40, ".probe-%016" PRIx64, r);
+    snprintf(token, 40, ".probe-%016" PRIx64, train_random_u64());
     char path[CKPT_PATH_MAX];
     if (snprintf(path, sizeof path, "%s/%s", dir, token) >= (int)sizeof path) return -ENAMETOOLONG;
-    fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0) return -errno;
     size_t n = strlen(token);
     int rc = write(fd, token, n) == (ssize_t)n ? 0 : -EIO;
