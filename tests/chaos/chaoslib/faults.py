@@ -40,15 +40,22 @@ def _running(job):
             not any(n.stopped for n in live) and all(n.workers() for n in live))
 
 
-def kill_rank(job):
+def _signal_random_worker(job, sig):
+    """(node, pid) of a random live worker that got `sig`, or None."""
     if not _running(job):
         return None
     ws = _all_workers(job)
     if not ws:
         return None
     n, pid = job.rnd.choice(ws)
-    if not _signal(pid, signal.SIGKILL):
+    return (n, pid) if _signal(pid, sig) else None
+
+
+def kill_rank(job):
+    got = _signal_random_worker(job, signal.SIGKILL)
+    if not got:
         return None
+    n, pid = got
     return f"SIGKILL rank pid {pid} of node {n.index}"
 
 
@@ -98,14 +105,10 @@ def kill_store_host(job):
 
 def stop_rank(job):
     """SIGSTOP a worker: the hang watchdog (--hang-timeout) must restart the group."""
-    if not _running(job):
+    got = _signal_random_worker(job, signal.SIGSTOP)
+    if not got:
         return None
-    ws = _all_workers(job)
-    if not ws:
-        return None
-    n, pid = job.rnd.choice(ws)
-    if not _signal(pid, signal.SIGSTOP):
-        return None
+    n, pid = got
     job.hang_watch = (n, pid, time.monotonic())
     return f"SIGSTOP rank pid {pid} of node {n.index} (hang timeout {job.hang_timeout:g} s)"
 
