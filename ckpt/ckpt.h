@@ -275,6 +275,55 @@ int ckpt_engine_persist_staged(ckpt_engine *e, uint64_t step, const char *run_id
                                const char *config_hash, const ckpt_buffer *bufs, size_t nbufs,
                                const char *trainer_json, double *stall_s);
 
+/* Staging from device memory (GPU shards): the caller's copier moves the bytes.
+ *
+ * ckpt_engine_stage_device() is ckpt_engine_stage() for buffers whose data are DEVICE
+ * pointers (train/device.h). Instead of memcpy, the engine cuts each buffer into pieces of
+ * save.chunk_bytes (the snapshot's chunks, so that each chunk is one copy) and calls
+ * copier->copy for each, in order, which only QUEUES an asynchronous copy into the staging
+ * area (train: cudaMemcpyAsync on a dedicated copy stream, or the CPU device layer's worker
+ * thread) and returns a ticket; then it starts the persist and returns: the stall is the time
+ * to queue the copies, not to do them. The persist's compression workers call
+ * copier->wait(ticket of the chunk they read) before reading a chunk, so compression and
+ * writing start with the first chunk copied, not the last. The files written equal those of
+ * ckpt_engine_stage of the same bytes.
+ *
+ * The staging area is allocated once (reserve_bytes or the first stage) and passed to
+ * copier->pin once per allocation (train: train_host_register, so that the copies are true
+ * DMA), and to copier->unpin before it is freed or grown.
+ *
+ * Contract: the caller keeps the device buffers unchanged until every copy queued by this
+ * call is complete: it waits on its own event recorded after the call on the copy stream
+ * (or copier->wait(last ticket)) before the next optimizer update writes them. The copier
+ * must order the copies after the work that produced the bytes (train: the copy stream waits
+ * on an event recorded after the optimizer update).
+ *
+ * Every callback returns 0 or a negative errno; a failed copy or wait fails the persist
+ * (ckpt_engine_last reports it; nothing is committed); a failed pin fails the stage with its
+ * error (nothing staged). wait must return within timeout_s. Callbacks run on the calling
+ * thread (pin, unpin, copy) and on the persist's worker threads (wait: concurrently, from
+ * several threads). */
+typedef struct ckpt_copier {
+    void *ctx;
+    int (*pin)(void *ctx, void *host, size_t bytes);   /* may be NULL */
+    void (*unpin)(void *ctx, void *host);              /* may be NULL */
+    int (*copy)(void *ctx, void *host_dst, const void *device_src, size_t bytes,
+                uint64_t *ticket);
+    int (*wait)(void *ctx, uint64_t ticket, double timeout_s);
+    double timeout_s;                                  /* bound of each wait; > 0 */
+} ckpt_copier;
+
+/* Arguments and results as ckpt_engine_stage (bufs[i].data are device pointers, read only by
+ * the copier), plus the copier (copied; its ctx must outlive the persist). *last_ticket
+ * (may be NULL) gets the ticket of the last copy queued (unchanged when nothing was queued:
+ * skipped, or no bytes). Errors: as ckpt_engine_stage; -EINVAL a NULL copier, copy or wait;
+ * a negative errno of pin or copy (nothing staged, no persist started; copies already
+ * queued are waited for before the call returns). */
+int ckpt_engine_stage_device(ckpt_engine *e, uint64_t step, const char *run_id,
+                             const char *config_hash, const ckpt_buffer *bufs, size_t nbufs,
+                             const char *trainer_json, const ckpt_copier *copier,
+                             uint64_t *last_ticket, double *stall_s);
+
 /* Wait until no persist is in flight, at most timeout_s seconds. Returns the result of the
  * last persist (0 or its negative errno, which may itself be -ETIMEDOUT, e.g. a group vote
  * that timed out; 0 if none ran), or -EINPROGRESS when a persist is still in flight at the

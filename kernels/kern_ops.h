@@ -1,0 +1,116 @@
+/* kern_ops.h - the kernels of one backend behind one table, so that the model, the optimizer
+ * and the collectives run unchanged on the CPU and on CUDA.
+ *
+ * Every pointer argument is memory of the backend's device (train/device.h: host memory for
+ * the CPU backend, device memory for CUDA) unless the comment says host. Shapes, layouts,
+ * accumulate-vs-overwrite and determinism are exactly those of kernels.h, whose functions the
+ * CPU table calls (so the CPU backend gives the bits it gave before this table existed).
+ *
+ * Execution: CPU - each call runs to completion in the calling thread. CUDA - each call only
+ * queues work on the context's stream (kern_cuda_ctx.stream) and returns; results are visible
+ * after a copy or wait on that stream (train_device_copy waits for the compute stream).
+ *
+ * Errors: launches return nothing (as kernels.h); a backend's first failure (a CUDA launch or
+ * cuBLAS error) is kept and returned by ops->status(ctx) (0 or a negative errno: -EIO a CUDA
+ * or cuBLAS failure, logged once with the call's name; -ENOMEM workspace). Callers check the
+ * status once per step.
+ *
+ * Determinism (DESIGN section 4): on both backends no float atomics in accumulations and fixed
+ * reduction trees: for fixed shapes and inputs every op gives the same bits run to run. CUDA
+ * bits differ from CPU bits (other summation orders, FMA); kernel-vs-CPU tolerances are those
+ * of tests/gpu (fp32 1e-5 relative, bf16 1e-2). GEMMs: CPU CBLAS sgemm; CUDA cuBLAS with the
+ * default (non-atomic) mode and a fixed workspace, so that the same algorithm runs each time.
+ *
+ * bf16 (ops->bf16 = 1): GEMM operands (parameters and activations) are rounded to bf16
+ * (round to nearest even) and the products summed in fp32; everything else (LayerNorm,
+ * softmax, GELU, residuals, gradients, the optimizer) stays fp32. CPU: the operands are
+ * rounded into scratch before sgemm (an emulation, for tests); CUDA: cuBLAS with bf16 inputs
+ * and fp32 compute. Master weights, Adam moments and gradient accumulation are fp32 in either
+ * case, so snapshots hold fp32 state.
+ *
+ * Thread-safety: one table and its context are used by one thread at a time.
+ */
+#ifndef KERN_OPS_H
+#define KERN_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* One AdamW step's constants (optim.h's train_adamw_update_shard computes the same). */
+typedef struct kern_adamw_args {
+    float lr, beta1, beta2, eps;
+    float weight_decay; /* already 0 for tensors without decay */
+    float bc1, bc2;     /* 1 - beta1^t, 1 - beta2^t */
+} kern_adamw_args;
+
+typedef struct kern_ops {
+    const char *name; /* "cpu" or "cuda" */
+    void *ctx;        /* backend context: CPU kern_cpu_ctx *, CUDA kern_cuda_ctx * */
+    int bf16;         /* see the top */
+
+    /* ---- the model: the functions of kernels.h, same arguments after ctx */
+    void (*encoder_forward)(void *ctx, float *out, const int32_t *inp, const float *wte,
+                            const float *wpe, int B, int T, int C);
+    void (*encoder_backward)(void *ctx, float *dwte, float *dwpe, const float *dout,
+                             const int32_t *inp, int B, int T, int C);
+    void (*layernorm_forward)(void *ctx, float *out, float *mean, float *rstd, const float *inp,
+                              const float *weight, const float *bias, int N, int C);
+    void (*layernorm_backward)(void *ctx, float *dinp, float *dweight, float *dbias,
+                               const float *dout, const float *inp, const float *weight,
+                               const float *mean, const float *rstd, int N, int C);
+    void (*matmul_forward)(void *ctx, float *out, const float *inp, const float *weight,
+                           const float *bias, int N, int C, int OC);
+    void (*matmul_backward)(void *ctx, float *dinp, float *dweight, float *dbias,
+                            const float *dout, const float *inp, const float *weight, int N,
+                            int C, int OC);
+    void (*attention_forward)(void *ctx, float *out, float *att, float *scratch,
+                              const float *qkv, int B, int T, int C, int NH);
+    void (*attention_backward)(void *ctx, float *dqkv, float *scratch, const float *dout,
+                               const float *qkv, const float *att, int B, int T, int C, int NH);
+    void (*gelu_forward)(void *ctx, float *out, const float *inp, size_t n);
+    void (*gelu_backward)(void *ctx, float *dinp, const float *inp, const float *dout, size_t n);
+    void (*residual_forward)(void *ctx, float *out, const float *a, const float *b, size_t n);
+    void (*residual_backward)(void *ctx, float *da, float *db, const float *dout, size_t n);
+    void (*softmax_crossentropy_forward)(void *ctx, float *probs, float *losses,
+                                         const float *logits, const int32_t *targets, int N,
+                                         int V);
+    void (*softmax_crossentropy_backward)(void *ctx, float *dlogits, const float *probs,
+                                          const int32_t *targets, float dloss, int N, int V);
+
+    /* ---- optimizer, accumulation, norms (flat fp32 vectors of n elements) */
+    void (*zero)(void *ctx, float *x, size_t n);                   /* x = 0 */
+    void (*copy)(void *ctx, float *dst, const float *src, size_t n); /* dst = src (no overlap) */
+    void (*add)(void *ctx, float *acc, const float *x, size_t n);  /* acc[i] = acc[i] + x[i] */
+    void (*scale)(void *ctx, float *x, size_t n, float s);         /* x[i] *= s */
+    /* out[k] (double, device memory) = sum over the TRAIN_BLOCK (2048) elements of block k of
+     * x[i]^2 in double, in index order within the block (CPU) / a fixed tree (CUDA);
+     * n a multiple of 2048; n / 2048 outputs. */
+    void (*block_sumsq)(void *ctx, const float *x, size_t n, double *out);
+    /* One AdamW update of n contiguous elements of one tensor (optim.h's loop body):
+     * m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr (m/bc1 / (sqrt(v/bc2) + eps) + wd p). */
+    void (*adamw)(void *ctx, float *params, float *m, float *v, const float *grads, size_t n,
+                  const kern_adamw_args *a);
+    /* Deterministic sum over ranks: out[i] = the pairwise tree sum (comm.h's tree over rank
+     * index: left subtree = the largest power of two below the count) of in[r * stride + i]
+     * for r in [0, nranks), i in [0, n). in: nranks x stride floats; out may be in (r = 0). */
+    void (*rank_tree_sum)(void *ctx, float *out, const float *in, size_t n, size_t stride,
+                          int nranks);
+    /* Byte shuffle (the snapshot filter, ckpt's shuffle with element size 4) of n bytes
+     * (n a multiple of 4): out[j * (n/4) + i] = in[4 i + j]. */
+    void (*shuffle4)(void *ctx, uint8_t *out, const uint8_t *in, size_t n);
+
+    /* First failure since creation (see Errors), 0 when none. */
+    int (*status)(void *ctx);
+} kern_ops;
+
+/* The CPU table (kernels/cpu/kern_ops_cpu.c). ctx is NULL for fp32; with bf16 = 1 the table
+ * holds a scratch context for the rounded operands. *out is filled in (no allocation for
+ * fp32). Errors: -ENOMEM. Free with kern_cpu_ops_free. */
+int kern_cpu_ops_init(kern_ops *out, int bf16);
+void kern_cpu_ops_free(kern_ops *ops);
+
+/* Round x to the nearest bf16 (ties to even), returned as a float; NaN stays NaN. The
+ * reference both backends follow for bf16. */
+float kern_round_bf16(float x);
+
+#endif /* KERN_OPS_H */
