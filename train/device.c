@@ -207,10 +207,7 @@ int train_stream_destroy(train_stream *s, double timeout_s)
     return s->ops->stream_destroy(s, timeout_s);
 }
 
-void *train_stream_native(train_stream *s)
-{
-    return s ? s->ops->stream_native(s) : NULL;
-}
+void *train_stream_native(train_stream *s) { return s ? s->ops->stream_native(s) : NULL; }
 
 int train_stream_copy_async(train_stream *s, void *dst, const void *src, size_t bytes,
                             train_copy_kind kind)
@@ -258,10 +255,7 @@ int train_stream_wait_event(train_stream *s, train_event *e)
     return s->ops->stream_wait_event(s, e);
 }
 
-int train_event_query(train_event *e)
-{
-    return e ? e->ops->event_query(e) : -EINVAL;
-}
+int train_event_query(train_event *e) { return e ? e->ops->event_query(e) : -EINVAL; }
 
 int train_event_wait(train_event *e, double timeout_s)
 {

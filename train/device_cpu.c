@@ -372,10 +372,7 @@ static int drain_locked(cpu_stream *s, double timeout_s)
     return 0;
 }
 
-static train_stream *cpu_compute_stream(train_device *d)
-{
-    return &dev_of(d)->compute.base;
-}
+static train_stream *cpu_compute_stream(train_device *d) { return &dev_of(d)->compute.base; }
 
 static int cpu_stream_create(train_device *d, train_stream **out)
 {
@@ -582,8 +579,7 @@ static int cpu_zero(train_device *d, void *p, size_t bytes)
     return err;
 }
 
-static int cpu_copy(train_device *d, void *dst, const void *src, size_t bytes,
-                    train_copy_kind kind)
+static int cpu_copy(train_device *d, void *dst, const void *src, size_t bytes, train_copy_kind kind)
 {
     (void)kind;
     int err = stream_err(&dev_of(d)->compute);

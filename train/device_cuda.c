@@ -23,15 +23,15 @@
 #include <string.h>
 #include <time.h>
 
-#define SYNC_BOUND_S 300.0   /* the synchronous calls' wait for the compute stream */
+#define SYNC_BOUND_S 300.0  /* the synchronous calls' wait for the compute stream */
 #define DESTROY_WAIT_S 60.0 /* train_event_destroy / train_device_close */
 
 typedef struct cuda_stream {
     train_stream base;
     cudaStream_t st;
     int ordinal;
-    int compute;     /* the device's compute stream (not destroyed by train_stream_destroy) */
-    atomic_int err;  /* sticky */
+    int compute;    /* the device's compute stream (not destroyed by train_stream_destroy) */
+    atomic_int err; /* sticky */
 } cuda_stream;
 
 typedef struct cuda_event {
@@ -152,12 +152,14 @@ static int cuda_open(train_device **out, int ordinal, char *why, size_t why_len)
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
-        log_why(why, why_len, "--device cuda: no CUDA device (cudaGetDeviceCount: error %d, %s: %s)",
-                (int)e, cudaGetErrorName(e), cudaGetErrorString(e));
+        log_why(why, why_len,
+                "--device cuda: no CUDA device (cudaGetDeviceCount: error %d, %s: %s)", (int)e,
+                cudaGetErrorName(e), cudaGetErrorString(e));
         return -ENODEV;
     }
     if (n <= 0) {
-        log_why(why, why_len, "--device cuda: no CUDA device (cudaGetDeviceCount reports 0 devices)");
+        log_why(why, why_len,
+                "--device cuda: no CUDA device (cudaGetDeviceCount reports 0 devices)");
         return -ENODEV;
     }
     if (ordinal >= n) {
@@ -200,7 +202,8 @@ static void cuda_close(train_device *td)
     if (set_device(d->ordinal) == 0) {
         int rc = stream_wait(&d->compute, DESTROY_WAIT_S);
         if (rc == -ETIMEDOUT)
-            LOG_W("device", "cuda:%d closed with work still running on the compute stream after %.0f s",
+            LOG_W("device",
+                  "cuda:%d closed with work still running on the compute stream after %.0f s",
                   d->ordinal, DESTROY_WAIT_S);
         cudaError_t e = cudaStreamDestroy(d->compute.st);
         if (e != cudaSuccess) cuda_fail(e, "cudaStreamDestroy");
@@ -208,10 +211,7 @@ static void cuda_close(train_device *td)
     free(d);
 }
 
-static const char *cuda_describe(const train_device *d)
-{
-    return ((const cuda_device *)d)->desc;
-}
+static const char *cuda_describe(const train_device *d) { return ((const cuda_device *)d)->desc; }
 
 static int cuda_alloc(train_device *td, void **out, size_t bytes)
 {
@@ -313,10 +313,7 @@ static int cuda_host_unpin(train_device *td, void *p)
 
 /* --- streams --- */
 
-static train_stream *cuda_compute_stream(train_device *d)
-{
-    return &dev_of(d)->compute.base;
-}
+static train_stream *cuda_compute_stream(train_device *d) { return &dev_of(d)->compute.base; }
 
 static int cuda_stream_create(train_device *td, train_stream **out)
 {
@@ -356,10 +353,7 @@ static int cuda_stream_destroy(train_stream *ts, double timeout_s)
     return rc;
 }
 
-static void *cuda_stream_native(train_stream *s)
-{
-    return (void *)stream_of(s)->st;
-}
+static void *cuda_stream_native(train_stream *s) { return (void *)stream_of(s)->st; }
 
 static int cuda_copy_async(train_stream *ts, void *dst, const void *src, size_t bytes,
                            train_copy_kind kind)

@@ -10,8 +10,9 @@ static int stub_count(void) { return -ENOTSUP; }
 static int stub_open(train_device **out, int ordinal, char *why, size_t why_len)
 {
     (void)out, (void)ordinal;
-    log_why(why, why_len, "--device cuda: this build has no CUDA (nvcc was not found when it was "
-                          "configured; see meson option cuda)");
+    log_why(why, why_len,
+            "--device cuda: this build has no CUDA (nvcc was not found when it was "
+            "configured; see meson option cuda)");
     return -ENOTSUP;
 }
 

@@ -60,9 +60,9 @@ struct train_device_ops {
     int (*zero)(train_device *d, void *p, size_t bytes);
     int (*copy)(train_device *d, void *dst, const void *src, size_t bytes, train_copy_kind kind);
     int (*host_alloc)(train_device *d, void **out, size_t bytes);
-    void (*host_free)(train_device *d, void *p);       /* p not NULL */
+    void (*host_free)(train_device *d, void *p);             /* p not NULL */
     int (*host_pin)(train_device *d, void *p, size_t bytes); /* range checked by device.c */
-    int (*host_unpin)(train_device *d, void *p);       /* p is a registered range's start */
+    int (*host_unpin)(train_device *d, void *p);             /* p is a registered range's start */
     train_stream *(*compute_stream)(train_device *d);
     int (*stream_create)(train_device *d, train_stream **out);
     int (*stream_destroy)(train_stream *s, double timeout_s); /* never the compute stream */
@@ -72,7 +72,7 @@ struct train_device_ops {
     int (*host_fn)(train_stream *s, void (*fn)(void *ctx), void *ctx);
     int (*stream_sync)(train_stream *s, double timeout_s);
     int (*event_create)(train_device *d, train_event **out);
-    void (*event_destroy)(train_event *e); /* e not NULL */
+    void (*event_destroy)(train_event *e);                /* e not NULL */
     int (*event_record)(train_event *e, train_stream *s); /* s not NULL */
     int (*stream_wait_event)(train_stream *s, train_event *e);
     int (*event_query)(train_event *e);

@@ -109,13 +109,15 @@ static void test_parse(void)
     train_device_kind k = TRAIN_DEVICE_CUDA;
     int ord = -1;
     T_CHECK(train_device_parse("cpu", &k, &ord) == 0 && k == TRAIN_DEVICE_CPU && ord == 0, "cpu");
-    T_CHECK(train_device_parse("cuda", &k, &ord) == 0 && k == TRAIN_DEVICE_CUDA && ord == 0, "cuda");
+    T_CHECK(train_device_parse("cuda", &k, &ord) == 0 && k == TRAIN_DEVICE_CUDA && ord == 0,
+            "cuda");
     T_CHECK(train_device_parse("cuda:1", &k, &ord) == 0 && k == TRAIN_DEVICE_CUDA && ord == 1,
             "cuda:1");
     T_CHECK(train_device_parse("cuda:12", &k, &ord) == 0 && ord == 12, "cuda:12");
     T_CHECK(train_device_parse("cuda:0", &k, NULL) == 0, "ordinal may be NULL");
-    static const char *bad[] = {"", "gpu", "CPU", "cuda:", "cuda:-1", "cuda:1x", "cuda: 1",
-                                "cudax", "cpu:0", "cuda:99999999999", " cuda", "cuda1"};
+    static const char *bad[] = {"",        "gpu",     "CPU",   "cuda:", "cuda:-1",
+                                "cuda:1x", "cuda: 1", "cudax", "cpu:0", "cuda:99999999999",
+                                " cuda",   "cuda1"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         k = TRAIN_DEVICE_CPU;
         ord = 7;
@@ -169,7 +171,8 @@ static void test_cpu_memory_and_sync_copies(void)
     unsigned char *host = malloc(n), *back = malloc(n);
     void *dev1 = NULL, *dev2 = NULL;
     T_REQUIRE(host && back, "malloc");
-    T_REQUIRE(train_device_alloc(d, &dev1, n) == 0 && train_device_alloc(d, &dev2, n) == 0, "alloc");
+    T_REQUIRE(train_device_alloc(d, &dev1, n) == 0 && train_device_alloc(d, &dev2, n) == 0,
+              "alloc");
     fill(host, n, 3);
     T_CHECK(train_device_copy(d, dev1, host, n, TRAIN_COPY_H2D) == 0, "H2D");
     T_CHECK(train_device_copy(d, dev2, dev1, n, TRAIN_COPY_D2D) == 0, "D2D");
@@ -287,7 +290,8 @@ static void test_fifo(void)
     static order_arg args[CHAIN];
     log.count = 0;
     for (int i = 0; i + 1 < CHAIN; i++) {
-        T_CHECK(train_stream_copy_async(s, buf[i + 1], buf[i], N, TRAIN_COPY_D2D) == 0, "copy %d", i);
+        T_CHECK(train_stream_copy_async(s, buf[i + 1], buf[i], N, TRAIN_COPY_D2D) == 0, "copy %d",
+                i);
         args[i] = (order_arg){&log, i};
         T_CHECK(train_stream_host_fn(s, order_fn, &args[i]) == 0, "fn %d", i);
     }
@@ -462,7 +466,8 @@ static void test_sticky_errors(void)
     train_event *eh = NULL;
     T_REQUIRE(train_device_cpu_set_wait_bound(d, 0.2) == 0, "bound");
     T_CHECK(train_device_cpu_set_wait_bound(d, 0) == -EINVAL, "bound 0");
-    T_REQUIRE(train_stream_create(d, &held) == 0 && train_stream_create(d, &waiter) == 0, "streams");
+    T_REQUIRE(train_stream_create(d, &held) == 0 && train_stream_create(d, &waiter) == 0,
+              "streams");
     T_REQUIRE(train_event_create(d, &eh) == 0, "event");
     gate_init(&g_bound);
     T_CHECK(train_stream_host_fn(held, gate_fn, &g_bound) == 0, "gate");
@@ -619,7 +624,8 @@ static void test_many_waiters(void)
     int ok = 1;
     for (int i = 0; i < WAITERS; i++) {
         pthread_join(th[i], NULL);
-        ok &= args[i].saw_pending && args[i].saw_complete && args[i].bytes_ok && args[i].wait_rc == 0;
+        ok &=
+            args[i].saw_pending && args[i].saw_complete && args[i].bytes_ok && args[i].wait_rc == 0;
     }
     T_CHECK(ok, "every waiter saw pending, then complete, then the bytes");
     T_CHECK(train_stream_destroy(s, 10) == 0, "destroy");
