@@ -63,7 +63,8 @@ int train_stager_create(train_stager **out, train_device *dev, double timeout_s)
 int train_stager_destroy(train_stager *st)
 {
     if (!st) return 0;
-    int rc = train_stream_destroy(st->copy, st->timeout_s);
+    /* drain first, then the events (recorded on the stream), then the stream itself */
+    int rc = train_stream_sync(st->copy, st->timeout_s);
     if (rc == -ETIMEDOUT) {
         /* the copy stream still runs: its events may still be reached; leak, never free */
         LOG_E(TAG, "copy stream still busy after %.0f s; abandoning the stager", st->timeout_s);
@@ -71,6 +72,8 @@ int train_stager_destroy(train_stager *st)
     }
     for (size_t i = 0; i < st->cap; i++) train_event_destroy(st->ring[i].ev);
     train_event_destroy(st->order);
+    int d = train_stream_destroy(st->copy, st->timeout_s);
+    if (rc == 0) rc = d;
     free(st->ring);
     pthread_mutex_destroy(&st->mu);
     free(st);
