@@ -240,7 +240,10 @@ int train_stage_restore_fn(train_stager *st, train_stage_read_fn read, void *ctx
     void *bounce[2] = {NULL, NULL};
     train_event *ev[2] = {NULL, NULL};
     int used[2] = {0, 0};
-    int rc = train_host_alloc_pinned(st->dev, &bounce[0], slice);
+    /* dst_dev may have been written by work on the compute stream (initialization): the
+     * copies come after it */
+    int rc = train_stager_after_compute(st);
+    if (rc == 0) rc = train_host_alloc_pinned(st->dev, &bounce[0], slice);
     if (rc == 0 && len > slice) rc = train_host_alloc_pinned(st->dev, &bounce[1], slice);
     if (rc == 0) rc = train_event_create(st->dev, &ev[0]);
     if (rc == 0 && len > slice) rc = train_event_create(st->dev, &ev[1]);

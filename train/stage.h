@@ -126,7 +126,9 @@ typedef int (*train_stage_read_fn)(void *ctx, uint64_t offset, uint64_t len, voi
  * bounce buffers (train_host_alloc_pinned, min(slice_bytes, len) bytes each, allocated and
  * freed by the call): slice k is read with read(ctx, ...) into bounce buffer k % 2 once that
  * buffer's previous host-to-device copy is done, then its copy is queued on the copy stream,
- * so reading (and decompressing) slice k + 1 overlaps the copy of slice k. Returns when every
+ * so reading (and decompressing) slice k + 1 overlaps the copy of slice k. The copies are
+ * ordered after the work queued on the compute stream before the call (e.g. the zeroing of a
+ * fresh model: train_stager_after_compute). Returns when every
  * byte is in dst_dev (the copy stream is synchronized), or at the first error, after waiting
  * for the copies already queued (bounded; on -ETIMEDOUT there the bounce buffers are leaked
  * rather than freed under a copy). Driving thread only; len 0 does nothing.

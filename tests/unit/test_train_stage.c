@@ -6,6 +6,9 @@
  * failing read stops the restore with its error; tickets: several threads wait at once while
  * copies are queued, bytes in place when a wait returns, unknown tickets refused, events
  * recycled over many copies; wait_all times out while the stream is held, then succeeds.
+ *
+ * TRAIN_STAGE_TEST_DEVICE=cuda (or cuda:N) runs the same checks on a GPU (exit 77 without
+ * one); the default is the CPU device.
  */
 #include "ckpt.h"
 #include "device.h"
@@ -77,6 +80,30 @@ static int read_or_fail(void *ctx, uint64_t offset, uint64_t len, void *host_dst
     return ckpt_snapshot_read(f->s, "params", offset, len, host_dst, NULL, 0);
 }
 
+/* A slow source whose copies are slow too: each read sleeps, and puts a sleep on the copy
+ * stream ahead of its slice's copy. */
+typedef struct slow_read {
+    train_stager *st;
+    const uint8_t *src;
+    int ms, calls;
+} slow_read;
+
+static int read_slow(void *ctx, uint64_t offset, uint64_t len, void *host_dst)
+{
+    slow_read *r = ctx;
+    r->calls++;
+    usleep((useconds_t)r->ms * 1000u);
+    memcpy(host_dst, r->src + offset, len);
+    return train_stream_host_fn(train_stager_stream(r->st), sleep_ms, (void *)(intptr_t)r->ms);
+}
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
 static void test_stage_and_restore(train_device *dev, const char *root)
 {
     const size_t np = 300007, nm = 70001; /* floats: neither a multiple of chunk or slice */
@@ -146,7 +173,7 @@ static void test_stage_and_restore(train_device *dev, const char *root)
     T_CHECK(ckpt_snapshot_verify(s, NULL, 0, NULL, NULL) == 0, "verify");
     const size_t slices[] = {100000, 4096, 0, (size_t)np * 4 + 1};
     for (size_t k = 0; k < sizeof slices / sizeof slices[0]; k++) {
-        T_CHECK(train_device_zero(dev, dr, np * 4) == 0, "zero");
+        T_CHECK(train_device_zero(dev, dr, np * 4) == 0, "zero"); /* the restore follows it */
         int rc = train_stage_restore(st, s, "params", 0, np * 4, dr, slices[k]);
         memset(back, 0xee, np * 4);
         train_device_copy(dev, back, dr, np * 4, TRAIN_COPY_D2H);
@@ -176,6 +203,19 @@ static void test_stage_and_restore(train_device *dev, const char *root)
                 fr.calls == (int)((np * 4 + 99999) / 100000),
             "one read per slice (%d)", fr.calls);
     ckpt_snapshot_close(s);
+
+    /* reading slice k + 1 overlaps the copy of slice k: 8 slices, 25 ms to read and 25 ms to
+     * copy each: about 9 x 25 ms overlapped, 16 x 25 ms one after the other */
+    slow_read sr = {st, (const uint8_t *)hm, 25, 0};
+    T_CHECK(train_device_zero(dev, dr, nm * 4) == 0, "zero");
+    double t0 = now_s();
+    size_t slice = (nm * 4 + 7) / 8;
+    T_CHECK(train_stage_restore_fn(st, read_slow, &sr, 0, nm * 4, dr, slice) == 0 && sr.calls == 8, "slow restore");
+    double took = now_s() - t0;
+    train_device_copy(dev, back, dr, nm * 4, TRAIN_COPY_D2H);
+    T_CHECK(memcmp(back, hm, nm * 4) == 0, "slow restore bytes equal");
+    T_CHECK(took < 0.8 * 16 * 0.025 && took >= 8 * 0.025, "reads overlapped the copies: %.0f ms (serial %.0f ms)",
+            took * 1e3, 16 * 25.0);
     T_CHECK(train_stager_destroy(st) == 0, "destroy stager");
     train_device_free(dev, dp);
     train_device_free(dev, dm);
@@ -220,7 +260,9 @@ static void test_tickets(train_device *dev)
 {
     train_stager *st;
     T_REQUIRE(train_stager_create(&st, dev, 30.0) == 0, "stager");
-    static uint8_t src[NT][BYTES], dst[NT][BYTES];
+    static uint8_t src[NT][BYTES];
+    uint8_t (*dst)[BYTES];
+    T_REQUIRE(train_host_alloc_pinned(dev, (void **)&dst, (size_t)NT * BYTES) == 0, "pinned destination");
     for (int i = 0; i < NT; i++)
         for (int j = 0; j < BYTES; j++) src[i][j] = (uint8_t)(i * 31 + j);
     void *dsrc;
@@ -274,17 +316,26 @@ static void test_tickets(train_device *dev)
     T_CHECK(train_stager_create(&bad, NULL, 1) == -EINVAL, "NULL device refused");
     train_device_free(dev, dsrc);
     T_CHECK(train_stager_destroy(st) == 0, "destroy");
+    train_host_free_pinned(dev, dst);
 }
 
 int main(void)
 {
     train_device *dev;
     char why[256] = "";
-    int rc = train_device_open(&dev, TRAIN_DEVICE_CPU, 0, why, sizeof why);
-    if (rc < 0) {
-        fprintf(stderr, "CPU device: %s (%d)\n", why, rc);
+    const char *want = getenv("TRAIN_STAGE_TEST_DEVICE");
+    train_device_kind kind = TRAIN_DEVICE_CPU;
+    int ordinal = 0;
+    if (want && *want && train_device_parse(want, &kind, &ordinal) < 0) {
+        fprintf(stderr, "TRAIN_STAGE_TEST_DEVICE=%s: not a device\n", want);
         return 1;
     }
+    int rc = train_device_open(&dev, kind, ordinal, why, sizeof why);
+    if (rc < 0) {
+        fprintf(stderr, "%s: %s (%d)\n", want ? want : "cpu", why, rc);
+        return kind == TRAIN_DEVICE_CUDA ? 77 : 1; /* no GPU here: skip */
+    }
+    printf("device: %s\n", train_device_describe(dev));
     char *root = t_tmpdir("train-stage");
     test_stage_and_restore(dev, root);
     test_tickets(dev);
