@@ -290,7 +290,11 @@ int ckpt_engine_persist_staged(ckpt_engine *e, uint64_t step, const char *run_id
  *
  * The staging area is allocated once (reserve_bytes or the first stage) and passed to
  * copier->pin once per allocation (train: train_host_register, so that the copies are true
- * DMA), and to copier->unpin before it is freed or grown.
+ * DMA), and to copier->unpin before it is freed or grown. (Added with the implementation:)
+ * the unpin goes to the copier that pinned it, which may be at ckpt_engine_destroy, so the
+ * pinning copier's ctx must outlive the engine; a plain ckpt_engine_stage that grows a
+ * pinned area unpins it too. After a failed persist the engine waits (bounded) for the
+ * copies it did not wait for, so that the staging area is never reused under a copy.
  *
  * Contract: the caller keeps the device buffers unchanged until every copy queued by this
  * call is complete: it waits on its own event recorded after the call on the copy stream

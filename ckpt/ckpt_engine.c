@@ -48,6 +48,10 @@ static void staging_release(staging *s)
 
 enum { MAX_BUFFERS = 64 };
 
+struct ckpt_engine;
+static int engine_reserve(struct ckpt_engine *e, size_t bytes);
+static void engine_unpin(struct ckpt_engine *e);
+
 struct ckpt_engine {
     ckpt_engine_opts o;
     ckpt_group group; /* valid when o.group != NULL (then o.group points here) */
@@ -66,6 +70,17 @@ struct ckpt_engine {
     size_t staged_upto, staged_total;
     int stage_done; /* the copy finished and stage_seconds is set */
     pthread_cond_t cv_staged;
+    /* device staging (ckpt_engine_stage_device): the job in flight reads the staging area
+     * behind the copier's asynchronous copies, one per chunk; dev_tickets[i] is the ticket of
+     * the copy that ends at staging offset dev_ends[i] (ascending) */
+    int dev_job;
+    ckpt_copier copier;
+    size_t dev_n, dev_cap;
+    size_t *dev_ends;
+    uint64_t *dev_tickets;
+    /* the staging area is pinned (copier->pin) once per allocation; pin_copier unpins it */
+    int pinned;
+    ckpt_copier pin_copier;
     /* the staged job */
     uint64_t step;
     char run_id[64], config_hash[64];
@@ -89,10 +104,62 @@ static double since(const struct timespec *a)
 }
 
 
+/* Grow the staging area to `bytes`; a pinned area is unpinned first (the copier must not
+ * see memory it pinned go away under it). */
+static int engine_reserve(ckpt_engine *e, size_t bytes)
+{
+    if (bytes <= e->stage.cap) return 0;
+    engine_unpin(e);
+    return staging_reserve(&e->stage, bytes);
+}
+
+static void engine_unpin(ckpt_engine *e)
+{
+    if (!e->pinned) return;
+    if (e->pin_copier.unpin) e->pin_copier.unpin(e->pin_copier.ctx, e->stage.base);
+    e->pinned = 0;
+}
+
+/* Device job: wait for the copy that ends at `need` bytes into the staging area. Each chunk
+ * of the persist is exactly one copy (both cut every shard into chunk_bytes pieces from its
+ * start), so the chunk's end is a copy's end. */
+static int device_ready(ckpt_engine *e, size_t need)
+{
+    size_t lo = 0, hi = e->dev_n;
+    while (lo < hi) { /* first copy whose end >= need */
+        size_t mid = lo + (hi - lo) / 2;
+        if (e->dev_ends[mid] < need) lo = mid + 1;
+        else hi = mid;
+    }
+    if (lo == e->dev_n) return need == 0 ? 0 : -EINVAL; /* past every copy: cannot happen */
+    int rc = e->copier.wait(e->copier.ctx, e->dev_tickets[lo], e->copier.timeout_s);
+    if (rc > 0) rc = 0;
+    if (rc < 0)
+        LOG_E(TAG, "step %llu: the device copy of staging bytes up to %zu (ticket %llu) failed: %s",
+              (unsigned long long)e->step, need, (unsigned long long)e->dev_tickets[lo],
+              strerror(-rc));
+    return rc;
+}
+
+/* Wait for every copy queued so far of a device stage that failed (they write into the
+ * staging area, which must not be reused or freed under them). */
+static void device_drain(ckpt_engine *e, const ckpt_copier *c, size_t queued)
+{
+    for (size_t i = 0; i < queued; i++) {
+        int rc = c->wait(c->ctx, e->dev_tickets[i], c->timeout_s);
+        if (rc < 0) {
+            LOG_E(TAG, "a device copy queued before the failure did not finish: %s", strerror(-rc));
+            break; /* a sticky error fails every later wait too */
+        }
+    }
+}
+
 /* Pool hook: wait until the stage copy has passed `end` (bounded wait). */
 static int ready_hook(void *ctx, const void *end)
 {
     ckpt_engine *e = ctx;
+    if (e->dev_job) /* set before the persist started, fixed while it runs */
+        return device_ready(e, (size_t)((const uint8_t *)end - e->stage.base));
     pthread_mutex_lock(&e->mu);
     int no_copy = e->staged_upto == SIZE_MAX; /* ckpt_engine_persist_staged: nothing to follow */
     pthread_mutex_unlock(&e->mu);
@@ -128,6 +195,9 @@ static void *persist_main(void *arg)
                               e->config_hash, e->bufs, e->nbufs, e->trainer_json, e->o.group,
                               &st);
         double persist_s = since(&e->staged_at);
+        /* a failed persist may have left copies unwaited: they still write into the staging
+         * area, which the next stage may grow (unmap); wait for them now (bounded) */
+        if (rc < 0 && e->dev_job) device_drain(e, &e->copier, e->dev_n);
         int removed = 0;
         if (rc == 0) {
             LOG_I(TAG, "snapshot step %llu committed: %.2f MiB raw -> %.2f MiB stored (ratio %.3f), "
@@ -223,18 +293,75 @@ static int wait_idle_locked(ckpt_engine *e, double timeout_s)
     return 0;
 }
 
-/* copy != 0: ckpt_engine_stage (copy into the staging area); 0: ckpt_engine_persist_staged
- * (the persist reads the caller's bytes, which the caller keeps until it finishes). */
+/* Queue the copies of a device stage into the staging area (laid out in e->bufs), one per
+ * chunk, recording each copy's end and ticket. 0, or the first negative errno of pin/copy
+ * (copies queued before it are waited for). */
+static int device_queue(ckpt_engine *e, const ckpt_buffer *bufs, size_t nbufs,
+                        const ckpt_copier *c, uint64_t *last_ticket)
+{
+    const uint64_t chunk = e->o.save.chunk_bytes;
+    size_t n = 0;
+    for (size_t i = 0; i < nbufs; i++) n += (size_t)((bufs[i].bytes + chunk - 1) / chunk);
+    if (n > e->dev_cap) {
+        size_t *ends = realloc(e->dev_ends, n * sizeof *ends);
+        if (!ends) return -ENOMEM;
+        e->dev_ends = ends;
+        uint64_t *t = realloc(e->dev_tickets, n * sizeof *t);
+        if (!t) return -ENOMEM;
+        e->dev_tickets = t;
+        e->dev_cap = n;
+    }
+    int rc;
+    if (!e->pinned && c->pin && e->stage.cap > 0) {
+        if ((rc = c->pin(c->ctx, e->stage.base, e->stage.cap)) < 0) {
+            LOG_E(TAG, "pinning the staging area (%zu bytes) failed: %s", e->stage.cap,
+                  strerror(-rc));
+            return rc;
+        }
+        e->pinned = 1;
+        e->pin_copier = *c;
+    }
+    size_t k = 0, off = 0;
+    for (size_t i = 0; i < nbufs; i++) {
+        const uint8_t *src = bufs[i].data;
+        for (uint64_t done = 0; done < bufs[i].bytes; done += chunk) {
+            size_t len = (size_t)(bufs[i].bytes - done < chunk ? bufs[i].bytes - done : chunk);
+            uint64_t t = 0;
+            if ((rc = c->copy(c->ctx, e->stage.base + off, src + done, len, &t)) < 0) {
+                LOG_E(TAG, "queueing the device copy of %s at %llu (%zu bytes) failed: %s",
+                      bufs[i].name, (unsigned long long)(bufs[i].offset + done), len, strerror(-rc));
+                device_drain(e, c, k);
+                return rc;
+            }
+            off += len;
+            e->dev_ends[k] = off;
+            e->dev_tickets[k] = t;
+            k++;
+        }
+    }
+    e->dev_n = k;
+    if (k && last_ticket) *last_ticket = e->dev_tickets[k - 1];
+    return 0;
+}
+
+enum { JOB_COPY = 1, JOB_IN_PLACE = 0, JOB_DEVICE = 2 };
+
+/* mode JOB_COPY: ckpt_engine_stage (copy into the staging area); JOB_IN_PLACE:
+ * ckpt_engine_persist_staged (the persist reads the caller's bytes, which the caller keeps
+ * until it finishes); JOB_DEVICE: ckpt_engine_stage_device (the copier queues the copies into
+ * the staging area, the persist's workers wait for each chunk's copy). */
 static int stage_job(ckpt_engine *e, uint64_t step, const char *run_id, const char *config_hash,
                      const ckpt_buffer *bufs, size_t nbufs, const char *trainer_json,
-                     double *stall_s, int copy)
+                     double *stall_s, int mode, const ckpt_copier *copier, uint64_t *last_ticket)
 {
+    const int copy = mode != JOB_IN_PLACE; /* the persist reads the staging area */
+    const int dev = mode == JOB_DEVICE;
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     if (!e || nbufs > MAX_BUFFERS || (nbufs && !bufs)) return -EINVAL;
     int rc = ckpt_check_save_group(&e->o.save, run_id, config_hash, bufs, nbufs, e->o.group);
     if (rc < 0) return rc;
-    for (size_t i = 0; !copy && i < nbufs; i++)
+    for (size_t i = 0; (!copy || dev) && i < nbufs; i++)
         if (bufs[i].bytes && !bufs[i].data) return -EINVAL;
     char *json_copy = strdup(trainer_json ? trainer_json : "{}");
     if (!json_copy) return -ENOMEM;
@@ -264,7 +391,7 @@ static int stage_job(ckpt_engine *e, uint64_t step, const char *run_id, const ch
     pthread_mutex_unlock(&e->mu);
     size_t total = 0;
     for (size_t i = 0; i < nbufs; i++) total += (size_t)bufs[i].bytes;
-    if (copy && (rc = staging_reserve(&e->stage, total)) < 0) {
+    if (copy && (rc = engine_reserve(e, total)) < 0) {
         free(json_copy);
         return rc;
     }
@@ -289,8 +416,12 @@ static int stage_job(ckpt_engine *e, uint64_t step, const char *run_id, const ch
     clock_gettime(CLOCK_MONOTONIC, &e->staged_at);
 
     const size_t piece = 8u << 20;
-    const int overlap = copy && e->o.overlap;
-    if (copy && !overlap) { /* copy first, then start the persist */
+    const int overlap = copy && !dev && e->o.overlap;
+    if (dev) { /* queue the copies first (the persist needs every ticket), then start it */
+        if ((rc = device_queue(e, bufs, nbufs, copier, last_ticket)) < 0) return rc;
+        e->copier = *copier;
+    }
+    if (copy && !dev && !overlap) { /* copy first, then start the persist */
         off = 0;
         for (size_t i = 0; i < nbufs; i++) {
             if (bufs[i].bytes) memcpy(e->stage.base + off, bufs[i].data, (size_t)bufs[i].bytes);
@@ -302,6 +433,7 @@ static int stage_job(ckpt_engine *e, uint64_t step, const char *run_id, const ch
      * pool's hook compares against stage.base, so the whole range counts as ready */
     e->staged_upto = overlap ? 0 : copy ? total : SIZE_MAX;
     e->staged_total = total;
+    e->dev_job = dev;
     e->stage_done = !overlap;
     if (!overlap) e->stage_seconds = since(&t0);
     e->pending = 1;
@@ -337,14 +469,26 @@ int ckpt_engine_stage(ckpt_engine *e, uint64_t step, const char *run_id, const c
                       const ckpt_buffer *bufs, size_t nbufs, const char *trainer_json,
                       double *stall_s)
 {
-    return stage_job(e, step, run_id, config_hash, bufs, nbufs, trainer_json, stall_s, 1);
+    return stage_job(e, step, run_id, config_hash, bufs, nbufs, trainer_json, stall_s, JOB_COPY,
+                     NULL, NULL);
 }
 
 int ckpt_engine_persist_staged(ckpt_engine *e, uint64_t step, const char *run_id,
                                const char *config_hash, const ckpt_buffer *bufs, size_t nbufs,
                                const char *trainer_json, double *stall_s)
 {
-    return stage_job(e, step, run_id, config_hash, bufs, nbufs, trainer_json, stall_s, 0);
+    return stage_job(e, step, run_id, config_hash, bufs, nbufs, trainer_json, stall_s,
+                     JOB_IN_PLACE, NULL, NULL);
+}
+
+int ckpt_engine_stage_device(ckpt_engine *e, uint64_t step, const char *run_id,
+                             const char *config_hash, const ckpt_buffer *bufs, size_t nbufs,
+                             const char *trainer_json, const ckpt_copier *copier,
+                             uint64_t *last_ticket, double *stall_s)
+{
+    if (!copier || !copier->copy || !copier->wait || !(copier->timeout_s > 0)) return -EINVAL;
+    return stage_job(e, step, run_id, config_hash, bufs, nbufs, trainer_json, stall_s, JOB_DEVICE,
+                     copier, last_ticket);
 }
 
 int ckpt_engine_wait(ckpt_engine *e, double timeout_s)
@@ -407,7 +551,10 @@ int ckpt_engine_destroy(ckpt_engine *e)
     pthread_mutex_unlock(&e->mu);
     if (e->thread_started) pthread_join(e->thread, NULL);
     ckpt_pool_destroy(e->pool);
+    engine_unpin(e);
     staging_release(&e->stage);
+    free(e->dev_ends);
+    free(e->dev_tickets);
     free(e->trainer_json);
     pthread_cond_destroy(&e->cv);
     pthread_cond_destroy(&e->cv_staged);
