@@ -118,7 +118,7 @@ void kc_rank_tree_sum(void *ctx, float *out, const float *in, size_t n, size_t s
                       int nranks)
 {
     kern_cuda_ctx *c = C_(ctx);
-    if (nranks < 1 || stride < n) {
+    if (nranks < 1 || (nranks > 1 && stride < n)) { /* rows would overlap */
         kc_fail(c, -EINVAL, "rank_tree_sum", "nranks < 1 or stride < n");
         return;
     }
