@@ -13,15 +13,13 @@
  * Exits 77 (skip) with fewer than 2 GPUs; `nccl_check --single` runs the functional part on
  * one GPU (W = 1: the NCCL calls, the waits and the tree sum, no peers).
  *
- * The tree sum: the kernels' table of piece B (kern_cuda_ops_init) lands separately, so this
- * test brings its own kern_ops whose rank_tree_sum copies the rows to pinned host memory on
- * the dcomm's stream, sums them with the reference tree and copies the result back on the
- * same stream. That checks the exchange's layout exactly (a wrong row or offset changes the
- * bits); the CUDA rank_tree_sum itself is tests/gpu/kernel_check's business.
+ * The tree sum is the CUDA table's rank_tree_sum (kern_cuda_ops_init on the dcomm's stream),
+ * checked bit for bit against the host reference tree.
  */
 #include "comm.h"
 #include "dcomm.h"
 #include "device.h"
+#include "kern_cuda.h"
 #include "kern_ops.h"
 #include "store.h"
 #include "t_helpers.h"
@@ -79,61 +77,6 @@ static uint64_t fnv(uint64_t h, const void *p, size_t n)
     return h;
 }
 
-/* ------------------------------------------------------------------ the test's kern_ops */
-
-typedef struct host_tree_ctx {
-    cudaStream_t stream;
-    float *pin; /* pinned, grown */
-    size_t pin_n;
-    int err;
-} host_tree_ctx;
-
-static int stream_wait(cudaStream_t s, double timeout_s)
-{
-    double end = t_now_s() + timeout_s;
-    for (;;) {
-        cudaError_t e = cudaStreamQuery(s);
-        if (e == cudaSuccess) return 0;
-        if (e != cudaErrorNotReady) return -EIO;
-        if (t_now_s() > end) return -ETIMEDOUT;
-        t_sleep_s(1e-5);
-    }
-}
-
-static void host_tree_sum(void *vctx, float *out, const float *in, size_t n, size_t stride,
-                          int nranks)
-{
-    host_tree_ctx *c = vctx;
-    size_t need = (size_t)nranks * stride;
-    if (c->err || n == 0) return;
-    if (need > c->pin_n) {
-        cudaFreeHost(c->pin);
-        c->pin = NULL;
-        c->pin_n = 0;
-        if (cudaMallocHost((void **)&c->pin, need * sizeof(float)) != cudaSuccess) {
-            c->err = -ENOMEM;
-            return;
-        }
-        c->pin_n = need;
-    }
-    /* the rows on the stream, after the exchange queued before */
-    if (cudaMemcpyAsync(c->pin, in, need * sizeof(float), cudaMemcpyDeviceToHost, c->stream) !=
-            cudaSuccess ||
-        stream_wait(c->stream, 60.0) < 0) {
-        c->err = -EIO;
-        return;
-    }
-    for (size_t i = 0; i < n; i++) c->pin[i] = tree_sum(c->pin + i, stride, nranks);
-    /* row 0 now holds the sums; the dcomm waits for the stream before returning */
-    if (cudaMemcpyAsync(out, c->pin, n * sizeof(float), cudaMemcpyHostToDevice, c->stream) !=
-        cudaSuccess)
-        c->err = -EIO;
-}
-
-static int host_tree_status(void *vctx)
-{
-    return ((host_tree_ctx *)vctx)->err;
-}
 
 /* ------------------------------------------------------------------ child side */
 
@@ -365,13 +308,12 @@ static void child_main(int rank, int W, int sc, int port_rd, int port_wr, int ou
         _exit(3);
     }
     ch.s = train_device_compute_stream(ch.dev);
-    host_tree_ctx tctx = {(cudaStream_t)train_stream_native(ch.s), NULL, 0, 0};
     kern_ops ops;
-    memset(&ops, 0, sizeof ops);
-    ops.name = "nccl_check host tree";
-    ops.ctx = &tctx;
-    ops.rank_tree_sum = host_tree_sum;
-    ops.status = host_tree_status;
+    r = kern_cuda_ops_init(&ops, train_stream_native(ch.s), 0);
+    if (r < 0) {
+        fprintf(stderr, "rank %d: the CUDA kernel table: %s\n", rank, strerror(-r));
+        _exit(3);
+    }
 
     train_comm_opts o = TRAIN_COMM_OPTS_INIT;
     o.rank = rank;
@@ -393,7 +335,7 @@ static void child_main(int rank, int W, int sc, int port_rd, int port_wr, int ou
     if (write(out_fd, &copy, sizeof copy) != (ssize_t)sizeof copy) _exit(3);
     if (sc == SC_FUNC) train_comm_barrier(ch.c);
     train_comm_free(ch.c);
-    cudaFreeHost(tctx.pin);
+    kern_cuda_ops_free(&ops);
     train_device_close(ch.dev);
     elastic_store_server_stop(srv);
     _exit(ch.fails ? 1 : 0);
