@@ -6,8 +6,11 @@
  *
  * Backends:
  *   CPU  - every call forwards to the train_comm given at create (device memory is host
- *          memory); the same bits, errors and timeouts as comm.h.
- *   NCCL - ncclCommInitRank with the unique id made by rank 0 (ncclGetUniqueId) and sent to
+ *          memory); the same bits, errors and timeouts as comm.h (whose sticky error is also
+ *          the dcomm's). Work queued on the dcomm's stream before a call is waited for first
+ *          (train_stream_sync, bounded by timeout_s). The mode does not matter: comm.h
+ *          always sums with its tree, so "ring" gives the tree's bits too.
+ *   NCCL - ncclCommInitRankConfig with the unique id made by rank 0 (ncclGetUniqueId) and sent to
  *          the others by train_comm_broadcast over the host communicator (itself set up
  *          through the elastic store), on a communicator created non-blocking
  *          (ncclConfig_t.blocking = 0). Every call queues on the given stream, then polls
@@ -17,23 +20,35 @@
  *          it: a dead or stuck peer is an error in seconds, not a hang.
  *          Two reduction modes (train --reduce):
  *            "ring" (TRAIN_DCOMM_RING): ncclReduceScatter / ncclAllReduce (sum). Fast; the
- *              summation order is NCCL's, not bit-stable across world sizes.
+ *              summation order is NCCL's, not bit-stable across world sizes. A reduce-scatter
+ *              whose counts are not all equal (ncclReduceScatter needs equal ranges) falls
+ *              back to the tree exchange below, so it gets the tree's bits.
  *            "tree" (TRAIN_DCOMM_TREE, the default): deterministic (DESIGN section 4). Each
  *              rank sends every other rank that rank's range (grouped ncclSend/ncclRecv,
  *              ncclGroupStart/End) into a W x range receive buffer, then sums it with the
  *              kernels' rank_tree_sum: comm.h's tree over rank index, the same fp32 adds
  *              in the same order as the CPU backend, so the result is bit-stable across
- *              runs and world sizes (where the CPU backend promises it).
+ *              runs and world sizes (where the CPU backend promises it). All-reduce in this
+ *              mode: the tree reduce-scatter over comm.h's W near-equal ranges, then the
+ *              all-gather. The receive buffer (device memory, train_device_alloc) is kept
+ *              and grown to the largest W x range seen, freed with the dcomm.
  *          All-gather: ncclAllGather when every rank's count is equal, else grouped
  *          ncclSend/ncclRecv (broadcast-style) - exact copies either way.
  *          The NCCL version and every NCCL_* variable in the environment are logged once at
- *          create (train_dcomm_log_env); NCCL_* variables pass through untouched.
+ *          create, by rank 0 (train_dcomm_log_env); NCCL_* variables pass through untouched.
+ *          Pointers passed to the NCCL backend must be memory of the dcomm's CUDA device
+ *          (checked with cudaPointerGetAttributes: -EINVAL otherwise), and the kernel table's
+ *          context must queue on the dcomm's stream (the tree sum is ordered after the
+ *          exchange by stream order only).
+ *          Internal: the unique id exchange is train_dcomm_nccl_exchange_id in
+ *          dcomm_internal.h (tested on its own: create cannot run without a GPU).
  *
  * Errors (negative errno): -EINVAL bad argument, -ENOTSUP the backend is not built,
  * -ETIMEDOUT a collective passed timeout_s (NCCL: after ncclCommAbort), -ECONNRESET a peer
  * failed (NCCL: ncclRemoteError / ncclSystemError from ncclCommGetAsyncError), -EIO another
  * NCCL or CUDA failure (logged with its ncclGetErrorString), -ENOMEM, and for CPU the errors
- * of comm.h.
+ * of comm.h. NCCL: an argument error found before any communication (-EINVAL) leaves the
+ * dcomm healthy; every failure after that point poisons it (and aborts the communicator).
  *
  * Thread-safety: one thread at a time per dcomm. All ranks call the collectives in the same
  * order with the same counts.
@@ -53,7 +68,8 @@ typedef struct train_dcomm train_dcomm;
 
 /* Create the device communicator of this rank. host: the rank's host communicator (kept, not
  * owned; it must outlive the dcomm). dev: its device; CPU device -> CPU backend, CUDA device
- * -> NCCL. ops: the device's kernel table (rank_tree_sum for the tree mode; not owned).
+ * -> NCCL (-ENOTSUP when NCCL is not built). ops: the device's kernel table (not owned;
+ * NCCL: required, its rank_tree_sum and status are used; CPU: unused, may be NULL).
  * stream: the stream the collectives queue on (NULL = the device's compute stream).
  * timeout_s: bound of init and of each collective, seconds, (0, 86400]. Collective over host.
  * Errors: see the top. */
