@@ -1,4 +1,4 @@
-/* kern_cuda.h - the CUDA kernel table (kernels/cuda/*.cu) behind kern_ops.h.
+/* kern_cuda.h - the CUDA kernel table (the .cu files of kernels/cuda/) behind kern_ops.h.
  *
  * Built when meson found nvcc (config.h CKPT_HAVE_CUDA = 1); otherwise kern_cuda_ops_init is a
  * stub returning -ENOTSUP, so callers need no #if.
