@@ -113,16 +113,20 @@ int train_state_alloc(state *s)
         LOG_E(TAG, "rank %d cannot set up the device collectives: %s", s->rank, strerror(-rc));
         return rc;
     }
-    if (s->rank == 0) {
-        if (o->reduce_ring && is_cpu(s))
-            LOG_I(TAG, "--reduce ring needs NCCL (--device cuda): the CPU backend reduces with the "
-                  "deterministic tree");
-        LOG_I(TAG, "backend: device %s, dtype %s, kernels %s, reduce %s (collectives: %s)",
-              train_device_describe(s->dev), o->bf16 ? "bf16 (fp32 master state)" : "fp32",
-              s->ops.name, mode == TRAIN_DCOMM_RING ? "ring" : "tree",
-              train_dcomm_describe(s->dcomm));
-    }
     return 0;
+}
+
+void train_backend_log(const state *s)
+{
+    const options *o = s->o;
+    if (s->rank != 0 || !s->dev) return;
+    int ring = o->reduce_ring && !is_cpu(s);
+    if (o->reduce_ring && !ring)
+        LOG_I(TAG, "--reduce ring needs NCCL (--device cuda): the CPU backend reduces with the "
+              "deterministic tree");
+    LOG_I(TAG, "backend: device %s, dtype %s, kernels %s, reduce %s (collectives: %s)",
+          train_device_describe(s->dev), o->bf16 ? "bf16 (fp32 master state)" : "fp32",
+          s->ops.name, ring ? "ring" : "tree", s->dcomm ? train_dcomm_describe(s->dcomm) : "-");
 }
 
 void train_state_free(state *s)

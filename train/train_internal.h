@@ -427,6 +427,10 @@ int train_device_setup(state *s);
  * Collective (dcomm create). Returns 0, or a negative errno (logged). */
 int train_state_alloc(state *s);
 
+/* Rank 0: log the device, dtype, kernels and reduce mode in one line (and that --reduce ring
+ * falls back to the tree on the CPU). Called with the model line, after the resume. */
+void train_backend_log(const state *s);
+
 /* Free the buffers and collectives of train_state_alloc (before the model goes) /
  * the kernel table and the device of train_device_setup (after the model). Both accept a state
  * without them. */

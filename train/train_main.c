@@ -170,6 +170,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "train: cannot start the data prefetch thread: %s\n", strerror(-rc));
         goto out;
     }
+    train_backend_log(&s);
     if (s.rank == 0)
         LOG_I(TAG, "model: %d layers, %d embd, %d heads, seq %d, vocab %d: %zu parameters (%zu "
               "padded); world size %d, ZeRO stage %d, global batch %d = %d ranks x %d micro-batches "
