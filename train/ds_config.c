@@ -534,13 +534,23 @@ static int parse_tensorboard(ctx *c, const char *prefix, const json_t *obj,
   return 0;
 }
 
-/* "fp16" / "bf16": the CPU backend computes in fp32 whatever the file says. */
-static int parse_precision(ctx *c, const char *key, const json_t *obj) {
+/* "fp16" / "bf16". bf16 "enabled": true / false sets o->bf16 (train --dtype bf16 / fp32);
+ * fp16 is not supported: "enabled": true is reported and ignored (the run is fp32). "auto"
+ * means not set here. */
+static int parse_precision(ctx *c, const char *key, const json_t *obj, train_ds_config *o) {
   const json_t *en = json_object_get(obj, "enabled");
-  if (!en || json_is_false(en) || is_auto(en))
+  int is_bf16 = !strcmp(key, "bf16");
+  if (!en || is_auto(en))
+    return 0;
+  if (json_is_boolean(en) && is_bf16) {
+    o->has_bf16 = 1;
+    o->bf16 = json_is_true(en);
+    return 0;
+  }
+  if (json_is_false(en))
     return 0;
   if (json_is_true(en))
-    return note(c, key, " (ignored: CPU backend is fp32)");
+    return note(c, key, " (ignored: fp16 is not supported; use bf16)");
   char ekey[KEY_MAX], got[64];
   join(ekey, sizeof ekey, key, "enabled");
   describe(en, got, sizeof got);
@@ -589,7 +599,7 @@ static int parse_top(ctx *c, const json_t *root, train_ds_config *o) {
     } else if (!strcmp(k, "fp16") || !strcmp(k, "bf16")) {
       rc = want_object(c, k, v);
       if (!rc)
-        rc = parse_precision(c, k, v);
+        rc = parse_precision(c, k, v, o);
     } else {
       rc = note(c, k, NULL);
     }

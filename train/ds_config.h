@@ -110,6 +110,10 @@ typedef struct train_ds_config {
   int has_snapshot_policy; /* "policy": "wait" -> 0 (CKPT_POLICY_WAIT), "skip"
                               -> 1 (CKPT_POLICY_SKIP) */
   int snapshot_policy;
+  /* "bf16": {"enabled": true/false} -> 1/0 (train --dtype bf16/fp32); "auto"
+   * or no "enabled" leaves it unset */
+  int has_bf16;
+  int bf16;
   /* "tensorboard": DeepSpeed's monitor section; events go to the folder
      output_path/job_name (os.path.join's rule, as DeepSpeed's TensorBoardMonitor:
      output_path "" gives job_name in the current folder; an absolute job_name
@@ -142,9 +146,10 @@ typedef struct train_ds_config {
  * list of dotted paths in file order (e.g.
  * "zero_optimization.offload_optimizer, wall_clock_breakdown"); a key whose
  * value is an object is reported once, not its children. Entries may carry a
- * suffix: " (ignored)" for DeepSpeed's checkpoint keys, " (ignored: CPU backend
- * is fp32)" for "fp16"/"bf16" with "enabled": true (with false or "auto" they
- * are accepted silently), and a note on the WarmupDecayLR approximation. ""
+ * suffix: " (ignored)" for DeepSpeed's checkpoint keys, " (ignored: fp16 is not
+ * supported; use bf16)" for "fp16" with "enabled": true (with false or "auto" it
+ * is accepted silently; "bf16" sets has_bf16/bf16), and a note on the
+ * WarmupDecayLR approximation. ""
  * when every key was used. The list is truncated to unknown_len - 1 bytes,
  * ending in "...", when longer. On error it is set to "". unknown may be NULL
  * (then unknown_len is ignored).

@@ -1,7 +1,10 @@
-/* GPT-2 style decoder on the CPU kernels; structure follows llm.c's train_gpt2.c. */
+/* GPT-2 style decoder on a kernel table (kern_ops.h) over device memory (device.h);
+ * structure follows llm.c's train_gpt2.c. */
 #include "model.h"
 
-#include "kernels.h"
+#include "device.h"
+#include "kern_cpu_vec.h"
+#include "kern_ops.h"
 #include "rng.h"
 
 #include <errno.h>
@@ -34,6 +37,7 @@ typedef struct acts {
     float *logits, *probs;            /* (B,T,V) */
     float *losses;                    /* (B,T) */
     float *base;                      /* one allocation for all of the above */
+    size_t count;                     /* floats in base */
 } acts;
 
 struct train_model {
@@ -50,7 +54,37 @@ struct train_model {
     train_param_hook hook;     /* ZeRO-3: gathers a layer group before use; may be NULL */
     void *hook_ctx;
     int hook_status;           /* first error of the hook, sticky */
+    train_device *dev;         /* NULL: host memory (calloc) */
+    const kern_ops *ops;       /* the kernels; never NULL */
+    int host_mem;              /* buffers are host memory (dev NULL or a CPU device) */
+    float *host_losses;        /* (max_b, T) host copy of the losses when !host_mem */
+    int copy_status;           /* first failed H2D/D2H copy, sticky */
 };
+
+/* Model buffers: device memory of m->dev (zeroed), or calloc'ed host memory without one. */
+static void *dalloc(train_model *m, size_t bytes)
+{
+    if (!m->dev) return calloc(1, bytes ? bytes : 1);
+    void *p = NULL;
+    return train_device_alloc(m->dev, &p, bytes ? bytes : 1) < 0 ? NULL : p;
+}
+
+static void dfree(train_model *m, void *p)
+{
+    if (!m->dev) free(p);
+    else train_device_free(m->dev, p);
+}
+
+/* Copy between host and the model's memory (memcpy for host memory); errors are kept. */
+static void dcopy(train_model *m, void *dst, const void *src, size_t bytes, train_copy_kind kind)
+{
+    if (m->host_mem) {
+        if (bytes) memcpy(dst, src, bytes);
+        return;
+    }
+    int rc = train_device_copy(m->dev, dst, src, bytes, kind);
+    if (rc < 0 && !m->copy_status) m->copy_status = rc;
+}
 
 void train_model_set_param_hook(train_model *m, train_param_hook fn, void *ctx)
 {
@@ -187,18 +221,24 @@ static size_t layout_acts(acts *a, float *base, const train_model_config *c, int
     return off;
 }
 
-static int alloc_acts(acts *a, const train_model_config *c, int B, size_t *count)
+static int alloc_acts(train_model *m, acts *a, const train_model_config *c, int B)
 {
     size_t n = layout_acts(a, NULL, c, B);
     a->layers = calloc((size_t)c->n_layer, sizeof *a->layers);
-    a->base = calloc(n, sizeof(float));
+    a->base = dalloc(m, n * sizeof(float));
     if (!a->layers || !a->base) return -ENOMEM;
     layout_acts(a, a->base, c, B);
-    *count = n;
+    a->count = n;
     return 0;
 }
 
 int train_model_create(train_model **out, const train_model_config *config, int micro_batch)
+{
+    return train_model_create_on(out, config, micro_batch, NULL, NULL);
+}
+
+int train_model_create_on(train_model **out, const train_model_config *config, int micro_batch,
+                          train_device *dev, const kern_ops *ops)
 {
     *out = NULL;
     if (!config || micro_batch < 1 || train_model_config_check(config, NULL, 0) < 0) return -EINVAL;
@@ -206,19 +246,23 @@ int train_model_create(train_model **out, const train_model_config *config, int 
     if (!m) return -ENOMEM;
     m->cfg = *config;
     m->max_b = micro_batch;
+    m->dev = dev;
+    m->ops = ops ? ops : kern_cpu_ops_fp32();
+    m->host_mem = !dev || train_device_kind_of(dev) == TRAIN_DEVICE_CPU;
     m->tensors = calloc(2 + (size_t)T_PER_LAYER * (size_t)config->n_layer + 2, sizeof *m->tensors);
     if (!m->tensors) goto fail;
     build_table(m);
-    m->params = calloc(m->num_params, sizeof(float));
-    m->grads = calloc(m->num_params, sizeof(float));
+    m->params = dalloc(m, m->num_params * sizeof(float));
+    m->grads = dalloc(m, m->num_params * sizeof(float));
     size_t T = (size_t)config->seq_len;
-    m->scratch = calloc(2 * T * T, sizeof(float));
-    m->inputs = calloc((size_t)micro_batch * T, sizeof(int32_t));
-    m->targets = calloc((size_t)micro_batch * T, sizeof(int32_t));
-    size_t na, nda;
+    m->scratch = dalloc(m, 2 * T * T * sizeof(float));
+    m->inputs = dalloc(m, (size_t)micro_batch * T * sizeof(int32_t));
+    m->targets = dalloc(m, (size_t)micro_batch * T * sizeof(int32_t));
+    if (!m->host_mem && !(m->host_losses = calloc((size_t)micro_batch * T, sizeof(float))))
+        goto fail;
     if (!m->params || !m->grads || !m->scratch || !m->inputs || !m->targets ||
-        alloc_acts(&m->a, config, micro_batch, &na) < 0 ||
-        alloc_acts(&m->da, config, micro_batch, &nda) < 0)
+        alloc_acts(m, &m->a, config, micro_batch) < 0 ||
+        alloc_acts(m, &m->da, config, micro_batch) < 0)
         goto fail;
     *out = m;
     return 0;
@@ -231,17 +275,22 @@ void train_model_free(train_model *m)
 {
     if (!m) return;
     free(m->tensors);
-    free(m->params);
-    free(m->grads);
-    free(m->scratch);
-    free(m->inputs);
-    free(m->targets);
+    dfree(m, m->params);
+    dfree(m, m->grads);
+    dfree(m, m->scratch);
+    dfree(m, m->inputs);
+    dfree(m, m->targets);
     free(m->a.layers);
-    free(m->a.base);
+    dfree(m, m->a.base);
     free(m->da.layers);
-    free(m->da.base);
+    dfree(m, m->da.base);
+    free(m->host_losses);
     free(m);
 }
+
+train_device *train_model_device(const train_model *m) { return m->dev; }
+const kern_ops *train_model_ops(const train_model *m) { return m->ops; }
+int train_model_copy_status(const train_model *m) { return m->copy_status; }
 
 const train_tensor *train_model_tensors(const train_model *m, size_t *n)
 {
@@ -256,11 +305,27 @@ const train_model_config *train_model_get_config(const train_model *m) { return 
 
 void train_model_init_params(train_model *m, uint64_t seed)
 {
-    memset(m->params, 0, m->num_params * sizeof(float));
+    if (m->host_mem) {
+        train_model_init_params_into(m, seed, m->params);
+        return;
+    }
+    float *h = malloc(m->num_params * sizeof(float));
+    if (!h) {
+        if (!m->copy_status) m->copy_status = -ENOMEM;
+        return;
+    }
+    train_model_init_params_into(m, seed, h);
+    dcopy(m, m->params, h, m->num_params * sizeof(float), TRAIN_COPY_H2D);
+    free(h);
+}
+
+void train_model_init_params_into(const train_model *m, uint64_t seed, float *dst)
+{
+    memset(dst, 0, m->num_params * sizeof(float));
     const double resid_std = 0.02 / sqrt(2.0 * m->cfg.n_layer);
     for (size_t ti = 0; ti < m->ntensors; ti++) {
         const train_tensor *t = &m->tensors[ti];
-        float *p = m->params + t->offset;
+        float *p = dst + t->offset;
         const char *suffix = strrchr(t->name, '.');
         int is_bias = suffix && !strcmp(suffix, ".bias");
         int is_ln = strstr(t->name, "ln_") != NULL;
@@ -283,43 +348,51 @@ double train_model_forward(train_model *m, const int32_t *inputs, const int32_t 
     const int L = m->cfg.n_layer, BT = B * T;
     float *w = m->params;
     acts *a = &m->a;
-    memcpy(m->inputs, inputs, (size_t)BT * sizeof(int32_t));
+    const kern_ops *K = m->ops;
+    void *X = K->ctx;
+    dcopy(m, m->inputs, inputs, (size_t)BT * sizeof(int32_t), TRAIN_COPY_H2D);
     m->have_targets = targets != NULL;
-    if (targets) memcpy(m->targets, targets, (size_t)BT * sizeof(int32_t));
+    if (targets) dcopy(m, m->targets, targets, (size_t)BT * sizeof(int32_t), TRAIN_COPY_H2D);
     m->last_b = B;
 
     call_hook(m, 0);
-    kern_encoder_forward(a->encoded, inputs, P(w, m, 0), P(w, m, 1), B, T, C);
+    K->encoder_forward(X, a->encoded, m->inputs, P(w, m, 0), P(w, m, 1), B, T, C);
     const float *residual = a->encoded;
     for (int l = 0; l < L; l++) {
         size_t k = 2 + (size_t)l * T_PER_LAYER;
         layer_acts *la = &a->layers[l];
         call_hook(m, 1 + l);
-        kern_layernorm_forward(la->ln1, la->ln1_mean, la->ln1_rstd, residual, P(w, m, k + T_LN1W),
+        K->layernorm_forward(X, la->ln1, la->ln1_mean, la->ln1_rstd, residual, P(w, m, k + T_LN1W),
                                P(w, m, k + T_LN1B), BT, C);
-        kern_matmul_forward(la->qkv, la->ln1, P(w, m, k + T_QKVW), P(w, m, k + T_QKVB), BT, C, 3 * C);
-        kern_attention_forward(la->atty, la->att, m->scratch, la->qkv, B, T, C, NH);
-        kern_matmul_forward(la->attproj, la->atty, P(w, m, k + T_PROJW), P(w, m, k + T_PROJB), BT, C, C);
-        kern_residual_forward(la->res2, residual, la->attproj, (size_t)BT * C);
-        kern_layernorm_forward(la->ln2, la->ln2_mean, la->ln2_rstd, la->res2, P(w, m, k + T_LN2W),
+        K->matmul_forward(X, la->qkv, la->ln1, P(w, m, k + T_QKVW), P(w, m, k + T_QKVB), BT, C, 3 * C);
+        K->attention_forward(X, la->atty, la->att, m->scratch, la->qkv, B, T, C, NH);
+        K->matmul_forward(X, la->attproj, la->atty, P(w, m, k + T_PROJW), P(w, m, k + T_PROJB), BT, C, C);
+        K->residual_forward(X, la->res2, residual, la->attproj, (size_t)BT * C);
+        K->layernorm_forward(X, la->ln2, la->ln2_mean, la->ln2_rstd, la->res2, P(w, m, k + T_LN2W),
                                P(w, m, k + T_LN2B), BT, C);
-        kern_matmul_forward(la->fch, la->ln2, P(w, m, k + T_FCW), P(w, m, k + T_FCB), BT, C, 4 * C);
-        kern_gelu_forward(la->fch_gelu, la->fch, (size_t)BT * 4 * C);
-        kern_matmul_forward(la->fcproj, la->fch_gelu, P(w, m, k + T_FCPW), P(w, m, k + T_FCPB), BT,
+        K->matmul_forward(X, la->fch, la->ln2, P(w, m, k + T_FCW), P(w, m, k + T_FCB), BT, C, 4 * C);
+        K->gelu_forward(X, la->fch_gelu, la->fch, (size_t)BT * 4 * C);
+        K->matmul_forward(X, la->fcproj, la->fch_gelu, P(w, m, k + T_FCPW), P(w, m, k + T_FCPB), BT,
                             4 * C, C);
-        kern_residual_forward(la->res3, la->res2, la->fcproj, (size_t)BT * C);
+        K->residual_forward(X, la->res3, la->res2, la->fcproj, (size_t)BT * C);
         residual = la->res3;
     }
     size_t kf = 2 + (size_t)L * T_PER_LAYER;
     call_hook(m, L + 1);
-    kern_layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, residual, P(w, m, kf), P(w, m, kf + 1),
+    K->layernorm_forward(X, a->lnf, a->lnf_mean, a->lnf_rstd, residual, P(w, m, kf), P(w, m, kf + 1),
                            BT, C);
-    kern_matmul_forward(a->logits, a->lnf, P(w, m, 0), NULL, BT, C, V);
+    K->matmul_forward(X, a->logits, a->lnf, P(w, m, 0), NULL, BT, C, V);
     if (m->hook_status) return NAN;
-    if (!targets) return 0.0;
-    kern_softmax_crossentropy_forward(a->probs, a->losses, a->logits, targets, BT, V);
+    if (!targets) return m->copy_status ? NAN : 0.0;
+    K->softmax_crossentropy_forward(X, a->probs, a->losses, a->logits, m->targets, BT, V);
+    const float *losses = a->losses;
+    if (!m->host_mem) {
+        dcopy(m, m->host_losses, a->losses, (size_t)BT * sizeof(float), TRAIN_COPY_D2H);
+        losses = m->host_losses;
+    }
+    if (m->copy_status) return NAN;
     double sum = 0.0;
-    for (int i = 0; i < BT; i++) sum += a->losses[i];
+    for (int i = 0; i < BT; i++) sum += losses[i];
     return sum / BT;
 }
 
@@ -329,18 +402,20 @@ void train_model_backward(train_model *m, float loss_scale)
     const int V = m->cfg.vocab, L = m->cfg.n_layer, BT = B * T;
     float *w = m->params, *g = m->grads;
     acts *a = &m->a, *d = &m->da;
+    const kern_ops *K = m->ops;
+    void *X = K->ctx;
     if (!m->have_targets) return;
-    memset(g, 0, m->num_params * sizeof(float));
-    memset(d->base, 0, layout_acts(d, NULL, &m->cfg, m->max_b) * sizeof(float));
+    K->zero(X, g, m->num_params);
+    K->zero(X, d->base, d->count);
 
     call_hook(m, L + 1);
     call_hook(m, 0); /* the tied output head */
-    kern_softmax_crossentropy_backward(d->logits, a->probs, m->targets, loss_scale, BT, V);
-    kern_matmul_backward(d->lnf, P(g, m, 0), NULL, d->logits, a->lnf, P(w, m, 0), BT, C, V);
+    K->softmax_crossentropy_backward(X, d->logits, a->probs, m->targets, loss_scale, BT, V);
+    K->matmul_backward(X, d->lnf, P(g, m, 0), NULL, d->logits, a->lnf, P(w, m, 0), BT, C, V);
     size_t kf = 2 + (size_t)L * T_PER_LAYER;
     const float *res_last = L ? a->layers[L - 1].res3 : a->encoded;
     float *dres_last = L ? d->layers[L - 1].res3 : d->encoded;
-    kern_layernorm_backward(dres_last, P(g, m, kf), P(g, m, kf + 1), d->lnf, res_last, P(w, m, kf),
+    K->layernorm_backward(X, dres_last, P(g, m, kf), P(g, m, kf + 1), d->lnf, res_last, P(w, m, kf),
                             a->lnf_mean, a->lnf_rstd, BT, C);
     for (int l = L - 1; l >= 0; l--) {
         size_t k = 2 + (size_t)l * T_PER_LAYER;
@@ -348,22 +423,22 @@ void train_model_backward(train_model *m, float loss_scale)
         const float *residual = l == 0 ? a->encoded : a->layers[l - 1].res3;
         float *dresidual = l == 0 ? d->encoded : d->layers[l - 1].res3;
         call_hook(m, 1 + l);
-        kern_residual_backward(dl->res2, dl->fcproj, dl->res3, (size_t)BT * C);
-        kern_matmul_backward(dl->fch_gelu, P(g, m, k + T_FCPW), P(g, m, k + T_FCPB), dl->fcproj,
+        K->residual_backward(X, dl->res2, dl->fcproj, dl->res3, (size_t)BT * C);
+        K->matmul_backward(X, dl->fch_gelu, P(g, m, k + T_FCPW), P(g, m, k + T_FCPB), dl->fcproj,
                              la->fch_gelu, P(w, m, k + T_FCPW), BT, 4 * C, C);
-        kern_gelu_backward(dl->fch, la->fch, dl->fch_gelu, (size_t)BT * 4 * C);
-        kern_matmul_backward(dl->ln2, P(g, m, k + T_FCW), P(g, m, k + T_FCB), dl->fch, la->ln2,
+        K->gelu_backward(X, dl->fch, la->fch, dl->fch_gelu, (size_t)BT * 4 * C);
+        K->matmul_backward(X, dl->ln2, P(g, m, k + T_FCW), P(g, m, k + T_FCB), dl->fch, la->ln2,
                              P(w, m, k + T_FCW), BT, C, 4 * C);
-        kern_layernorm_backward(dl->res2, P(g, m, k + T_LN2W), P(g, m, k + T_LN2B), dl->ln2, la->res2,
+        K->layernorm_backward(X, dl->res2, P(g, m, k + T_LN2W), P(g, m, k + T_LN2B), dl->ln2, la->res2,
                                 P(w, m, k + T_LN2W), la->ln2_mean, la->ln2_rstd, BT, C);
-        kern_residual_backward(dresidual, dl->attproj, dl->res2, (size_t)BT * C);
-        kern_matmul_backward(dl->atty, P(g, m, k + T_PROJW), P(g, m, k + T_PROJB), dl->attproj,
+        K->residual_backward(X, dresidual, dl->attproj, dl->res2, (size_t)BT * C);
+        K->matmul_backward(X, dl->atty, P(g, m, k + T_PROJW), P(g, m, k + T_PROJB), dl->attproj,
                              la->atty, P(w, m, k + T_PROJW), BT, C, C);
-        kern_attention_backward(dl->qkv, m->scratch, dl->atty, la->qkv, la->att, B, T, C, NH);
-        kern_matmul_backward(dl->ln1, P(g, m, k + T_QKVW), P(g, m, k + T_QKVB), dl->qkv, la->ln1,
+        K->attention_backward(X, dl->qkv, m->scratch, dl->atty, la->qkv, la->att, B, T, C, NH);
+        K->matmul_backward(X, dl->ln1, P(g, m, k + T_QKVW), P(g, m, k + T_QKVB), dl->qkv, la->ln1,
                              P(w, m, k + T_QKVW), BT, C, 3 * C);
-        kern_layernorm_backward(dresidual, P(g, m, k + T_LN1W), P(g, m, k + T_LN1B), dl->ln1, residual,
+        K->layernorm_backward(X, dresidual, P(g, m, k + T_LN1W), P(g, m, k + T_LN1B), dl->ln1, residual,
                                 P(w, m, k + T_LN1W), la->ln1_mean, la->ln1_rstd, BT, C);
     }
-    kern_encoder_backward(P(g, m, 0), P(g, m, 1), d->encoded, m->inputs, B, T, C);
+    K->encoder_backward(X, P(g, m, 0), P(g, m, 1), d->encoded, m->inputs, B, T, C);
 }

@@ -1,4 +1,5 @@
-/* model.h - GPT-2 style decoder over flat fp32 buffers (CPU backend).
+/* model.h - GPT-2 style decoder over flat fp32 buffers, on a kernel table (kern_ops.h) and a
+ * device (device.h): the CPU backend (fp32, or bf16 GEMM operands) or CUDA.
  *
  * Parameters live in one flat, padded fp32 buffer described by a tensor table (name, shape,
  * offset in elements). Gradients and Adam moments use the same layout. Tensors are laid out
@@ -11,6 +12,9 @@
  */
 #ifndef TRAIN_MODEL_H
 #define TRAIN_MODEL_H
+
+#include "device.h"
+#include "kern_ops.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -48,6 +52,26 @@ typedef struct train_model train_model;
  * Errors: -EINVAL bad config or micro_batch < 1, -ENOMEM. */
 int train_model_create(train_model **out, const train_model_config *config, int micro_batch);
 
+/* The same on a device and a kernel table: parameters, gradients, activations, attention
+ * scratch and the token copies are memory of dev (train_device_alloc; NULL = host memory from
+ * calloc, what train_model_create uses), and forward/backward call ops (NULL = the CPU fp32
+ * table, kern_cpu_vec.h's kern_cpu_ops_fp32). dev and ops are not owned and must outlive the
+ * model. train_model_create(out, c, b) is train_model_create_on(out, c, b, NULL, NULL).
+ * On a device whose memory is not host memory (CUDA), train_model_params/grads return device
+ * pointers, forward copies inputs/targets host-to-device and the losses device-to-host (the
+ * mean is summed on the host in the same order), and train_model_init_params initialises in
+ * host memory and copies. Errors: as train_model_create. */
+int train_model_create_on(train_model **out, const train_model_config *config, int micro_batch,
+                          train_device *dev, const kern_ops *ops);
+
+/* The device and table given at creation (dev NULL for train_model_create; ops never NULL). */
+train_device *train_model_device(const train_model *m);
+const kern_ops *train_model_ops(const train_model *m);
+
+/* First failed host<->device copy of forward or init (negative errno), 0 when none; forward
+ * returns NaN once it is set. Kernel failures are the table's ops->status. */
+int train_model_copy_status(const train_model *m);
+
 /* Frees everything; accepts NULL. */
 void train_model_free(train_model *m);
 
@@ -55,7 +79,7 @@ void train_model_free(train_model *m);
 const train_tensor *train_model_tensors(const train_model *m, size_t *n);
 size_t train_model_num_params(const train_model *m);  /* padded flat size, elements */
 size_t train_model_num_real(const train_model *m);    /* sum of tensor sizes, elements */
-float *train_model_params(train_model *m);           /* (num_params) */
+float *train_model_params(train_model *m);           /* (num_params) memory of the device */
 float *train_model_grads(train_model *m);            /* (num_params) gradient of one micro-batch */
 const train_model_config *train_model_get_config(const train_model *m);
 
@@ -63,6 +87,10 @@ const train_model_config *train_model_get_config(const train_model *m);
  * weights ~ N(0, 0.02), residual projections (attn.c_proj, mlp.c_proj) ~ N(0, 0.02/sqrt(2L)),
  * biases 0, LayerNorm gains 1. Padding is zeroed. */
 void train_model_init_params(train_model *m, uint64_t seed);
+
+/* The same initialisation written into a host buffer dst of num_params floats (the model's
+ * own buffers are not touched). */
+void train_model_init_params_into(const train_model *m, uint64_t seed, float *dst);
 
 /* Forward pass over one micro-batch. inputs, targets (B,T) token ids in [0, V); B <= the
  * micro_batch given at creation. Returns the mean cross-entropy over the B*T positions

@@ -1,6 +1,9 @@
 /* AdamW, schedule, tree accumulation, block norms. */
 #include "optim.h"
 
+#include "device.h"
+#include "kern_cpu_vec.h"
+
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -29,23 +32,25 @@ void train_adamw_update_shard(const train_adamw_config *c, const train_tensor *t
                               size_t ntensors, float *params, float *m, float *v,
                               const float *grads, size_t lo, size_t hi, int64_t t, float lr)
 {
-    const float b1 = c->beta1, b2 = c->beta2, eps = c->eps;
-    const float bc1 = 1.0f - powf(b1, (float)t), bc2 = 1.0f - powf(b2, (float)t);
+    train_adamw_update_ops(kern_cpu_ops_fp32(), c, tensors, ntensors, params, m, v, grads, lo, hi,
+                           t, lr);
+}
+
+void train_adamw_update_ops(const kern_ops *ops, const train_adamw_config *c,
+                            const train_tensor *tensors, size_t ntensors, float *params, float *m,
+                            float *v, const float *grads, size_t lo, size_t hi, int64_t t, float lr)
+{
+    kern_adamw_args a = {.lr = lr, .beta1 = c->beta1, .beta2 = c->beta2, .eps = c->eps};
+    a.bc1 = 1.0f - powf(c->beta1, (float)t);
+    a.bc2 = 1.0f - powf(c->beta2, (float)t);
     for (size_t ti = 0; ti < ntensors; ti++) {
         const train_tensor *tt = &tensors[ti];
-        size_t a = tt->offset > lo ? tt->offset : lo;
-        size_t b = tt->offset + tt->numel < hi ? tt->offset + tt->numel : hi;
-        const float wd = tt->decay ? c->weight_decay : 0.0f;
-        for (size_t k = a; k < b; k++) {
-            size_t i = k - lo;
-            float g = grads[i];
-            float mi = b1 * m[i] + (1.0f - b1) * g;
-            float vi = b2 * v[i] + (1.0f - b2) * g * g;
-            m[i] = mi;
-            v[i] = vi;
-            float mhat = mi / bc1, vhat = vi / bc2;
-            params[i] -= lr * (mhat / (sqrtf(vhat) + eps) + wd * params[i]);
-        }
+        size_t lo_t = tt->offset > lo ? tt->offset : lo;
+        size_t hi_t = tt->offset + tt->numel < hi ? tt->offset + tt->numel : hi;
+        if (hi_t <= lo_t) continue;
+        a.weight_decay = tt->decay ? c->weight_decay : 0.0f;
+        size_t i = lo_t - lo;
+        ops->adamw(ops->ctx, params + i, m + i, v + i, grads + i, hi_t - lo_t, &a);
     }
 }
 
@@ -56,11 +61,7 @@ void train_block_sumsq(const float *x, size_t lo, size_t hi, double *out)
 
 void train_block_sumsq_shard(const float *x, size_t n, double *out)
 {
-    for (size_t b = 0; b < n; b += TRAIN_BLOCK) {
-        double s = 0.0;
-        for (size_t i = b; i < b + TRAIN_BLOCK; i++) s += (double)x[i] * (double)x[i];
-        out[b / TRAIN_BLOCK] = s;
-    }
+    kern_cpu_block_sumsq(x, n, out);
 }
 
 double train_tree_sum(const double *vals, size_t n)
@@ -74,7 +75,7 @@ double train_tree_sum(const double *vals, size_t n)
 
 void train_scale(float *x, size_t lo, size_t hi, float s)
 {
-    for (size_t i = lo; i < hi; i++) x[i] *= s;
+    if (hi > lo) kern_cpu_scale(x + lo, hi - lo, s);
 }
 
 struct train_tree {
@@ -83,10 +84,18 @@ struct train_tree {
     int depth;     /* partial sums on the stack */
     int max_items, pushed;
     int *size;     /* items in each stacked partial sum */
-    float **slot;  /* (levels) buffers of n floats */
+    float **slot;  /* (levels) buffers of n floats, memory of dev (host memory when NULL) */
+    train_device *dev;
+    const kern_ops *ops;
 };
 
 int train_tree_create(train_tree **out, size_t n, int max_items)
+{
+    return train_tree_create_on(out, n, max_items, NULL, NULL);
+}
+
+int train_tree_create_on(train_tree **out, size_t n, int max_items, train_device *dev,
+                         const kern_ops *ops)
 {
     *out = NULL;
     if (n == 0 || max_items < 1) return -EINVAL;
@@ -94,14 +103,23 @@ int train_tree_create(train_tree **out, size_t n, int max_items)
     if (!t) return -ENOMEM;
     t->n = n;
     t->max_items = max_items;
+    t->dev = dev;
+    t->ops = ops ? ops : kern_cpu_ops_fp32();
     int levels = 1;
     while ((1 << (levels - 1)) < max_items) levels++;
     t->levels = levels + 1;
     t->size = calloc((size_t)t->levels, sizeof *t->size);
     t->slot = calloc((size_t)t->levels, sizeof *t->slot);
     if (!t->size || !t->slot) goto fail;
-    for (int i = 0; i < t->levels; i++)
-        if (!(t->slot[i] = malloc(n * sizeof(float)))) goto fail;
+    for (int i = 0; i < t->levels; i++) {
+        if (dev) {
+            void *p;
+            if (train_device_alloc(dev, &p, n * sizeof(float)) < 0) goto fail;
+            t->slot[i] = p;
+        } else if (!(t->slot[i] = malloc(n * sizeof(float)))) {
+            goto fail;
+        }
+    }
     *out = t;
     return 0;
 fail:
@@ -112,7 +130,10 @@ fail:
 void train_tree_free(train_tree *t)
 {
     if (!t) return;
-    for (int i = 0; t->slot && i < t->levels; i++) free(t->slot[i]);
+    for (int i = 0; t->slot && i < t->levels; i++) {
+        if (t->dev) train_device_free(t->dev, t->slot[i]);
+        else free(t->slot[i]);
+    }
     free(t->slot);
     free(t->size);
     free(t);
@@ -124,21 +145,17 @@ void train_tree_reset(train_tree *t)
     t->pushed = 0;
 }
 
-static void add_into(float *left, const float *right, size_t n)
-{
-    for (size_t i = 0; i < n; i++) left[i] = left[i] + right[i];
-}
-
 int train_tree_push(train_tree *t, const float *x)
 {
     if (t->pushed >= t->max_items) return -ENOSPC;
     t->pushed++;
+    const kern_ops *k = t->ops;
     /* the stack never holds two partial sums of equal size, so depth <= levels - 1 here */
-    memcpy(t->slot[t->depth], x, t->n * sizeof(float));
+    k->copy(k->ctx, t->slot[t->depth], x, t->n);
     t->size[t->depth] = 1;
     t->depth++;
     while (t->depth >= 2 && t->size[t->depth - 1] == t->size[t->depth - 2]) {
-        add_into(t->slot[t->depth - 2], t->slot[t->depth - 1], t->n);
+        k->add(k->ctx, t->slot[t->depth - 2], t->slot[t->depth - 1], t->n);
         t->size[t->depth - 2] *= 2;
         t->depth--;
     }
@@ -147,16 +164,14 @@ int train_tree_push(train_tree *t, const float *x)
 
 void train_tree_result(train_tree *t, float *out)
 {
+    const kern_ops *k = t->ops;
     if (t->depth == 0) {
-        memset(out, 0, t->n * sizeof(float));
+        k->zero(k->ctx, out, t->n);
         return;
     }
     /* combine right to left: earlier (larger, complete) subtrees on the left */
-    for (int i = t->depth - 1; i >= 1; i--) {
-        float *left = t->slot[i - 1];
-        add_into(left, t->slot[i], t->n);
-    }
-    memcpy(out, t->slot[0], t->n * sizeof(float));
+    for (int i = t->depth - 1; i >= 1; i--) k->add(k->ctx, t->slot[i - 1], t->slot[i], t->n);
+    k->copy(k->ctx, out, t->slot[0], t->n);
     t->depth = 0;
     t->pushed = 0;
 }

@@ -10,6 +10,8 @@
 #ifndef TRAIN_OPTIM_H
 #define TRAIN_OPTIM_H
 
+#include "device.h"
+#include "kern_ops.h"
 #include "model.h"
 
 #include <stddef.h>
@@ -48,6 +50,16 @@ void train_adamw_update_shard(const train_adamw_config *c, const train_tensor *t
                               size_t ntensors, float *params, float *m, float *v,
                               const float *grads, size_t lo, size_t hi, int64_t t, float lr);
 
+/* The same update through a kernel table (kern_ops.h): params, m, v, grads are memory of the
+ * table's device holding hi - lo floats from element lo (as train_adamw_update_shard); one
+ * ops->adamw call per tensor segment of [lo, hi), with bc1 = 1 - beta1^t, bc2 = 1 - beta2^t
+ * (powf) and the tensor's weight decay. With the CPU fp32 table it is train_adamw_update_shard
+ * (which calls it), bit for bit. */
+void train_adamw_update_ops(const kern_ops *ops, const train_adamw_config *c,
+                            const train_tensor *tensors, size_t ntensors, float *params, float *m,
+                            float *v, const float *grads, size_t lo, size_t hi, int64_t t,
+                            float lr);
+
 /* Sum of squares of x[lo, hi) for every TRAIN_BLOCK-element block that lies in [lo, hi)
  * (lo and hi multiples of TRAIN_BLOCK) into out[(lo/TRAIN_BLOCK) ..], in double. */
 void train_block_sumsq(const float *x, size_t lo, size_t hi, double *out);
@@ -69,8 +81,14 @@ void train_scale(float *x, size_t lo, size_t hi, float s);
  * (log2(M)+1) buffers of n floats. */
 typedef struct train_tree train_tree;
 
-/* Errors: -EINVAL (n == 0 or max_items == 0), -ENOMEM. */
+/* Errors: -EINVAL (n == 0 or max_items == 0), -ENOMEM. Host memory, the CPU fp32 kernels. */
 int train_tree_create(train_tree **out, size_t n, int max_items);
+/* The same with the buffers in device memory of dev (train_device_alloc; NULL = host memory)
+ * and the sums done by ops->copy / ops->add / ops->zero (NULL = the CPU fp32 table); then
+ * train_tree_push's x and train_tree_result's out are memory of that device too. dev and ops
+ * are not owned and must outlive the accumulator. */
+int train_tree_create_on(train_tree **out, size_t n, int max_items, train_device *dev,
+                         const kern_ops *ops);
 void train_tree_free(train_tree *t); /* accepts NULL */
 /* Start a new sum. */
 void train_tree_reset(train_tree *t);

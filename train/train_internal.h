@@ -19,6 +19,9 @@
 #include "ckpt.h"
 #include "comm.h"
 #include "data.h"
+#include "dcomm.h"
+#include "device.h"
+#include "kern_ops.h"
 #include "ds_config.h"
 #include "model.h"
 #include "optim.h"
@@ -68,6 +71,10 @@ typedef struct options {
                                  -1 (not given) = 1 when the budget allows, else off */
     uint64_t mem_budget;      /* --mem-budget, bytes per node; 0 (not given) = half the free
                                  space of the segment folder's file system */
+    /* the backend (train_device.c) */
+    const char *device;       /* --device: NULL = "cpu"; "cuda" (ordinal LOCAL_RANK), "cuda:N" */
+    int bf16;                 /* --dtype bf16 (or the config's bf16.enabled): 1; fp32: 0 */
+    int reduce_ring;          /* --reduce ring: 1; tree (default): 0 */
 } options;
 
 /* The state of one rank. main() (train_main.c) owns it: it allocates the buffers, and frees
@@ -90,10 +97,21 @@ typedef struct state {
     size_t *shard_bytes;     /* (W) params bytes per rank */
     size_t *shard_el;        /* (W) elements per rank */
     size_t *block_bytes;     /* (W) bytes of block sums (doubles) per rank */
-    float *m, *v;            /* (ohi - olo) Adam moments */
-    float *gsum;             /* (np) this rank's tree sum of its micro-batch gradients */
-    float *gshard;           /* (hi - lo) reduce-scattered gradient (stages 2, 3) */
-    double *blocks;          /* (nb) squared norms of gradient blocks */
+    /* the backend (train_device.c): the device, its kernel table and collectives. Buffers
+     * marked (dev) are device memory; on the CPU device that is host memory. */
+    train_device *dev;
+    kern_ops ops;            /* the kernel table of dev (kern_cpu_ops_init / kern_cuda_ops_init) */
+    int ops_ready;           /* ops was filled in (to be freed) */
+    train_dcomm *dcomm;      /* gradient reduction and parameter all-gathers over dev memory */
+    float *dm, *dv;          /* (dev, ohi - olo) Adam moments */
+    float *m, *v;            /* host view of dm, dv: the same pointers on the CPU device, pinned
+                                mirrors on CUDA (train_state_to_host / train_state_to_device) */
+    float *params_host;      /* host view of the params (np): train_model_params on the CPU
+                                device, a pinned mirror on CUDA */
+    float *gsum;             /* (dev, np) this rank's tree sum of its micro-batch gradients */
+    float *gshard;           /* (dev, hi - lo) reduce-scattered gradient (stages 2, 3) */
+    double *dblocks;         /* (dev, (ohi - olo) / TRAIN_BLOCK) block sums of squares */
+    double *blocks;          /* (nb) squared norms of gradient blocks (host) */
     double *xchg;            /* (W x (A + 1)) per-micro-batch losses and stop flags */
     double *losses;          /* (M = A x W) the step's micro-batch losses in order */
     size_t *counts;          /* (W) scratch for the counts of one collective */
@@ -394,6 +412,40 @@ int train_startup_agree(state *s, int local);
  * shard_bytes, shard_el, block_bytes (allocated here, freed by main). Needs s->model.
  * Returns 0 or -ENOMEM. */
 int train_plan_shards(state *s);
+
+/* ------------------------------------------------------------------ train_device.c */
+
+/* Open the device of --device (cuda: ordinal LOCAL_RANK; cuda:N: N) and its kernel table of
+ * --dtype into s->dev and s->ops; log the device, dtype and reduce mode (rank 0). A missing or
+ * unusable GPU, or a build without CUDA: one line on stderr, exit status 2. Local. Returns the
+ * exit status 0, 1 (out of memory) or 2. */
+int train_device_setup(state *s);
+
+/* After train_plan_shards and the model: the device buffers of the state (dm, dv, gsum,
+ * gshard, dblocks; zeroed), the host views m, v, params_host (aliases on the CPU device,
+ * pinned mirrors on CUDA) and the device collectives s->dcomm (over s->comm; --reduce).
+ * Collective (dcomm create). Returns 0, or a negative errno (logged). */
+int train_state_alloc(state *s);
+
+/* Rank 0: log the device, dtype, kernels and reduce mode in one line (and that --reduce ring
+ * falls back to the tree on the CPU). Called with the model line, after the resume. */
+void train_backend_log(const state *s);
+
+/* Free the buffers and collectives of train_state_alloc (before the model goes) /
+ * the kernel table and the device of train_device_setup (after the model). Both accept a state
+ * without them. */
+void train_state_free(state *s);
+void train_device_teardown(state *s);
+
+/* The sync points between the device state and its host view (piece D replaces the snapshot
+ * path's use with asynchronous staging). On the CPU device both are no-ops (the views are the
+ * device memory). CUDA: to_host copies the params (np), adam_m and adam_v (ohi - olo) D2H into
+ * params_host, m, v, after the work queued on the compute stream; to_device the other way.
+ * Call to_host before host users read the state (digests, the trainer record, snapshots, the
+ * memory tier, the final digest), to_device after a resume or a fresh start wrote the host
+ * view. Return 0 or the copy's negative errno (logged). Local. */
+int train_state_to_host(state *s);
+int train_state_to_device(state *s);
 
 /* ------------------------------------------------------------------ train_main.c */
 

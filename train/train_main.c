@@ -1,4 +1,5 @@
-/* train: GPT-2 style decoder on the CPU backend with crash-safe snapshots and --resume.
+/* train: GPT-2 style decoder on the CPU or CUDA backend (--device, --dtype) with crash-safe
+ * snapshots and --resume.
  * Exit status: 0 success, 1 runtime failure, 2 usage or configuration error. */
 #include "clock.h"
 #include "ckpt.h"
@@ -121,20 +122,16 @@ int main(int argc, char **argv)
     if (status != 0) goto out;
     status = 1;
     size_t T = (size_t)o.model.seq_len, b = (size_t)o.micro_batch;
-    if ((rc = train_model_create(&s.model, &o.model, o.micro_batch)) < 0) {
+    if ((rc = train_model_create_on(&s.model, &o.model, o.micro_batch, s.dev, &s.ops)) < 0) {
         fprintf(stderr, "train: cannot create the model: %s\n", strerror(-rc));
         goto out;
     }
     if (train_plan_shards(&s) < 0) goto out;
-    s.m = calloc(s.ohi - s.olo + 1, sizeof(float));
-    s.v = calloc(s.ohi - s.olo + 1, sizeof(float));
-    s.gsum = calloc(s.np, sizeof(float));
-    s.gshard = o.zero_stage >= 2 ? calloc(s.hi - s.lo + 1, sizeof(float)) : NULL;
+    if (train_state_alloc(&s) < 0) goto out; /* logged */
     s.blocks = calloc(s.nb, sizeof(double));
     s.inputs = calloc(b * T, sizeof(int32_t));
     s.targets = calloc(b * T, sizeof(int32_t));
-    if (!s.m || !s.v || !s.gsum || (o.zero_stage >= 2 && !s.gshard) || !s.blocks || !s.inputs ||
-        !s.targets) {
+    if (!s.blocks || !s.inputs || !s.targets) {
         fprintf(stderr, "train: out of memory for %zu parameters\n", s.np);
         goto out;
     }
@@ -147,6 +144,7 @@ int main(int argc, char **argv)
         status = r;
         goto out;
     }
+    if (train_state_to_device(&s) < 0) goto out; /* the resumed or fresh state (logged) */
     if (s.rank == 0) {
         double restore_s = clock_now_s() - t_resume;
         if (o.tensorboard_dir) train_report_tensorboard(s.report, o.tensorboard_dir); /* logged */
@@ -163,7 +161,7 @@ int main(int argc, char **argv)
     s.step_inputs = calloc((size_t)s.grad_accum * b * T, sizeof(int32_t));
     s.step_targets = calloc((size_t)s.grad_accum * b * T, sizeof(int32_t));
     if (!s.xchg || !s.losses || !s.step_samples || !s.step_inputs || !s.step_targets ||
-        train_tree_create(&s.tree, s.np, s.grad_accum) < 0) {
+        train_tree_create_on(&s.tree, s.np, s.grad_accum, s.dev, &s.ops) < 0) {
         fprintf(stderr, "train: out of memory for %zu parameters\n", s.np);
         goto out;
     }
@@ -172,6 +170,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "train: cannot start the data prefetch thread: %s\n", strerror(-rc));
         goto out;
     }
+    train_backend_log(&s);
     if (s.rank == 0)
         LOG_I(TAG, "model: %d layers, %d embd, %d heads, seq %d, vocab %d: %zu parameters (%zu "
               "padded); world size %d, ZeRO stage %d, global batch %d = %d ranks x %d micro-batches "
@@ -279,9 +278,10 @@ int main(int argc, char **argv)
         train_comm_failed(&s, "final barrier", rc);
         goto out;
     }
+    if (train_state_to_host(&s) < 0) goto out; /* logged */
     if (s.rank == 0) {
         char digest[33];
-        train_digest_hex(train_model_params(s.model), s.np, digest);
+        train_digest_hex(s.params_host, s.np, digest);
         printf("final step=%" PRId64 " loss=%.6f val_loss=%.6f params_digest=%s\n", s.step,
                s.last_loss, s.last_val, digest);
         fflush(stdout);
@@ -296,17 +296,15 @@ out:
     train_report_close(s.report);
     train_vote_free(s.vote);
     ckpt_dir_lock_release(s.lock);
+    train_tree_free(s.tree);
+    s.tree = NULL;
+    train_state_free(&s); /* the device buffers and collectives, before the comm */
     train_comm_free(s.comm);
     elastic_store_server_stop(s.server);
     if (s.sample_fd >= 0) close(s.sample_fd);
     train_prefetch_free(s.prefetch);
     free(s.step_inputs);
     free(s.step_targets);
-    train_tree_free(s.tree);
-    free(s.m);
-    free(s.v);
-    free(s.gsum);
-    free(s.gshard);
     free(s.blocks);
     free(s.xchg);
     free(s.losses);
@@ -318,6 +316,7 @@ out:
     free(s.inputs);
     free(s.targets);
     train_model_free(s.model);
+    train_device_teardown(&s); /* the kernel table and the device, after the model */
     train_dataset_close(s.train);
     train_dataset_close(s.val);
     return status;

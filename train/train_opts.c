@@ -19,7 +19,7 @@
 static const char usage_text[] =
     "usage: train --data GLOB [options]\n"
     "\n"
-    "Trains a GPT-2 style decoder on llm.c token shards (CPU backend), with snapshots.\n"
+    "Trains a GPT-2 style decoder on llm.c token shards (CPU or CUDA backend), with snapshots.\n"
     "\n"
     "Data and model:\n"
     "  --data GLOB           training shards (llm.c layout), required\n"
@@ -64,6 +64,23 @@ static const char usage_text[] =
     "                        DIR`). Overrides the config's \"tensorboard\" section (DeepSpeed's:\n"
     "                        enabled, output_path, job_name: events in output_path/job_name).\n"
     "                        A write error is logged once and training goes on without events\n"
+    ;
+static const char usage_text_dev[] =
+    "Backend:\n"
+    "  --device D            cpu (default), cuda (GPU number LOCAL_RANK, default 0) or cuda:N.\n"
+    "                        Without a usable GPU, or in a build without CUDA: one line, exit 2\n"
+    "  --dtype T             fp32 (default) or bf16 (the config's bf16.enabled: true): GEMM\n"
+    "                        operands (activations, weights, and in backward the output gradient)\n"
+    "                        rounded to bf16, products summed in fp32; master weights, Adam\n"
+    "                        moments, gradients and snapshots stay fp32 (on the CPU an emulation,\n"
+    "                        deterministic, for tests). A snapshot of either dtype restores into a\n"
+    "                        run of either (a warning when they differ: the run then does not\n"
+    "                        match an uninterrupted one); the trainer record names the dtype\n"
+    "  --reduce M            gradient reduction across ranks: tree (default; deterministic, the\n"
+    "                        same bits at every world size) or ring (NCCL's ring collectives:\n"
+    "                        faster, not bit-stable across world sizes; CUDA only, on the CPU\n"
+    "                        tree is used and logged)\n"
+    "\n"
     ;
 static const char usage_text2[] =
     "Snapshots:\n"
@@ -212,7 +229,8 @@ int train_parse_args(int argc, char **argv, options *o)
         O_RESUME, O_RUNID, O_ZLEVEL, O_SHUFFLE, O_NOSHUFFLE, O_CHUNK, O_NODIRECT, O_NOCOMP, O_SNTHREADS,
         O_POLICY, O_KEEPLAST, O_KEEPEVERY, O_OVERLAP, O_GB, O_ZERO, O_CONFIG, O_CTIMEOUT, O_SLOG,
         O_JTIMEOUT, O_FRESH, O_TBDIR, O_S3, O_S3SIG, O_S3KEEP, O_S3PART, O_S3BACKLOG, O_S3TIMEOUT,
-        O_S3SNAPTIMEOUT, O_S3LAG, O_S3DRAIN, O_S3ATTEMPTS, O_MEMEVERY, O_MEMBUDGET
+        O_S3SNAPTIMEOUT, O_S3LAG, O_S3DRAIN, O_S3ATTEMPTS, O_MEMEVERY, O_MEMBUDGET, O_DEVICE,
+        O_DTYPE, O_REDUCE
     };
     static const struct option lo[] = {
         {"data", required_argument, 0, O_DATA}, {"val-data", required_argument, 0, O_VAL},
@@ -249,6 +267,8 @@ int train_parse_args(int argc, char **argv, options *o)
         {"s3-attempts", required_argument, 0, O_S3ATTEMPTS},
         {"mem-snapshot-every", required_argument, 0, O_MEMEVERY},
         {"mem-budget", required_argument, 0, O_MEMBUDGET},
+        {"device", required_argument, 0, O_DEVICE}, {"dtype", required_argument, 0, O_DTYPE},
+        {"reduce", required_argument, 0, O_REDUCE},
         {0, 0, 0, 0}};
     int c, v = 0, chunk_mib = 4;
     const char *s3_flag = NULL; /* an --s3-* option given, for the check that --s3 is */
@@ -277,6 +297,32 @@ int train_parse_args(int argc, char **argv, options *o)
             break;
         case O_ZERO: bad = parse_int("--zero-stage", optarg, 0, 3, &o->zero_stage); break;
         case O_CONFIG: break; /* read before the flags (train_read_config) */
+        case O_DEVICE: {
+            train_device_kind kind;
+            int ord;
+            if (train_device_parse(optarg, &kind, &ord) < 0) {
+                fprintf(stderr, "train: --device: '%s' is not cpu, cuda or cuda:N\n", optarg);
+                bad = 1;
+            }
+            o->device = optarg;
+            break;
+        }
+        case O_DTYPE:
+            if (!strcmp(optarg, "fp32")) o->bf16 = 0;
+            else if (!strcmp(optarg, "bf16")) o->bf16 = 1;
+            else {
+                fprintf(stderr, "train: --dtype: '%s' is not fp32 or bf16\n", optarg);
+                bad = 1;
+            }
+            break;
+        case O_REDUCE:
+            if (!strcmp(optarg, "tree")) o->reduce_ring = 0;
+            else if (!strcmp(optarg, "ring")) o->reduce_ring = 1;
+            else {
+                fprintf(stderr, "train: --reduce: '%s' is not tree or ring\n", optarg);
+                bad = 1;
+            }
+            break;
         case O_SLOG: o->sample_log = optarg; break;
         case O_JTIMEOUT: {
             float t = 0;
@@ -384,6 +430,7 @@ int train_parse_args(int argc, char **argv, options *o)
         case O_MEMBUDGET: bad = parse_bytes("--mem-budget", optarg, &o->mem_budget); break;
         case 'h':
             fputs(usage_text, stdout);
+            fputs(usage_text_dev, stdout);
             fputs(usage_text2, stdout);
             fputs(usage_text_s3, stdout);
             fputs(usage_text_mem, stdout);
@@ -497,6 +544,7 @@ int train_read_config(int argc, char **argv, options *o, train_ds_config *dc)
     if (dc->has_min_lr_ratio) o->adam.min_lr_ratio = dc->min_lr_ratio;
     if (dc->has_grad_clip) o->adam.grad_clip = dc->grad_clip;
     if (dc->has_seed) o->seed = (uint64_t)dc->seed;
+    if (dc->has_bf16) o->bf16 = dc->bf16;
     if (dc->has_log_every) o->log_every = dc->log_every;
     if (dc->has_ckpt_dir) o->ckpt_dir = dc->ckpt_dir;
     if (dc->has_ckpt_every) o->ckpt_every = dc->ckpt_every;

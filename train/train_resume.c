@@ -83,6 +83,13 @@ static void warn_changed_hparams(const json_t *tr, const options *o)
     if (msg[0])
         LOG_W(TAG, "optimizer settings differ from the snapshot's (%s): the run will not match an "
               "uninterrupted one", msg);
+    /* a snapshot holds fp32 state whatever the run's dtype: either restores into either */
+    const json_t *jd = json_object_get(tr, "dtype");
+    const char *was = json_is_string(jd) ? json_string_value(jd) : "fp32"; /* older records */
+    const char *now = o->bf16 ? "bf16" : "fp32";
+    if (strcmp(was, now) != 0)
+        LOG_W(TAG, "dtype differs from the snapshot's (%.8s -> %s): the fp32 state restores, but the "
+              "run will not match an uninterrupted one", was, now);
 }
 
 /* The global batch this run wants, or 0 when it follows the snapshot's (neither
@@ -270,7 +277,7 @@ static int load_part(state *s, const char *path, char *why, size_t why_len)
     train_record rec;
     int want = wanted_global_batch(s);
     size_t plo = s->o->zero_stage == 0 ? 0 : s->lo, phi = s->o->zero_stage == 0 ? s->np : s->hi;
-    float *params = train_model_params(s->model);
+    float *params = s->params_host;
     json_t *jbatch = json_object_get(tr, "batch");
     if ((rc = train_record_check(s->o, mydh, s->np, snap, tr, &rec, why, why_len)) < 0) {
         /* why is set */
@@ -367,12 +374,14 @@ static int load_snapshot(state *s, const char *path, char *why, size_t why_len, 
         }
         return rc;
     }
-    if (train_gather_params(s) < 0) {
+    /* the ranges were read into the host view: to the device, gathered there, and back for
+     * the digest (no copies on the CPU device) */
+    if (train_state_to_device(s) < 0 || train_gather_params(s) < 0 || train_state_to_host(s) < 0) {
         *comm_err = 1;
         return -EIO;
     }
     char got[33];
-    train_digest_hex(train_model_params(s->model), s->np, got);
+    train_digest_hex(s->params_host, s->np, got);
     if (strcmp(got, digest) != 0) {
         snprintf(why, why_len, "params digest %s differs from the recorded %s", got, digest);
         return -EBADMSG;
@@ -400,7 +409,7 @@ static int o_ckpt_dir(const state *s) { return s->o->ckpt_dir != NULL; }
 
 static void fresh_start(state *s)
 {
-    train_model_init_params(s->model, s->o->seed);
+    train_model_init_params_into(s->model, s->o->seed, s->params_host); /* main: to the device */
     memset(s->m, 0, (s->ohi - s->olo) * sizeof(float));
     memset(s->v, 0, (s->ohi - s->olo) * sizeof(float));
     s->step = 0;

@@ -77,6 +77,9 @@ void train_make_config_hash(const state *s, char out[17])
                      ";global_batch=%d",
                      o->model.vocab, o->model.seq_len, o->model.n_layer, o->model.n_embd,
                      o->model.n_head, o->seed, s->global_batch);
+    /* the dtype only for bf16, so that the hash of an fp32 run is what it always was */
+    if (o->bf16 && n > 0 && (size_t)n < sizeof buf)
+        n += snprintf(buf + n, sizeof buf - (size_t)n, ";dtype=bf16");
     uint64_t h = XXH3_64bits(buf, (size_t)n);
     snprintf(out, 17, "%016" PRIx64, h);
 }
@@ -107,12 +110,12 @@ static json_t *trainer_record(state *s)
                                                  t[i].decay));
     }
     char digest[33], dhash[17], mdig[17], vdig[17];
-    train_digest_hex(train_model_params(s->model), train_model_num_params(s->model), digest);
+    train_digest_hex(s->params_host, train_model_num_params(s->model), digest);
     snprintf(mdig, sizeof mdig, "%016" PRIx64, s->moments_digest[0]);
     snprintf(vdig, sizeof vdig, "%016" PRIx64, s->moments_digest[1]);
     snprintf(dhash, sizeof dhash, "%016" PRIx64, train_dataset_hash(s->train));
     uint64_t n = train_dataset_num_samples(s->train);
-    return json_pack(
+    json_t *rec = json_pack(
         "{s:I, s:{s:i, s:i, s:i, s:i, s:i}, s:s, s:o, s:i, "
         "s:{s:s, s:f, s:f, s:i, s:i, s:f, s:f, s:f, s:f, s:f, s:I}, "
         "s:{s:i, s:i, s:i, s:i, s:i}, s:{s:I, s:I, s:I, s:I, s:I, s:s, s:i}, s:s, s:f, "
@@ -132,6 +135,12 @@ static json_t *trainer_record(state *s)
         (json_int_t)n, "data_hash", dhash, "files", (int)train_dataset_num_files(s->train),
         "params_digest", digest, "loss", s->last_loss, "moments_digest", "adam_m", mdig, "adam_v",
         vdig);
+    /* the compute dtype of the run; the buffers are fp32 either way (master state) */
+    if (rec && json_object_set_new(rec, "dtype", json_string(o->bf16 ? "bf16" : "fp32")) < 0) {
+        json_decref(rec);
+        return NULL;
+    }
+    return rec;
 }
 
 /* Resident memory of this process in KiB (VmRSS), or -1. */
@@ -189,11 +198,13 @@ int train_snapshot_prepare(state *s, ckpt_buffer bufs[3], char **text)
         int rc = train_gather_range_hook(s, 0, s->np); /* the record's params digest */
         if (rc < 0) return rc;
     }
-    int dr = train_moments_digest(s, s->moments_digest);
+    int dr = train_state_to_host(s); /* the host view the buffers below point into */
+    if (dr < 0) return dr;
+    dr = train_moments_digest(s, s->moments_digest);
     if (dr < 0) return dr;
     size_t bytes = s->np * sizeof(float), off = s->lo * sizeof(float);
     size_t sb = (s->hi - s->lo) * sizeof(float);
-    bufs[0] = (ckpt_buffer){"params", "f32", 4, bytes, off, sb, train_model_params(s->model) + s->lo};
+    bufs[0] = (ckpt_buffer){"params", "f32", 4, bytes, off, sb, s->params_host + s->lo};
     bufs[1] = (ckpt_buffer){"adam_m", "f32", 4, bytes, off, sb, s->m + (s->lo - s->olo)};
     bufs[2] = (ckpt_buffer){"adam_v", "f32", 4, bytes, off, sb, s->v + (s->lo - s->olo)};
     json_t *rec = trainer_record(s);

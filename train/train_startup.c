@@ -62,7 +62,10 @@ int train_startup_local(state *s)
 {
     const options *o = s->o;
     char why[512] = "";
-    int rc = train_dataset_open(&s->train, o->data, o->model.seq_len, o->model.vocab, why,
+    /* the device first: a missing GPU is a configuration error (one line, exit 2) */
+    int rc = train_device_setup(s);
+    if (rc != 0) return rc;
+    rc = train_dataset_open(&s->train, o->data, o->model.seq_len, o->model.vocab, why,
                                 sizeof why);
     /* bad data is a configuration error: a restart reads the same files (DESIGN I8) */
     if (rc < 0) {

@@ -36,12 +36,13 @@ int train_gather_records(state *s, void *all, size_t len)
     return train_comm_all_gather(s->comm, (char *)all + (size_t)s->rank * len, all, s->counts);
 }
 
-/* All-gather of every rank's params shard into the full buffer (stages 1-3). */
+/* All-gather of every rank's params shard into the full buffer (stages 1-3), over device
+ * memory (dcomm). */
 int train_gather_params(state *s)
 {
     if (s->world == 1 || s->o->zero_stage == 0) return 0;
     float *p = train_model_params(s->model);
-    int rc = train_comm_all_gather(s->comm, p + s->lo, p, s->shard_bytes);
+    int rc = train_dcomm_all_gather(s->dcomm, p + s->lo, p, s->shard_bytes);
     if (rc < 0) train_comm_failed(s, "all-gather of parameters", rc);
     return rc;
 }
@@ -60,7 +61,7 @@ int train_gather_range_hook(void *ctx, size_t lo, size_t hi)
         before = b;
     }
     size_t mine = s->lo > lo ? s->lo : lo;
-    int rc = train_comm_all_gather(s->comm, p + mine, p + lo, s->counts);
+    int rc = train_dcomm_all_gather(s->dcomm, p + mine, p + lo, s->counts);
     if (rc < 0) train_comm_failed(s, "layer all-gather (ZeRO-3)", rc);
     return rc;
 }
@@ -147,6 +148,7 @@ int train_step(state *s, double *loss_out, double *norm_out, float *lr_out, int 
               rc == -ETIMEDOUT ? "the prefetch thread did not deliver within 300 s" : why);
         return rc;
     }
+    const kern_ops *K = &s->ops;
     for (int jl = 0; jl < A; jl++) {
         size_t at = (size_t)jl * (size_t)b * (size_t)T;
         mine[jl] = train_model_forward(s->model, s->step_inputs + at, s->step_targets + at, b);
@@ -158,6 +160,11 @@ int train_step(state *s, double *loss_out, double *norm_out, float *lr_out, int 
         }
     }
     train_tree_result(s->tree, s->gsum);
+    if ((rc = train_model_copy_status(s->model)) < 0) {
+        LOG_E(TAG, "rank %d, step %" PRId64 ": a copy between host and device failed: %s", s->rank,
+              s->step + 1, strerror(-rc));
+        return rc;
+    }
     /* losses of all M micro-batches and the ranks' stop flags, in one exchange */
     mine[A] = train_stop_signal ? 1.0 : 0.0;
     if (W > 1) {
@@ -173,28 +180,36 @@ int train_step(state *s, double *loss_out, double *norm_out, float *lr_out, int 
         if (s->xchg[(size_t)r * (A + 1) + A] != 0.0) *stop_any = 1;
     }
     double loss = train_tree_sum(s->losses, (size_t)M) / M;
-    /* gradients: the sum over ranks of their subtrees, in the fixed rank tree */
-    float *grad; /* the gradient of [olo, ohi) */
+    /* gradients: the sum over ranks of their subtrees, in the fixed rank tree (device
+     * collectives; --reduce ring on NCCL: NCCL's order) */
+    float *grad; /* the gradient of [olo, ohi) (device memory) */
     if (o->zero_stage <= 1) {
-        if (W > 1 && (rc = train_comm_all_reduce_f32(s->comm, s->gsum, np)) < 0) {
+        if (W > 1 && (rc = train_dcomm_all_reduce_f32(s->dcomm, s->gsum, np)) < 0) {
             train_comm_failed(s, "all-reduce of gradients", rc);
             return rc;
         }
         grad = s->gsum + s->olo;
     } else {
         if (W > 1) {
-            if ((rc = train_comm_reduce_scatter_f32(s->comm, s->gsum, s->gshard, s->shard_el)) < 0) {
+            if ((rc = train_dcomm_reduce_scatter_f32(s->dcomm, s->gsum, s->gshard, s->shard_el)) < 0) {
                 train_comm_failed(s, "reduce-scatter of gradients", rc);
                 return rc;
             }
         } else {
-            memcpy(s->gshard, s->gsum, np * sizeof(float));
+            K->copy(K->ctx, s->gshard, s->gsum, np);
         }
         grad = s->gshard;
     }
-    /* global norm over fixed blocks, whatever the sharding */
-    train_block_sumsq_shard(s->gsum == grad ? s->gsum : grad, s->ohi - s->olo,
-                            s->blocks + s->olo / TRAIN_BLOCK);
+    /* global norm over fixed blocks, whatever the sharding: the block sums on the device,
+     * copied to the host, gathered and summed there in the fixed tree */
+    const size_t no = s->ohi - s->olo;
+    K->block_sumsq(K->ctx, grad, no, s->dblocks);
+    if ((rc = train_device_copy(s->dev, s->blocks + s->olo / TRAIN_BLOCK, s->dblocks,
+                                no / TRAIN_BLOCK * sizeof(double), TRAIN_COPY_D2H)) < 0) {
+        LOG_E(TAG, "rank %d, step %" PRId64 ": copy of the gradient norms to the host failed: %s",
+              s->rank, s->step + 1, strerror(-rc));
+        return rc;
+    }
     if (W > 1 && o->zero_stage > 0) {
         double *mineb = s->blocks + s->lo / TRAIN_BLOCK;
         if ((rc = train_comm_all_gather(s->comm, mineb, s->blocks, s->block_bytes)) < 0) {
@@ -204,12 +219,18 @@ int train_step(state *s, double *loss_out, double *norm_out, float *lr_out, int 
     }
     double norm = sqrt(train_tree_sum(s->blocks, s->nb));
     if (o->adam.grad_clip > 0 && norm > o->adam.grad_clip)
-        train_scale(grad, 0, s->ohi - s->olo, (float)(o->adam.grad_clip / norm));
+        K->scale(K->ctx, grad, no, (float)(o->adam.grad_clip / norm));
     float lr = train_lr_at(&o->adam, s->step);
     size_t nt;
     const train_tensor *tt = train_model_tensors(s->model, &nt);
-    train_adamw_update_shard(&o->adam, tt, nt, train_model_params(s->model) + s->olo, s->m, s->v,
-                             grad, s->olo, s->ohi, s->step + 1, lr);
+    train_adamw_update_ops(K, &o->adam, tt, nt, train_model_params(s->model) + s->olo, s->dm, s->dv,
+                           grad, s->olo, s->ohi, s->step + 1, lr);
+    /* the kernels' first failure (CUDA launch, cuBLAS, bf16 scratch), once per step */
+    if ((rc = K->status(K->ctx)) < 0) {
+        LOG_E(TAG, "rank %d, step %" PRId64 ": the %s kernels failed: %s", s->rank, s->step + 1,
+              K->name, strerror(-rc));
+        return rc;
+    }
     if (o->zero_stage != 3 && (rc = train_gather_params(s)) < 0) return rc;
     if (s->sample_fd >= 0) {
         size_t n = (size_t)A * (size_t)b, cap = n * 44 + 1, off = 0;

@@ -61,7 +61,7 @@ static const char full_unknown[] =
     "zero_optimization.contiguous_gradients, "
     "zero_optimization.reduce_bucket_size, "
     "optimizer.params.torch_adam, scheduler.params.warmup_min_ratio, "
-    "scheduler.params.warmup_type, bf16 (ignored: CPU backend is fp32), "
+    "scheduler.params.warmup_type, "
     "checkpoint.tag_validation (ignored), checkpoint.load_universal (ignored), "
     "checkpoint.async";
 
@@ -82,6 +82,7 @@ static void test_full(void) {
   T_CHECK(c.has_seed && c.seed == 1234, "%d", c.seed);
   T_CHECK(c.has_grad_clip && c.grad_clip == 0.5f, "%g", c.grad_clip);
   T_CHECK(c.has_zero_stage && c.zero_stage == 2, "%d", c.zero_stage);
+  T_CHECK(c.has_bf16 && c.bf16 == 1, "bf16 %d %d", c.has_bf16, c.bf16);
   T_CHECK(c.has_lr && c.lr == 3e-4f, "%g", c.lr);
   T_CHECK(c.has_betas && c.beta1 == 0.9f && c.beta2 == 0.95f, "%g %g", c.beta1,
           c.beta2);
