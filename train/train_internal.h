@@ -103,6 +103,12 @@ typedef struct state {
     kern_ops ops;            /* the kernel table of dev (kern_cpu_ops_init / kern_cuda_ops_init) */
     int ops_ready;           /* ops was filled in (to be freed) */
     train_dcomm *dcomm;      /* gradient reduction and parameter all-gathers over dev memory */
+    struct train_stager *stager; /* the snapshot copies from dev memory into the engine's
+                                 staging area, on their own copy stream (stage.h); NULL
+                                 without an engine */
+    int stage_pending;       /* a snapshot's copies may still be running: the next optimizer
+                                update waits for them (train_wait_stage_copies) */
+    double stage_t0;         /* when they were queued (for the log line of the wait) */
     float *dm, *dv;          /* (dev, ohi - olo) Adam moments */
     float *m, *v;            /* host view of dm, dv: the same pointers on the CPU device, pinned
                                 mirrors on CUDA (train_state_to_host / train_state_to_device) */
@@ -230,6 +236,12 @@ double train_f2d(float f);
 /* Create s->engine for o->ckpt_dir from the options. Returns 0 or ckpt_engine_create's
  * negative errno (logged). */
 int train_make_engine(state *s);
+
+/* Before the optimizer update overwrites params, adam_m and adam_v on the device: wait for the
+ * copies of the snapshot staged from them (if any), bounded by --comm-timeout x 10 (at least
+ * 600 s). Logs how long the update waited when it did. Returns 0 or the copy stream's
+ * negative errno (logged: the step cannot go on). */
+int train_wait_stage_copies(state *s);
 
 /* Wait for the persist in flight, at most timeout_s seconds; in a group, watch for dead
  * peers meanwhile. Returns ckpt_engine_wait's result (0, -EINPROGRESS when still running at

@@ -12,6 +12,7 @@
 #include "optim.h"
 #include "prefetch.h"
 #include "store.h"
+#include "stage.h"
 #include "train_internal.h"
 #include "vote.h"
 
@@ -291,6 +292,7 @@ out:
     if (status != 0 && status != 128 + SIGTERM && status != 128 + SIGINT)
         train_vote_abort(s.vote); /* no decision will come: unblock our persist */
     ckpt_engine_destroy(s.engine); /* before the segment goes: a persist may read a slot */
+    train_stager_destroy(s.stager); /* after the engine, which unpins its staging through it */
     train_mem_close(&s);
     train_s3_finish(&s, 0);
     train_report_close(s.report);

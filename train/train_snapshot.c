@@ -5,6 +5,7 @@
 #include "comm.h"
 #include "log.h"
 #include "model.h"
+#include "stage.h"
 #include "train_internal.h"
 #include "vote.h"
 
@@ -260,6 +261,26 @@ int train_take_snapshot(state *s, int last)
         rc = ckpt_engine_persist_staged(s->engine, (uint64_t)s->step, s->run_id, s->config_hash,
                                         staged, 3, text, &stall);
         if (rc == 0) s->mem_persist_slot = slot; /* untouched until the persist is done */
+    } else if (s->stager) {
+        /* from the device: the copies are queued on the stager's copy stream, ordered after
+         * the optimizer update (the end of the compute stream), and the persist follows them
+         * chunk by chunk; the next optimizer update waits for them (train_wait_stage_copies) */
+        ckpt_buffer dbufs[3];
+        memcpy(dbufs, bufs, sizeof dbufs);
+        dbufs[0].data = train_model_params(s->model) + s->lo;
+        dbufs[1].data = s->dm + (s->lo - s->olo);
+        dbufs[2].data = s->dv + (s->lo - s->olo);
+        ckpt_copier cp;
+        train_stager_copier(s->stager, &cp);
+        rc = train_stager_after_compute(s->stager);
+        if (rc == 0) {
+            rc = ckpt_engine_stage_device(s->engine, (uint64_t)s->step, s->run_id, s->config_hash,
+                                          dbufs, 3, text, &cp, NULL, &stall);
+            if (rc == 0) {
+                s->stage_pending = 1;
+                s->stage_t0 = clock_now_s();
+            }
+        }
     } else {
         rc = ckpt_engine_stage(s->engine, (uint64_t)s->step, s->run_id, s->config_hash, bufs, 3,
                                text, &stall);
@@ -322,7 +343,35 @@ int train_make_engine(state *s)
         eo.on_commit = train_s3_on_commit;
         eo.on_commit_ctx = s;
     }
-    int rc = ckpt_engine_create(&s->engine, &eo);
+    /* the stager first: the engine pins its staging area through it, and unpins it when it
+     * is destroyed, so the stager goes after the engine (train_main's out: path) */
+    double st_timeout = o->comm_timeout * 10 > 600 ? o->comm_timeout * 10 : 600;
+    int rc = train_stager_create(&s->stager, s->dev, st_timeout);
+    if (rc < 0) {
+        LOG_E(TAG, "cannot create the snapshot copy stream on %s: %s", train_device_describe(s->dev),
+              strerror(-rc));
+        return rc;
+    }
+    rc = ckpt_engine_create(&s->engine, &eo);
     if (rc < 0) LOG_E(TAG, "cannot start the snapshot engine for %s: %s", o->ckpt_dir, strerror(-rc));
     return rc;
+}
+
+int train_wait_stage_copies(state *s)
+{
+    if (!s->stage_pending) return 0;
+    double t0 = clock_now_s();
+    double timeout = s->o->comm_timeout * 10 > 600 ? s->o->comm_timeout * 10 : 600;
+    int rc = train_stager_wait_all(s->stager, timeout);
+    s->stage_pending = 0;
+    double t1 = clock_now_s();
+    if (rc < 0) {
+        LOG_E(TAG, "rank %d, step %" PRId64 ": the snapshot copies from %s did not finish: %s",
+              s->rank, s->step + 1, train_device_describe(s->dev), strerror(-rc));
+        return rc;
+    }
+    if (t1 - t0 >= 0.001)
+        LOG_I(TAG, "step %" PRId64 ": the optimizer update waited %.1f ms for the snapshot copies "
+              "(queued %.1f ms earlier)", s->step + 1, (t1 - t0) * 1e3, (t1 - s->stage_t0) * 1e3);
+    return 0;
 }

@@ -223,6 +223,8 @@ int train_step(state *s, double *loss_out, double *norm_out, float *lr_out, int 
     float lr = train_lr_at(&o->adam, s->step);
     size_t nt;
     const train_tensor *tt = train_model_tensors(s->model, &nt);
+    /* the update overwrites what the last snapshot's copies may still be reading */
+    if ((rc = train_wait_stage_copies(s)) < 0) return rc;
     train_adamw_update_ops(K, &o->adam, tt, nt, train_model_params(s->model) + s->olo, s->dm, s->dv,
                            grad, s->olo, s->ohi, s->step + 1, lr);
     /* the kernels' first failure (CUDA launch, cuBLAS, bf16 scratch), once per step */
