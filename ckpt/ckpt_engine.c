@@ -148,8 +148,15 @@ static void device_drain(ckpt_engine *e, const ckpt_copier *c, size_t queued)
     for (size_t i = 0; i < queued; i++) {
         int rc = c->wait(c->ctx, e->dev_tickets[i], c->timeout_s);
         if (rc < 0) {
-            LOG_E(TAG, "a device copy queued before the failure did not finish: %s", strerror(-rc));
-            break; /* a sticky error fails every later wait too */
+            /* a copy may still be writing into the staging area: abandon it (leaked, never
+             * unpinned, unmapped or reused under a running copy); the next stage makes a new
+             * one */
+            LOG_E(TAG, "a device copy queued before the failure did not finish: %s; the staging "
+                  "area (%zu bytes) is abandoned", strerror(-rc), e->stage.cap);
+            e->stage.base = NULL;
+            e->stage.cap = 0;
+            e->pinned = 0;
+            return;
         }
     }
 }

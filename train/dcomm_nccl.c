@@ -113,6 +113,9 @@ static int wait_nccl(train_dcomm *c, double deadline, int want_stream, const cha
             cudaError_t e = cudaStreamQuery(s->stream);
             if (e == cudaSuccess) return 0;
             if (e != cudaErrorNotReady) return fail_cuda(c, what, e);
+            /* not an error; clear it should the runtime have kept it as the last error, or
+             * the next kernel launch's cudaGetLastError would report it (as PyTorch does) */
+            if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
         }
         if (clock_now_s() >= deadline) {
             LOG_E(TAG, "%s: not done after %.1f s (timeout): aborting the NCCL communicator",

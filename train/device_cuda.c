@@ -409,8 +409,12 @@ static int event_wait_poll(cuda_event *e, double timeout_s)
     if (!atomic_load(&e->recorded)) return -EINVAL;
     int err = atomic_load(&e->err);
     if (err) return err;
+    /* the engine's persist workers wait here: bind their thread to the event's device, or
+     * the runtime would make a context on device 0 in every process (cheap when already set) */
+    int rc = set_device(e->ordinal);
+    if (rc < 0) return rc;
     cudaError_t ce = cudaSuccess;
-    int rc = poll_ready(NULL, e->ev, timeout_s, &ce);
+    rc = poll_ready(NULL, e->ev, timeout_s, &ce);
     return rc == -EIO ? fail_sticky(&e->err, ce, "cudaEventQuery") : rc;
 }
 
@@ -471,6 +475,7 @@ static int cuda_event_query(train_event *te)
     if (!atomic_load(&e->recorded)) return -EINVAL;
     int err = atomic_load(&e->err);
     if (err) return err;
+    if ((err = set_device(e->ordinal)) < 0) return err; /* any thread: see event_wait_poll */
     cudaError_t ce = cudaEventQuery(e->ev);
     if (ce == cudaSuccess) return 1;
     if (ce == cudaErrorNotReady) {

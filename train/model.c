@@ -258,7 +258,9 @@ int train_model_create_on(train_model **out, const train_model_config *config, i
     m->scratch = dalloc(m, 2 * T * T * sizeof(float));
     m->inputs = dalloc(m, (size_t)micro_batch * T * sizeof(int32_t));
     m->targets = dalloc(m, (size_t)micro_batch * T * sizeof(int32_t));
-    if (!m->host_mem && !(m->host_losses = calloc((size_t)micro_batch * T, sizeof(float))))
+    /* pinned: a copy into pageable memory would block in the driver, past every timeout */
+    if (!m->host_mem && train_host_alloc_pinned(m->dev, (void **)&m->host_losses,
+                                                (size_t)micro_batch * T * sizeof(float)) < 0)
         goto fail;
     if (!m->params || !m->grads || !m->scratch || !m->inputs || !m->targets ||
         alloc_acts(m, &m->a, config, micro_batch) < 0 ||
@@ -284,7 +286,7 @@ void train_model_free(train_model *m)
     dfree(m, m->a.base);
     free(m->da.layers);
     dfree(m, m->da.base);
-    free(m->host_losses);
+    if (m->host_losses) train_host_free_pinned(m->dev, m->host_losses);
     free(m);
 }
 

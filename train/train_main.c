@@ -129,7 +129,9 @@ int main(int argc, char **argv)
     }
     if (train_plan_shards(&s) < 0) goto out;
     if (train_state_alloc(&s) < 0) goto out; /* logged */
-    s.blocks = calloc(s.nb, sizeof(double));
+    /* pinned (the D2H copy of the block norms lands here): see train_host_alloc_pinned */
+    if (train_host_alloc_pinned(s.dev, (void **)&s.blocks, s.nb * sizeof(double)) < 0)
+        s.blocks = NULL;
     s.inputs = calloc(b * T, sizeof(int32_t));
     s.targets = calloc(b * T, sizeof(int32_t));
     if (!s.blocks || !s.inputs || !s.targets) {
@@ -307,7 +309,7 @@ out:
     train_prefetch_free(s.prefetch);
     free(s.step_inputs);
     free(s.step_targets);
-    free(s.blocks);
+    if (s.blocks) train_host_free_pinned(s.dev, s.blocks);
     free(s.xchg);
     free(s.losses);
     free(s.counts);

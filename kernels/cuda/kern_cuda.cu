@@ -525,7 +525,13 @@ static int kc_status(void *ctx)
     kern_cuda_ctx *c = C_(ctx);
     if (!c->status) {
         cudaError_t e = cudaStreamQuery(c->stream);
-        if (e != cudaSuccess && e != cudaErrorNotReady) kc_cuda_ok(c, e, "queued kernels");
+        if (e == cudaErrorNotReady) {
+            /* not an error: clear it should the runtime keep it as the last error, or the next
+             * launch's cudaGetLastError check would report it */
+            if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
+        } else if (e != cudaSuccess) {
+            kc_cuda_ok(c, e, "queued kernels");
+        }
     }
     return c->status;
 }
