@@ -328,6 +328,18 @@ int ckpt_engine_stage_device(ckpt_engine *e, uint64_t step, const char *run_id,
                              const char *trainer_json, const ckpt_copier *copier,
                              uint64_t *last_ticket, double *stall_s);
 
+/* A deferred trainer record. ckpt_engine_stage_device with trainer_json NULL stages the
+ * snapshot without its record: the persist copies, compresses and writes every chunk, then
+ * (only where the record is needed: a world of one, or rank 0 of a group, before the
+ * manifest) waits at most copier->timeout_s for this call, which hands it the record of
+ * `step` (copied; checked as at a stage). The trainer uses it to compute the digests of the
+ * state after the copies, off the stage's stall. trainer_json NULL withdraws the record: the
+ * persist fails (-ECANCELED) and nothing is committed; ckpt_engine_destroy withdraws a record
+ * still missing. Returns 0, -ENOENT when no persist of `step` waits for a record (it finished,
+ * failed before, was skipped, or its record was already given: nothing changed), -EINVAL
+ * (e NULL), -ENOMEM. A record that turns out invalid fails the persist (-EINVAL). */
+int ckpt_engine_set_trainer(ckpt_engine *e, uint64_t step, const char *trainer_json);
+
 /* Wait until no persist is in flight, at most timeout_s seconds. Returns the result of the
  * last persist (0 or its negative errno, which may itself be -ETIMEDOUT, e.g. a group vote
  * that timed out; 0 if none ran), or -EINPROGRESS when a persist is still in flight at the

@@ -85,6 +85,11 @@ struct ckpt_engine {
     uint64_t step;
     char run_id[64], config_hash[64];
     char *trainer_json;
+    /* a deferred trainer record (ckpt_engine_stage_device with trainer_json NULL): the persist
+     * waits for ckpt_engine_set_trainer before its manifest */
+    int trainer_deferred;  /* the job's record is deferred */
+    int trainer_state;     /* 0 not yet given, 1 given (trainer_json), -errno withdrawn */
+    pthread_cond_t cv_trainer;
     size_t nbufs;
     ckpt_buffer bufs[MAX_BUFFERS];
     char names[MAX_BUFFERS][64], dtypes[MAX_BUFFERS][64];
@@ -161,6 +166,28 @@ static void device_drain(ckpt_engine *e, const ckpt_copier *c, size_t queued)
     }
 }
 
+/* ckpt_trainer_wait_fn of a deferred record: wait (bounded by the copier's timeout) for
+ * ckpt_engine_set_trainer. */
+static int trainer_wait(void *ctx, char **json)
+{
+    ckpt_engine *e = ctx;
+    struct timespec ts;
+    ckpt_deadline(&ts, e->copier.timeout_s);
+    int rc = 0;
+    pthread_mutex_lock(&e->mu);
+    while (e->trainer_state == 0 && rc == 0)
+        if (pthread_cond_timedwait(&e->cv_trainer, &e->mu, &ts) == ETIMEDOUT && e->trainer_state == 0)
+            rc = -ETIMEDOUT;
+    if (rc == 0 && e->trainer_state < 0) rc = e->trainer_state;
+    if (rc == 0) {
+        *json = e->trainer_json;
+        e->trainer_json = NULL;
+        if (!*json) rc = -ENOMEM;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
+
 /* Pool hook: wait until the stage copy has passed `end` (bounded wait). */
 static int ready_hook(void *ctx, const void *end)
 {
@@ -199,8 +226,9 @@ static void *persist_main(void *arg)
 
         ckpt_save_stats st = {0};
         int rc = ckpt_persist(e->pool, &e->o.save, e->o.compress, e->step, e->run_id,
-                              e->config_hash, e->bufs, e->nbufs, e->trainer_json, e->o.group,
-                              &st);
+                              e->config_hash, e->bufs, e->nbufs,
+                              e->trainer_deferred ? NULL : e->trainer_json,
+                              e->trainer_deferred ? trainer_wait : NULL, e, e->o.group, &st);
         double persist_s = since(&e->staged_at);
         /* a failed persist may have left copies unwaited: they still write into the staging
          * area, which the next stage may grow (unmap); wait for them now (bounded) */
@@ -271,6 +299,7 @@ int ckpt_engine_create(ckpt_engine **out, const ckpt_engine_opts *opts)
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
     pthread_cond_init(&e->cv_staged, NULL);
+    pthread_cond_init(&e->cv_trainer, NULL);
     int rc = ckpt_pool_create(&e->pool, opts->threads, opts->save.chunk_bytes,
                               opts->save.filter == CKPT_FILTER_SHUFFLE);
     if (rc == 0) ckpt_pool_set_ready_hook(e->pool, ready_hook, e);
@@ -281,6 +310,7 @@ int ckpt_engine_create(ckpt_engine **out, const ckpt_engine_opts *opts)
         staging_release(&e->stage);
         pthread_cond_destroy(&e->cv);
         pthread_cond_destroy(&e->cv_staged);
+        pthread_cond_destroy(&e->cv_trainer);
         pthread_mutex_destroy(&e->mu);
         free(e);
         return rc;
@@ -370,8 +400,9 @@ static int stage_job(ckpt_engine *e, uint64_t step, const char *run_id, const ch
     if (rc < 0) return rc;
     for (size_t i = 0; (!copy || dev) && i < nbufs; i++)
         if (bufs[i].bytes && !bufs[i].data) return -EINVAL;
-    char *json_copy = strdup(trainer_json ? trainer_json : "{}");
-    if (!json_copy) return -ENOMEM;
+    const int deferred = dev && !trainer_json; /* ckpt_engine_set_trainer gives it later */
+    char *json_copy = deferred ? NULL : strdup(trainer_json ? trainer_json : "{}");
+    if (!deferred && !json_copy) return -ENOMEM;
 
     pthread_mutex_lock(&e->mu);
     if (e->pending) {
@@ -420,6 +451,10 @@ static int stage_job(ckpt_engine *e, uint64_t step, const char *run_id, const ch
     snprintf(e->config_hash, sizeof e->config_hash, "%s", config_hash);
     free(e->trainer_json);
     e->trainer_json = json_copy;
+    pthread_mutex_lock(&e->mu);
+    e->trainer_deferred = deferred;
+    e->trainer_state = deferred ? 0 : 1;
+    pthread_mutex_unlock(&e->mu);
     clock_gettime(CLOCK_MONOTONIC, &e->staged_at);
 
     const size_t piece = 8u << 20;
@@ -542,9 +577,40 @@ uint64_t ckpt_engine_skipped(ckpt_engine *e)
     return n;
 }
 
+int ckpt_engine_set_trainer(ckpt_engine *e, uint64_t step, const char *trainer_json)
+{
+    if (!e) return -EINVAL;
+    char *copy = trainer_json ? strdup(trainer_json) : NULL;
+    if (trainer_json && !copy) return -ENOMEM;
+    pthread_mutex_lock(&e->mu);
+    int rc = 0;
+    if (!e->pending || !e->trainer_deferred || e->step != step || e->trainer_state != 0) {
+        rc = -ENOENT;
+        free(copy);
+    } else if (!copy) {
+        e->trainer_state = -ECANCELED;
+    } else {
+        free(e->trainer_json);
+        e->trainer_json = copy;
+        e->trainer_state = 1;
+    }
+    pthread_cond_broadcast(&e->cv_trainer);
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
+
 int ckpt_engine_destroy(ckpt_engine *e)
 {
     if (!e) return 0;
+    /* a deferred record that never came will not come now: the persist gives up at once */
+    pthread_mutex_lock(&e->mu);
+    if (e->pending && e->trainer_deferred && e->trainer_state == 0) {
+        LOG_W(TAG, "snapshot of step %llu: its trainer record was never given; not committed",
+              (unsigned long long)e->step);
+        e->trainer_state = -ECANCELED;
+        pthread_cond_broadcast(&e->cv_trainer);
+    }
+    pthread_mutex_unlock(&e->mu);
     int rc = ckpt_engine_wait(e, e->o.wait_timeout_s);
     if (rc == -EINPROGRESS) {
         /* the persist thread still reads the staging area: leak it rather than free it */
@@ -565,6 +631,7 @@ int ckpt_engine_destroy(ckpt_engine *e)
     free(e->trainer_json);
     pthread_cond_destroy(&e->cv);
     pthread_cond_destroy(&e->cv_staged);
+    pthread_cond_destroy(&e->cv_trainer);
     pthread_mutex_destroy(&e->mu);
     free(e);
     return rc;

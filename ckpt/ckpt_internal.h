@@ -110,9 +110,15 @@ int ckpt_check_save_group(const ckpt_save_opts *opts, const char *run_id, const 
  * workers; compress = 0 stores every chunk raw. Same contract as ckpt_save; with a group,
  * this rank's part of a sharded snapshot (ckpt.h, "sharded snapshots"): the result on every
  * rank is 0 only when the snapshot was committed. */
+/* A deferred trainer record: with trainer_json NULL and trainer_wait set, ckpt_persist writes
+ * the chunks first and calls trainer_wait(ctx, &json) only where the record is needed (the
+ * manifest: a world of one, or rank 0 of a group), which returns 0 with *json malloc'ed (the
+ * callee frees it) or a negative errno that fails the persist. */
+typedef int (*ckpt_trainer_wait_fn)(void *ctx, char **json);
+
 int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint64_t step,
                  const char *run_id, const char *config_hash, const ckpt_buffer *bufs,
-                 size_t nbufs, const char *trainer_json, const ckpt_group *group,
-                 ckpt_save_stats *stats);
+                 size_t nbufs, const char *trainer_json, ckpt_trainer_wait_fn trainer_wait,
+                 void *trainer_ctx, const ckpt_group *group, ckpt_save_stats *stats);
 
 #endif /* CKPT_INTERNAL_H */

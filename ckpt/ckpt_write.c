@@ -610,10 +610,38 @@ void ckpt_pool_set_ready_hook(ckpt_pool *p, int (*wait_ready)(void *ctx, const v
     pthread_mutex_unlock(&p->mu);
 }
 
+/* Parse and check a trainer record (a JSON object within the readers' size limit) into
+ * *out. Returns 0, -EINVAL (logged) or -ENOMEM. */
+static int parse_trainer(const char *trainer_json, uint64_t step, json_t **out)
+{
+    json_error_t jerr;
+    json_t *trainer = json_loads(trainer_json ? trainer_json : "{}", 0, &jerr);
+    *out = NULL;
+    if (!trainer || !json_is_object(trainer)) {
+        LOG_E(TAG, "trainer record for step %llu is not a JSON object: %s",
+              (unsigned long long)step, trainer ? "not an object" : jerr.text);
+        json_decref(trainer);
+        return -EINVAL;
+    }
+    /* as the reader measures it: compact, sorted */
+    char *compact = json_dumps(trainer, JSON_COMPACT | JSON_SORT_KEYS | JSON_REAL_PRECISION(17));
+    size_t tlen = compact ? strlen(compact) : 0;
+    free(compact);
+    if (!compact || tlen > CKPT_MAX_TRAINER_BYTES) {
+        if (compact)
+            LOG_E(TAG, "trainer record for step %llu has %zu bytes, more than readers accept "
+                  "(%u)", (unsigned long long)step, tlen, (unsigned)CKPT_MAX_TRAINER_BYTES);
+        json_decref(trainer);
+        return compact ? -EINVAL : -ENOMEM;
+    }
+    *out = trainer;
+    return 0;
+}
+
 int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint64_t step,
                  const char *run_id, const char *config_hash, const ckpt_buffer *bufs,
-                 size_t nbufs, const char *trainer_json, const ckpt_group *group,
-                 ckpt_save_stats *stats)
+                 size_t nbufs, const char *trainer_json, ckpt_trainer_wait_fn trainer_wait,
+                 void *trainer_ctx, const ckpt_group *group, ckpt_save_stats *stats)
 {
     int rc = ckpt_check_save_group(opts, run_id, config_hash, bufs, nbufs, group);
     if (rc < 0) return rc;
@@ -649,27 +677,8 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
     /* rank 0 removes the shared folder after any failure: other ranks may have written there */
     tmp_made = group && rank == 0;
 
-    json_error_t jerr;
-    trainer = json_loads(trainer_json ? trainer_json : "{}", 0, &jerr);
-    if (!trainer || !json_is_object(trainer)) {
-        LOG_E(TAG, "trainer record for step %llu is not a JSON object: %s",
-              (unsigned long long)step, trainer ? "not an object" : jerr.text);
-        rc = -EINVAL;
-        goto out;
-    }
-    {
-        /* as the reader measures it: compact, sorted */
-        char *compact = json_dumps(trainer, JSON_COMPACT | JSON_SORT_KEYS | JSON_REAL_PRECISION(17));
-        size_t tlen = compact ? strlen(compact) : 0;
-        free(compact);
-        if (!compact || tlen > CKPT_MAX_TRAINER_BYTES) {
-            if (compact)
-                LOG_E(TAG, "trainer record for step %llu has %zu bytes, more than readers accept "
-                      "(%u)", (unsigned long long)step, tlen, (unsigned)CKPT_MAX_TRAINER_BYTES);
-            rc = compact ? -EINVAL : -ENOMEM;
-            goto out;
-        }
-    }
+    const int deferred = !trainer_json && trainer_wait;
+    if (!deferred && (rc = parse_trainer(trainer_json, step, &trainer)) < 0) goto out;
     if ((rc = mkdir_p(opts->dir)) < 0) {
         LOG_E(TAG, "cannot create snapshot folder %s: %s", opts->dir, strerror(-rc));
         goto out;
@@ -799,6 +808,17 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
         if ((rc = merge_parts(tmp_dir, world, files, jbufs)) < 0) goto out;
     }
 
+    if (deferred) { /* the record arrives now, after the chunks (ckpt_trainer_wait_fn) */
+        char *json = NULL;
+        if ((rc = trainer_wait(trainer_ctx, &json)) < 0) {
+            LOG_E(TAG, "step %llu not committed: its trainer record did not come: %s",
+                  (unsigned long long)step, strerror(-rc));
+            goto out;
+        }
+        rc = parse_trainer(json, step, &trainer);
+        free(json);
+        if (rc < 0) goto out;
+    }
     body = json_pack("{s:s, s:i, s:I, s:I, s:i, s:s, s:s, s:I, s:O, s:O, s:O}",
                      "format", CKPT_FORMAT_NAME, "format_version", CKPT_FORMAT_VERSION, "step",
                      (json_int_t)step, "created_unix", (json_int_t)time(NULL), "world_size",
@@ -897,7 +917,7 @@ int ckpt_save(const ckpt_save_opts *opts, uint64_t step, const char *run_id,
     ckpt_pool *pool;
     if ((rc = ckpt_pool_create(&pool, 1, opts->chunk_bytes, opts->filter == CKPT_FILTER_SHUFFLE)) < 0)
         return rc;
-    rc = ckpt_persist(pool, opts, 1, step, run_id, config_hash, bufs, nbufs, trainer_json, NULL,
+    rc = ckpt_persist(pool, opts, 1, step, run_id, config_hash, bufs, nbufs, trainer_json, NULL, NULL, NULL,
                       stats);
     ckpt_pool_destroy(pool);
     return rc;

@@ -701,6 +701,60 @@ static void test_group(const char *root)
     free(w);
 }
 
+/* A deferred trainer record (trainer_json NULL): the chunks are written but nothing commits
+ * until ckpt_engine_set_trainer gives the record, which the manifest then holds; a withdrawn
+ * record, or one never given before destroy, commits nothing and leaves no temp folder. */
+static void test_deferred_trainer(const char *root)
+{
+    float *a = malloc(N * sizeof(float));
+    fill(a, N, 0.1f);
+    char dir[4200];
+    snprintf(dir, sizeof dir, "%s/deferred", root);
+    ckpt_engine_opts eo = CKPT_ENGINE_OPTS_INIT;
+    eo.save.dir = dir;
+    eo.save.chunk_bytes = CHUNK;
+    tcopier tc;
+    tc_init(&tc, 0);
+    ckpt_copier cp = copier_of(&tc);
+    ckpt_engine *e;
+    T_REQUIRE(ckpt_engine_create(&e, &eo) == 0, "engine");
+    ckpt_buffer buf = {"params", "f32", 4, N * 4, 0, N * 4, a};
+    T_CHECK(ckpt_engine_set_trainer(e, 3, "{}") == -ENOENT, "no persist waits: -ENOENT");
+    T_CHECK(ckpt_engine_stage_device(e, 3, "run", "cfg", &buf, 1, NULL, &cp, NULL, NULL) == 0, "staged");
+    T_CHECK(ckpt_engine_wait(e, 0.5) == -EINPROGRESS, "the persist waits for the record");
+    T_CHECK(count_prefix(dir, "step-") == 0, "nothing committed before the record");
+    T_CHECK(ckpt_engine_set_trainer(e, 4, "{}") == -ENOENT, "another step's record: -ENOENT");
+    T_CHECK(ckpt_engine_set_trainer(e, 3, "{\"late\":7}") == 0, "record given");
+    T_CHECK(ckpt_engine_set_trainer(e, 3, "{}") == -ENOENT, "given twice: -ENOENT");
+    T_CHECK(ckpt_engine_wait(e, 60) == 0 && count_prefix(dir, "step-000000003") == 1, "committed");
+    char path[4300];
+    snprintf(path, sizeof path, "%s/step-000000003/manifest.json", dir);
+    size_t len = 0;
+    char *m = read_all(path, &len);
+    T_CHECK(m && strstr(m, "\"late\"") != NULL, "the manifest holds the late record");
+    free(m);
+    /* withdrawn */
+    T_CHECK(ckpt_engine_stage_device(e, 5, "run", "cfg", &buf, 1, NULL, &cp, NULL, NULL) == 0, "staged 5");
+    T_CHECK(ckpt_engine_set_trainer(e, 5, NULL) == 0, "withdrawn");
+    T_CHECK(ckpt_engine_wait(e, 60) == -ECANCELED, "the persist fails with -ECANCELED");
+    T_CHECK(count_prefix(dir, "step-000000005") == 0 && count_prefix(dir, ".tmp-") == 0,
+            "nothing committed, no temp folder");
+    /* an invalid late record fails the persist */
+    T_CHECK(ckpt_engine_stage_device(e, 6, "run", "cfg", &buf, 1, NULL, &cp, NULL, NULL) == 0, "staged 6");
+    T_CHECK(ckpt_engine_set_trainer(e, 6, "[1, 2]") == 0, "given");
+    T_CHECK(ckpt_engine_wait(e, 60) == -EINVAL && count_prefix(dir, "step-000000006") == 0,
+            "not an object: -EINVAL, not committed");
+    /* never given: destroy does not wait for the copier's timeout */
+    T_CHECK(ckpt_engine_stage_device(e, 7, "run", "cfg", &buf, 1, NULL, &cp, NULL, NULL) == 0, "staged 7");
+    double t0 = now_s();
+    T_CHECK(ckpt_engine_destroy(e) == -ECANCELED, "destroy withdraws the missing record");
+    T_CHECK(now_s() - t0 < 10.0, "promptly (%.1f s)", now_s() - t0);
+    T_CHECK(count_prefix(dir, "step-000000007") == 0 && count_prefix(dir, ".tmp-") == 0,
+            "nothing committed, no temp folder");
+    tc_fini(&tc);
+    free(a);
+}
+
 int main(void)
 {
     char *root = t_tmpdir("ckpt-stage-device");
@@ -711,6 +765,7 @@ int main(void)
     test_wait_fails(root, 1);
     test_wait_fails(root, 0);
     test_bad_copier(root);
+    test_deferred_trainer(root);
     test_group(root);
     t_rmrf(root);
     free(root);
