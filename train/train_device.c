@@ -189,4 +189,18 @@ static int sync_state(state *s, train_copy_kind kind)
 }
 
 int train_state_to_host(state *s) { return sync_state(s, TRAIN_COPY_D2H); }
+
+int train_state_to_host_async(state *s, train_stream *st)
+{
+    if (!s->dev || is_cpu(s)) return 0;
+    const size_t no = s->ohi - s->olo;
+    int rc = train_stream_copy_async(st, s->params_host, train_model_params(s->model),
+                                     s->np * sizeof(float), TRAIN_COPY_D2H);
+    if (rc == 0) rc = train_stream_copy_async(st, s->m, s->dm, no * sizeof(float), TRAIN_COPY_D2H);
+    if (rc == 0) rc = train_stream_copy_async(st, s->v, s->dv, no * sizeof(float), TRAIN_COPY_D2H);
+    if (rc < 0)
+        LOG_E(TAG, "rank %d, step %" PRId64 ": queueing the copy of the state to the host failed: %s",
+              s->rank, s->step, strerror(-rc));
+    return rc;
+}
 int train_state_to_device(state *s) { return sync_state(s, TRAIN_COPY_H2D); }

@@ -106,9 +106,13 @@ typedef struct state {
     struct train_stager *stager; /* the snapshot copies from dev memory into the engine's
                                  staging area, on their own copy stream (stage.h); NULL
                                  without an engine */
-    int stage_pending;       /* a snapshot's copies may still be running: the next optimizer
-                                update waits for them (train_wait_stage_copies) */
-    double stage_t0;         /* when they were queued (for the log line of the wait) */
+    int stage_pending;       /* a snapshot's copies may still be running and its trainer
+                                record waits for its digests: the next optimizer update (or
+                                the next wait for the engine) completes it first
+                                (train_wait_stage_copies); the same on every rank */
+    int stage_staged;        /* the engine took that snapshot (it waits for the record) */
+    double stage_t0;         /* when the copies were queued (for the log line of the wait) */
+    void *stage_rec;         /* (json_t *) its trainer record, digests still to be filled */
     float *dm, *dv;          /* (dev, ohi - olo) Adam moments */
     float *m, *v;            /* host view of dm, dv: the same pointers on the CPU device, pinned
                                 mirrors on CUDA (train_state_to_host / train_state_to_device) */
@@ -237,10 +241,14 @@ double train_f2d(float f);
  * negative errno (logged). */
 int train_make_engine(state *s);
 
-/* Before the optimizer update overwrites params, adam_m and adam_v on the device: wait for the
- * copies of the snapshot staged from them (if any), bounded by --comm-timeout x 10 (at least
- * 600 s). Logs how long the update waited when it did. Returns 0 or the copy stream's
- * negative errno (logged: the step cannot go on). */
+/* Complete the snapshot staged from the device (if one is pending), before the optimizer
+ * update overwrites params, adam_m and adam_v, and before any wait for the engine: wait for
+ * its copies (bounded by --comm-timeout x 10, at least 600 s), compute the digests of its
+ * trainer record from the host view (the state is still the snapshot's: no update ran since),
+ * and hand the record to the engine (ckpt_engine_set_trainer). Collective when W > 1 (the
+ * moments digest); every rank has the same pending snapshot. Logs how long the update waited
+ * for the copies when it did. Returns 0, or the copy stream's or the collective's negative
+ * errno (logged; the record is then withdrawn: nothing is committed). */
 int train_wait_stage_copies(state *s);
 
 /* Wait for the persist in flight, at most timeout_s seconds; in a group, watch for dead
@@ -457,6 +465,9 @@ void train_device_teardown(state *s);
  * memory tier, the final digest), to_device after a resume or a fresh start wrote the host
  * view. Return 0 or the copy's negative errno (logged). Local. */
 int train_state_to_host(state *s);
+/* train_state_to_host queued on stream st (asynchronous: complete once st's work is done);
+ * nothing on the CPU device. 0 or the device layer's negative errno (logged). */
+int train_state_to_host_async(state *s, train_stream *st);
 int train_state_to_device(state *s);
 
 /* ------------------------------------------------------------------ train_main.c */

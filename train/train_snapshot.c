@@ -97,7 +97,24 @@ double train_f2d(float f)
     return strtod(buf, NULL);
 }
 
-static json_t *trainer_record(state *s)
+/* The record's digests of the current host view (params_host) and of s->moments_digest. */
+static int record_set_digests(state *s, json_t *rec)
+{
+    char digest[33], mdig[17], vdig[17];
+    train_digest_hex(s->params_host, train_model_num_params(s->model), digest);
+    snprintf(mdig, sizeof mdig, "%016" PRIx64, s->moments_digest[0]);
+    snprintf(vdig, sizeof vdig, "%016" PRIx64, s->moments_digest[1]);
+    if (json_object_set_new(rec, "params_digest", json_string(digest)) < 0 ||
+        json_object_set_new(rec, "moments_digest",
+                            json_pack("{s:s, s:s}", "adam_m", mdig, "adam_v", vdig)) < 0)
+        return -ENOMEM;
+    return 0;
+}
+
+/* The trainer record of the current state; with digests = 0 its digest fields are left for
+ * record_set_digests (a snapshot staged from the device: they are computed after the
+ * copies, off the stall). */
+static json_t *trainer_record(state *s, int digests)
 {
     const options *o = s->o;
     size_t nt;
@@ -110,10 +127,12 @@ static json_t *trainer_record(state *s)
                                                  shape, "offset", (json_int_t)t[i].offset, "decay",
                                                  t[i].decay));
     }
-    char digest[33], dhash[17], mdig[17], vdig[17];
-    train_digest_hex(s->params_host, train_model_num_params(s->model), digest);
-    snprintf(mdig, sizeof mdig, "%016" PRIx64, s->moments_digest[0]);
-    snprintf(vdig, sizeof vdig, "%016" PRIx64, s->moments_digest[1]);
+    char digest[33] = "", dhash[17], mdig[17] = "", vdig[17] = "";
+    if (digests) {
+        train_digest_hex(s->params_host, train_model_num_params(s->model), digest);
+        snprintf(mdig, sizeof mdig, "%016" PRIx64, s->moments_digest[0]);
+        snprintf(vdig, sizeof vdig, "%016" PRIx64, s->moments_digest[1]);
+    }
     snprintf(dhash, sizeof dhash, "%016" PRIx64, train_dataset_hash(s->train));
     uint64_t n = train_dataset_num_samples(s->train);
     json_t *rec = json_pack(
@@ -165,6 +184,9 @@ static long rss_kib(void)
  * vote channel is shut (the persist fails at once) and -ECONNRESET returned. */
 int train_wait_engine(state *s, double timeout_s)
 {
+    /* a snapshot staged from the device waits for its record: complete it first */
+    int crc = train_wait_stage_copies(s);
+    if (crc == -ECONNRESET || crc == -EPIPE) return -ECONNRESET;
     double end = clock_now_s() + timeout_s;
     for (;;) {
         double left = end - clock_now_s();
@@ -208,10 +230,60 @@ int train_snapshot_prepare(state *s, ckpt_buffer bufs[3], char **text)
     bufs[0] = (ckpt_buffer){"params", "f32", 4, bytes, off, sb, s->params_host + s->lo};
     bufs[1] = (ckpt_buffer){"adam_m", "f32", 4, bytes, off, sb, s->m + (s->lo - s->olo)};
     bufs[2] = (ckpt_buffer){"adam_v", "f32", 4, bytes, off, sb, s->v + (s->lo - s->olo)};
-    json_t *rec = trainer_record(s);
+    json_t *rec = trainer_record(s, 1);
     *text = rec ? json_dumps(rec, JSON_COMPACT | JSON_REAL_PRECISION(17)) : NULL;
     json_decref(rec);
     return *text ? 0 : -ENOMEM;
+}
+
+/* The snapshot straight from the device (no memory tier): the copies of the shards into the
+ * engine's staging area (and, on CUDA, of the state into the host view for the digests) are
+ * queued on the stager's copy stream after the optimizer update, the engine persists behind
+ * them, and the trainer record, whose digests need the copied state, follows at the next
+ * optimizer update (train_wait_stage_copies). The stall is the time to queue. Every rank
+ * marks the snapshot pending whatever its stage returned, so that the digests' collective
+ * runs on every rank alike. Returns 0 or a negative errno (a failed collective is fatal; a
+ * failed stage is logged). */
+static int stage_from_device(state *s)
+{
+    if (s->o->zero_stage == 3 && s->world > 1) {
+        int rc = train_gather_range_hook(s, 0, s->np); /* the record's params digest */
+        if (rc < 0) return rc;
+    }
+    const size_t bytes = s->np * sizeof(float), off = s->lo * sizeof(float);
+    const size_t sb = (s->hi - s->lo) * sizeof(float);
+    ckpt_buffer dbufs[3] = {
+        {"params", "f32", 4, bytes, off, sb, train_model_params(s->model) + s->lo},
+        {"adam_m", "f32", 4, bytes, off, sb, s->dm + (s->lo - s->olo)},
+        {"adam_v", "f32", 4, bytes, off, sb, s->dv + (s->lo - s->olo)}};
+    json_t *rec = trainer_record(s, 0);
+    if (!rec) return -ENOMEM;
+    ckpt_copier cp;
+    train_stager_copier(s->stager, &cp);
+    double stall = 0, t0 = clock_now_s();
+    int rc = train_stager_after_compute(s->stager);
+    if (rc == 0) rc = train_state_to_host_async(s, train_stager_stream(s->stager));
+    if (rc == 0)
+        rc = ckpt_engine_stage_device(s->engine, (uint64_t)s->step, s->run_id, s->config_hash, dbufs,
+                                      3, NULL, &cp, NULL, &stall);
+    s->stage_pending = 1;
+    s->stage_staged = rc == 0;
+    s->stage_t0 = clock_now_s();
+    s->stage_rec = rec;
+    if (rc < 0) {
+        LOG_E(TAG, "snapshot of step %" PRId64 " to %s not taken: %s", s->step, s->o->ckpt_dir,
+              strerror(-rc));
+        train_report_snapshot_failed(s->report, s->step, rc);
+    } else if (rc == 0) {
+        stall = clock_now_s() - t0;
+        LOG_I(TAG, "snapshot step %" PRId64 " staged: stall %.1f ms for %.2f MiB (copies from %s "
+              "queued); rss %.1f MiB", s->step, stall * 1e3, 3.0 * (double)sb / 1048576.0,
+              train_device_describe(s->dev), (double)rss_kib() / 1024.0);
+        train_report_snapshot_staged(s->report, s->step, stall, 3 * (uint64_t)sb);
+    } else {
+        train_report_snapshot_skipped(s->report, s->step); /* refused by the engine's policy */
+    }
+    return 0;
 }
 
 /* Stage a snapshot of the current state; the engine persists it in the background. Every
@@ -248,6 +320,7 @@ int train_take_snapshot(state *s, int last)
         }
         if (any && (rc = train_wait_engine(s, 3600.0)) == -ECONNRESET) return rc;
     }
+    if (s->stager && s->mem_every <= 0) return stage_from_device(s);
     ckpt_buffer bufs[3], staged[3];
     char *text = NULL;
     int rc = train_snapshot_prepare(s, bufs, &text);
@@ -360,18 +433,37 @@ int train_make_engine(state *s)
 int train_wait_stage_copies(state *s)
 {
     if (!s->stage_pending) return 0;
+    json_t *rec = s->stage_rec;
+    const int staged = s->stage_staged;
+    s->stage_pending = 0;
+    s->stage_staged = 0;
+    s->stage_rec = NULL;
     double t0 = clock_now_s();
     double timeout = s->o->comm_timeout * 10 > 600 ? s->o->comm_timeout * 10 : 600;
     int rc = train_stager_wait_all(s->stager, timeout);
-    s->stage_pending = 0;
     double t1 = clock_now_s();
     if (rc < 0) {
         LOG_E(TAG, "rank %d, step %" PRId64 ": the snapshot copies from %s did not finish: %s",
               s->rank, s->step + 1, train_device_describe(s->dev), strerror(-rc));
-        return rc;
+    } else if (t1 - t0 >= 0.001) {
+        LOG_I(TAG, "snapshot step %" PRId64 ": waited %.1f ms for its copies (queued %.1f ms "
+              "earlier)", s->step, (t1 - t0) * 1e3, (t1 - s->stage_t0) * 1e3);
     }
-    if (t1 - t0 >= 0.001)
-        LOG_I(TAG, "step %" PRId64 ": the optimizer update waited %.1f ms for the snapshot copies "
-              "(queued %.1f ms earlier)", s->step + 1, (t1 - t0) * 1e3, (t1 - s->stage_t0) * 1e3);
-    return 0;
+    /* the digests (the moments digest is a collective: every rank has this snapshot pending;
+     * a rank whose copies failed fails its step instead, and its peers see it leave) */
+    int dr = rc < 0 ? 0 : train_moments_digest(s, s->moments_digest);
+    if (rc == 0 && dr < 0) rc = dr;
+    char *text = NULL;
+    if (rc == 0 && rec && record_set_digests(s, rec) == 0)
+        text = json_dumps(rec, JSON_COMPACT | JSON_REAL_PRECISION(17));
+    json_decref(rec);
+    if (rc == 0 && !text) rc = -ENOMEM;
+    if (staged) {
+        int sr = ckpt_engine_set_trainer(s->engine, (uint64_t)s->step, rc == 0 ? text : NULL);
+        if (sr < 0 && sr != -ENOENT)
+            LOG_W(TAG, "snapshot of step %" PRId64 ": handing over its trainer record failed: %s",
+                  s->step, strerror(-sr));
+    }
+    free(text);
+    return rc;
 }
