@@ -151,9 +151,20 @@ int train_startup_local(state *s)
     return 0;
 }
 
+/* The device kind of --device (cpu or cuda): ranks of one job may use different GPU numbers
+ * (cuda:$LOCAL_RANK), never different kinds (their collectives would not match up). */
+static const char *device_kind_text(const options *o)
+{
+    train_device_kind kind = TRAIN_DEVICE_CPU;
+    int ordinal = 0;
+    if (o->device && train_device_parse(o->device, &kind, &ordinal) < 0) return o->device;
+    return kind == TRAIN_DEVICE_CUDA ? "cuda" : "cpu";
+}
+
 /* The settings every rank must share, as "key=value;" text (a rank started with another
  * learning rate, seed, data, batch, snapshot folder, ... would train something else and save
- * shards that do not fit together). */
+ * shards that do not fit together; a rank with another dtype or device kind computes other
+ * gradients or runs other collectives). */
 static void settings_text(const state *s, char *buf, size_t len)
 {
     const options *o = s->o;
@@ -169,7 +180,7 @@ static void settings_text(const state *s, char *buf, size_t len)
              "ckpt-every=%d;resume=%s;run-id=%s;keep-last=%u;keep-every=%d;compress=%d;"
              "zstd-level=%d;shuffle=%d;chunk=%" PRIu64 ";policy=%d;comm-timeout=%g;s3=%.1000s;"
              "s3-part=%" PRIu64 ";s3-signature=%d;s3-keep-last=%u;mem-every=%d;mem-budget=%" PRIu64
-             ";ckpt-dir=%.3000s;",
+             ";dtype=%s;device=%s;reduce=%s;ckpt-dir=%.3000s;",
              s->train ? train_dataset_hash(s->train) : 0, s->val ? train_dataset_hash(s->val) : 0,
              o->model.vocab, o->model.seq_len, o->model.n_layer, o->model.n_embd, o->model.n_head,
              o->micro_batch, o->grad_accum, o->grad_accum_set ? "(given)" : "", o->global_batch,
@@ -179,7 +190,8 @@ static void settings_text(const state *s, char *buf, size_t len)
              o->eval_every, o->val_samples, o->ckpt_every, o->resume ? o->resume : "none",
              o->run_id ? o->run_id : "-", o->keep_last, o->keep_every, o->compress, o->zstd_level,
              o->filter, o->chunk_bytes, o->policy, o->comm_timeout, o->s3 ? o->s3 : "-",
-             o->s3_part_bytes, o->s3_signature, o->s3_keep_last, o->mem_every, o->mem_budget, dir);
+             o->s3_part_bytes, o->s3_signature, o->s3_keep_last, o->mem_every, o->mem_budget,
+             o->bf16 ? "bf16" : "fp32", device_kind_text(o), o->reduce_ring ? "ring" : "tree", dir);
 }
 
 /* The first setting in which a and b differ, as "key (a vs b)". */
