@@ -89,6 +89,7 @@ struct ckpt_engine {
      * waits for ckpt_engine_set_trainer before its manifest */
     int trainer_deferred;  /* the job's record is deferred */
     int trainer_state;     /* 0 not yet given, 1 given (trainer_json), -errno withdrawn */
+    double trainer_wait_s; /* how long the persist waited for it (persist thread only) */
     pthread_cond_t cv_trainer;
     size_t nbufs;
     ckpt_buffer bufs[MAX_BUFFERS];
@@ -171,7 +172,8 @@ static void device_drain(ckpt_engine *e, const ckpt_copier *c, size_t queued)
 static int trainer_wait(void *ctx, char **json)
 {
     ckpt_engine *e = ctx;
-    struct timespec ts;
+    struct timespec ts, w0;
+    clock_gettime(CLOCK_MONOTONIC, &w0);
     ckpt_deadline(&ts, e->copier.timeout_s);
     int rc = 0;
     pthread_mutex_lock(&e->mu);
@@ -185,6 +187,7 @@ static int trainer_wait(void *ctx, char **json)
         if (!*json) rc = -ENOMEM;
     }
     pthread_mutex_unlock(&e->mu);
+    e->trainer_wait_s = since(&w0);
     return rc;
 }
 
@@ -225,6 +228,7 @@ static void *persist_main(void *arg)
         pthread_mutex_unlock(&e->mu);
 
         ckpt_save_stats st = {0};
+        e->trainer_wait_s = 0;
         int rc = ckpt_persist(e->pool, &e->o.save, e->o.compress, e->step, e->run_id,
                               e->config_hash, e->bufs, e->nbufs,
                               e->trainer_deferred ? NULL : e->trainer_json,
@@ -235,11 +239,19 @@ static void *persist_main(void *arg)
         if (rc < 0 && e->dev_job) device_drain(e, &e->copier, e->dev_n);
         int removed = 0;
         if (rc == 0) {
+            /* the throughput is of the whole save, as ckpt_persist_stats has it; the wait for a
+             * deferred trainer record (the trainer's pace, not the pipeline's) is shown */
+            double work_s = persist_s;
+            char waited[64] = "";
+            if (e->trainer_deferred)
+                snprintf(waited, sizeof waited, " (%.0f ms of it waiting for the trainer record)",
+                         e->trainer_wait_s * 1e3);
             LOG_I(TAG, "snapshot step %llu committed: %.2f MiB raw -> %.2f MiB stored (ratio %.3f), "
-                  "persist %.0f ms, %.1f MiB/s", (unsigned long long)e->step,
+                  "persist %.0f ms%s, %.1f MiB/s", (unsigned long long)e->step,
                   (double)st.raw_bytes / 1048576.0, (double)st.stored_bytes / 1048576.0,
                   st.stored_bytes ? (double)st.raw_bytes / (double)st.stored_bytes : 0.0,
-                  persist_s * 1e3, persist_s > 0 ? (double)st.raw_bytes / 1048576.0 / persist_s : 0.0);
+                  persist_s * 1e3, waited,
+                  work_s > 0 ? (double)st.raw_bytes / 1048576.0 / work_s : 0.0);
             if (e->o.on_commit) e->o.on_commit(e->o.on_commit_ctx, e->step);
             if (e->o.keep_last > 0 || e->o.keep_every > 0) {
                 removed = ckpt_retain(e->o.save.dir, e->o.keep_last, e->o.keep_every, e->run_id);

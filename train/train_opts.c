@@ -86,7 +86,8 @@ static const char usage_text2[] =
     "Snapshots:\n"
     "  --ckpt-dir DIR        snapshot folder\n"
     "  --ckpt-every N        snapshot every N steps, and at the last step (default 0: none);\n"
-    "                        taken asynchronously: training waits only for a copy\n"
+    "                        taken asynchronously: the copies run beside the next step's\n"
+    "                        forward and backward; only its optimizer update waits for them\n"
     "  --resume MODE         none (default), auto (newest verified snapshot in --ckpt-dir,\n"
     "                        fresh start when there is none), or a snapshot folder PATH\n"
     "  --allow-fresh-start   with --resume auto: start from step 0 when --ckpt-dir holds\n"
@@ -99,8 +100,9 @@ static const char usage_text2[] =
     "  --snapshot-policy P   when a snapshot is due while the previous one still persists:\n"
     "                        wait (default) or skip (counted and logged)\n"
     "  --snapshot-threads N  compression threads of the background persist (default 2)\n"
-    "  --snapshot-overlap    start persisting while the state is still being copied: durable\n"
-    "                        sooner, but the copy that training waits for takes longer\n"
+    "  --snapshot-overlap    no effect, kept so that old command lines work (logged): the\n"
+    "                        copies are asynchronous and the persist follows them chunk by\n"
+    "                        chunk anyway\n"
     "  --zstd-level N        compression level (default 1)\n"
     "  --no-compress         store chunks raw\n"
     "  --no-shuffle          no byte-shuffle filter before compression (by default the bytes\n"
@@ -381,7 +383,11 @@ int train_parse_args(int argc, char **argv, options *o)
             o->keep_last = (unsigned)v;
             break;
         case O_KEEPEVERY: bad = parse_int("--keep-every", optarg, 0, INT_MAX, &o->keep_every); break;
-        case O_OVERLAP: o->overlap = 1; break;
+        case O_OVERLAP:
+            o->overlap = 1;
+            LOG_W("train", "--snapshot-overlap has no effect: snapshot copies are asynchronous "
+                  "and the persist follows them chunk by chunk anyway");
+            break;
         case O_S3: o->s3 = optarg; break;
         case O_S3SIG: s3_flag = "--s3-signature";
             if (!strcmp(optarg, "v4")) o->s3_signature = 4;

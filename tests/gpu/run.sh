@@ -174,7 +174,7 @@ if [ $QUICK = 0 ]; then
     smib=$(echo "$st" | awk '{print int($5 + 0.5)}')
     if [ -n "$st" ] && [ "${smib:-0}" -gt 0 ]; then
         bare=$("$B/tests/gpu/copy_bench" --device cuda "$smib" 5 2>&1 | tail -1)
-        pers=$(grep -o 'persist [0-9]* ms, [0-9.]* MiB/s' "$OUT/big.log" | tail -1)
+        pers=$(grep -o 'persist [0-9]* ms[^,]*, [0-9.]* MiB/s' "$OUT/big.log" | tail -1)
         row stall ok "$st; bare copy: $(echo "$bare" | grep -o 'd2h_ms=[0-9.]* d2h_gbps=[0-9.]*'); $pers"
     else
         row stall FAIL "no stall line in $OUT/big.log"

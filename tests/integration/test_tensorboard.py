@@ -141,7 +141,7 @@ def merge_rust(files):
 STEP_RE = re.compile(r"step (\d+)/\d+ loss (\S+) lr (\S+) grad_norm (\S+) ")
 VAL_RE = re.compile(r"step (\d+) val_loss (\S+)")
 COMMIT_RE = re.compile(r"snapshot step (\d+) committed: \S+ MiB raw -> \S+ MiB stored \(ratio (\S+)\), "
-                       r"persist (\S+) ms, (\S+) MiB/s")
+                       r"persist (\S+) ms(?: \([^)]*\))?, (\S+) MiB/s")
 
 TAGS = ["train/loss", "train/val_loss", "train/lr", "train/grad_norm", "train/tokens_per_second",
         "train/step_seconds", "ckpt/stall_seconds", "ckpt/persist_seconds",
