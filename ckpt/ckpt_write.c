@@ -774,7 +774,11 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
             rc = store_write_file_durable(path, text, strlen(text));
         free(text);
         if (rc < 0) {
-            LOG_E(TAG, "writing the part record %s failed: %s", path, strerror(-rc));
+            if (rc == -ENOENT) /* rank 0 removes the shared folder when it gives up */
+                LOG_E(TAG, "step %llu not committed: the shared temp folder %s is gone (rank 0 "
+                      "gave up on this snapshot: see its log)", (unsigned long long)step, tmp_dir);
+            else
+                LOG_E(TAG, "writing the part record %s failed: %s", path, strerror(-rc));
             goto out;
         }
         ckpt_fault_point("after-part", step);
