@@ -220,7 +220,10 @@ def world_size_change(job):
     if not _running(job):
         return None
     w = job.layout[0] * job.layout[1]
-    layout = job.rnd.choice([lo for lo in LAYOUTS if lo[0] * lo[1] != w])
+    choices = [lo for lo in LAYOUTS if lo[0] * lo[1] != w]
+    if getattr(job, "keep_two_nodes", False) and job.layout[0] >= 2:
+        choices = [lo for lo in choices if lo[0] >= 2] or choices  # see chaos.py
+    layout = job.rnd.choice(choices)
     how = job.rnd.choice(["SIGTERM", "SIGKILL"])
     for n in job.live_nodes():
         n.expected = f"{how} by world_size_change"
