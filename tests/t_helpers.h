@@ -105,6 +105,17 @@ static inline long long t_slurp(const char *path, unsigned char **out)
     return n;
 }
 
+/* 1 when both files can be read and hold the same bytes, else 0. */
+static inline int t_file_equal(const char *a, const char *b)
+{
+    unsigned char *x, *y;
+    long long na = t_slurp(a, &x), nb = t_slurp(b, &y);
+    int eq = na >= 0 && na == nb && memcmp(x, y, (size_t)na) == 0;
+    free(x);
+    free(y);
+    return eq;
+}
+
 /* Write len bytes to path (created or truncated): 0 or -1. */
 static inline int t_spit(const char *path, const void *data, size_t len)
 {

@@ -37,13 +37,6 @@ const char *__tsan_default_suppressions(void)
 #define CHUNK (1u << 20)
 #define N (600 * 1024) /* floats per buffer: 2.3 MiB, 3 chunks of 1 MiB */
 
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 static void deadline_in(struct timespec *ts, double s)
 {
     clock_gettime(CLOCK_REALTIME, ts);
@@ -102,7 +95,7 @@ static void *tc_main(void *arg)
         memcpy(j.dst, j.src, j.n);
         pthread_mutex_lock(&c->mu);
         c->done++;
-        c->last_done_at = now_s();
+        c->last_done_at = t_now_s();
         pthread_cond_broadcast(&c->cv);
     }
     pthread_mutex_unlock(&c->mu);
@@ -220,39 +213,14 @@ static void fill(float *x, size_t n, float scale)
     for (size_t i = 0; i < n; i++) x[i] = scale * ((float)(rnd() % 2001) - 1000.0f) / 1000.0f;
 }
 
-static char *read_all(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *buf = malloc((size_t)n + 1);
-    if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) {
-        free(buf);
-        buf = NULL;
-    }
-    fclose(f);
-    if (buf) buf[n] = '\0';
-    *len = (size_t)n;
-    return buf;
-}
-
-static int file_equal(const char *a, const char *b)
-{
-    size_t na, nb;
-    char *x = read_all(a, &na), *y = read_all(b, &nb);
-    int eq = x && y && na == nb && memcmp(x, y, na) == 0;
-    free(x);
-    free(y);
-    return eq;
-}
 
 /* Manifests equal apart from created_unix and the checksum. */
 static int manifest_equal(const char *a, const char *b)
 {
-    size_t la, lb;
-    char *ma = read_all(a, &la), *mb = read_all(b, &lb);
+    unsigned char *ua, *ub;
+    t_slurp(a, &ua);
+    t_slurp(b, &ub);
+    char *ma = (char *)ua, *mb = (char *)ub;
     int eq = 0;
     if (ma && mb) {
         char *ca = strstr(ma, "\"created_unix\""), *cb = strstr(mb, "\"created_unix\"");
@@ -281,7 +249,7 @@ static int snapshot_equal(const char *dirA, const char *dirB, const char *sub)
         files++;
         snprintf(pa, sizeof pa, "%s/%s/%s", dirA, sub, de->d_name);
         snprintf(pb, sizeof pb, "%s/%s/%s", dirB, sub, de->d_name);
-        int same = !strcmp(de->d_name, "manifest.json") ? manifest_equal(pa, pb) : file_equal(pa, pb);
+        int same = !strcmp(de->d_name, "manifest.json") ? manifest_equal(pa, pb) : t_file_equal(pa, pb);
         if (!same) {
             fprintf(stderr, "differs: %s\n", pb);
             eq = 0;
@@ -335,7 +303,7 @@ static void test_equal_files(const char *root, int compress)
     ckpt_copier cp = copier_of(&tc);
     eo.save.dir = dev_dir;
     T_REQUIRE(ckpt_engine_create(&e, &eo) == 0, "device engine");
-    double stall = -1, t0 = now_s();
+    double stall = -1, t0 = t_now_s();
     uint64_t last = 0;
     T_CHECK(ckpt_engine_stage_device(e, 5, "run", "cfg", bufs, 2, "{\"k\":5}", &cp, &last, &stall) == 0,
             "stage_device");
@@ -349,7 +317,7 @@ static void test_equal_files(const char *root, int compress)
     memset(a, 0x7f, N * sizeof(float));
     memset(b, 0, N * sizeof(float));
     T_CHECK(ckpt_engine_wait(e, 60) == 0, "device persist committed");
-    double elapsed = now_s() - t0;
+    double elapsed = t_now_s() - t0;
     ckpt_persist_stats ps;
     T_CHECK(ckpt_engine_last(e, &ps) == 0 && ps.result == 0 && ps.step == 5 &&
                 ps.raw_bytes == 2ull * N * 4 && ps.stage_seconds < total_delay / 4 &&
@@ -729,8 +697,9 @@ static void test_deferred_trainer(const char *root)
     T_CHECK(ckpt_engine_wait(e, 60) == 0 && count_prefix(dir, "step-000000003") == 1, "committed");
     char path[4300];
     snprintf(path, sizeof path, "%s/step-000000003/manifest.json", dir);
-    size_t len = 0;
-    char *m = read_all(path, &len);
+    unsigned char *um = NULL;
+    t_slurp(path, &um);
+    char *m = (char *)um;
     T_CHECK(m && strstr(m, "\"late\"") != NULL, "the manifest holds the late record");
     free(m);
     /* withdrawn */
@@ -746,9 +715,9 @@ static void test_deferred_trainer(const char *root)
             "not an object: -EINVAL, not committed");
     /* never given: destroy does not wait for the copier's timeout */
     T_CHECK(ckpt_engine_stage_device(e, 7, "run", "cfg", &buf, 1, NULL, &cp, NULL, NULL) == 0, "staged 7");
-    double t0 = now_s();
+    double t0 = t_now_s();
     T_CHECK(ckpt_engine_destroy(e) == -ECANCELED, "destroy withdraws the missing record");
-    T_CHECK(now_s() - t0 < 10.0, "promptly (%.1f s)", now_s() - t0);
+    T_CHECK(t_now_s() - t0 < 10.0, "promptly (%.1f s)", t_now_s() - t0);
     T_CHECK(count_prefix(dir, "step-000000007") == 0 && count_prefix(dir, ".tmp-") == 0,
             "nothing committed, no temp folder");
     tc_fini(&tc);

@@ -33,33 +33,6 @@ static void fill(float *x, size_t n, float scale)
     for (size_t i = 0; i < n; i++) x[i] = scale * ((float)(rnd() % 2001) - 1000.0f) / 1000.0f;
 }
 
-static char *read_all(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *buf = malloc((size_t)n + 1);
-    if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) {
-        free(buf);
-        buf = NULL;
-    }
-    fclose(f);
-    if (buf) buf[n] = '\0';
-    *len = (size_t)n;
-    return buf;
-}
-
-static int file_equal(const char *a, const char *b)
-{
-    size_t na, nb;
-    char *x = read_all(a, &na), *y = read_all(b, &nb);
-    int eq = x && y && na == nb && memcmp(x, y, na) == 0;
-    free(x);
-    free(y);
-    return eq;
-}
 
 static void sleep_ms(void *ctx)
 {
@@ -95,13 +68,6 @@ static int read_slow(void *ctx, uint64_t offset, uint64_t len, void *host_dst)
     usleep((useconds_t)r->ms * 1000u);
     memcpy(host_dst, r->src + offset, len);
     return train_stream_host_fn(train_stager_stream(r->st), sleep_ms, (void *)(intptr_t)r->ms);
-}
-
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
 static void test_stage_and_restore(train_device *dev, const char *root)
@@ -164,7 +130,7 @@ static void test_stage_and_restore(train_device *dev, const char *root)
     char pa[4400], pb[4400];
     snprintf(pa, sizeof pa, "%s/step-000000003/%s", ref, files[0]);
     snprintf(pb, sizeof pb, "%s/step-000000003/%s", got, files[0]);
-    T_CHECK(file_equal(pa, pb), "data file equals ckpt_engine_stage's");
+    T_CHECK(t_file_equal(pa, pb), "data file equals ckpt_engine_stage's");
 
     /* restore into device memory */
     ckpt_snapshot *s;
@@ -208,10 +174,10 @@ static void test_stage_and_restore(train_device *dev, const char *root)
      * copy each: about 9 x 25 ms overlapped, 16 x 25 ms one after the other */
     slow_read sr = {st, (const uint8_t *)hm, 25, 0};
     T_CHECK(train_device_zero(dev, dr, nm * 4) == 0, "zero");
-    double t0 = now_s();
+    double t0 = t_now_s();
     size_t slice = (nm * 4 + 7) / 8;
     T_CHECK(train_stage_restore_fn(st, read_slow, &sr, 0, nm * 4, dr, slice) == 0 && sr.calls == 8, "slow restore");
-    double took = now_s() - t0;
+    double took = t_now_s() - t0;
     train_device_copy(dev, back, dr, nm * 4, TRAIN_COPY_D2H);
     T_CHECK(memcmp(back, hm, nm * 4) == 0, "slow restore bytes equal");
     T_CHECK(took < 0.8 * 16 * 0.025 && took >= 8 * 0.025, "reads overlapped the copies: %.0f ms (serial %.0f ms)",
