@@ -14,8 +14,13 @@
  *   P hb/<aid>          counter bumped by the agent's watcher thread every min(1, T/3) s
  *                       (T = heartbeat timeout); a value that does not move for T = dead agent
  *   P gen               the newest round some agent joined (a hint for newcomers)
- *   P r/<g>/n           counter: join order of round g; the k-th joiner is node k-1
+ *   P r/<g>/n           counter: join order of round g (the k-th joiner has number k)
  *   P r/<g>/a/<k>       "<aid> <host> <pid>" of the k-th joiner
+ *   P r/<g>/ranks       the node ranks of round g: N space-separated entries, the aid of node
+ *                       0, 1, ...; "?<k>" stands for the k-th joiner when the proposer could
+ *                       not read its descriptor. Set once (compare-and-set from missing) by
+ *                       the first member past the close (assign_ranks); every member reads
+ *                       its node rank from the value that won
  *   P r/<g>/closed      N, the nodes of round g; set once (compare-and-set from missing)
  *   P r/<g>/stop        "<kind> <reason>": round g is over; kind F failure (a worker failed, an
  *                       agent died, a hang: counted against --max-restarts by every member),
@@ -32,7 +37,10 @@
  * (each waiting agent times this itself; the first compare-and-set wins), and only once round
  * g-1 is over (its stop key is set) and each of its members joined round g or went silent
  * (prev_pending: a member's workers may still be taking a final snapshot), so that two
- * rounds never run at once. A joiner whose
+ * rounds never run at once. Node ranks are sticky: a member of round g-1 that joins round g
+ * keeps its node rank when it is below N (so a restart after a rank failure puts every rank
+ * back on the node whose memory-tier segments hold its own slot); the others take the free
+ * ranks in join order. A joiner whose
  * number is above N came late and goes on to round g+1; its presence there (r/<g+1>/n > 0)
  * makes the members of a round with fewer than max_nodes stop it gracefully (kind S). An
  * outsider waiting for round g+1 also watches the heartbeats of round g's members and stops
@@ -237,9 +245,22 @@ typedef struct watch_state {
     unsigned serial;
 } watch_state;
 
-/* Load the members of round ws->gen into the peer table (node ranks). Returns the number of
- * members, 0 when the round is not closed, <0 store error. A member whose descriptor cannot be
- * read within a tick is entered as "?" and will look dead. */
+/* Split the value of r/<g>/ranks into n entries (pointers into v, which is modified).
+ * Returns 0, or -EBADMSG when it does not hold exactly n non-empty entries. */
+static int split_ranks(char *v, int n, char **ent)
+{
+    int i = 0;
+    for (char *save = NULL, *t = strtok_r(v, " ", &save); t; t = strtok_r(NULL, " ", &save)) {
+        if (i == n) return -EBADMSG;
+        ent[i++] = t;
+    }
+    return i == n ? 0 : -EBADMSG;
+}
+
+/* Load the members of round ws->gen into the peer table, indexed by node rank (r/<g>/ranks;
+ * join order while that key is missing, which only an outsider can meet). Returns the number
+ * of members, 0 when the round is not closed, <0 store error. A member whose descriptor
+ * cannot be read within a tick is entered as "?" and will look dead. */
 static int load_members(elastic_rdzv *r, const watch_state *ws, peer ***out)
 {
     char k[KEY_MAX], *v = NULL;
@@ -250,36 +271,67 @@ static int load_members(elastic_rdzv *r, const watch_state *ws, peer ***out)
         if (rc <= 0) return rc;
         n = atoi(v);
         free(v);
+        v = NULL;
         if (n <= 0) return 0;
     }
+    peer **joined = calloc((size_t)n, sizeof *joined);
     peer **m = calloc((size_t)n, sizeof *m);
-    if (!m) return -ENOMEM;
+    char **ent = calloc((size_t)n, sizeof *ent);
+    int rc = 0;
+    if (!joined || !m || !ent) {
+        rc = -ENOMEM;
+        goto out;
+    }
     for (int i = 0; i < r->npeers; i++) r->peers[i].node = -1;
     for (int i = 0; i < n; i++) {
         key(r, k, "r/%d/a/%d", ws->gen, i + 1);
         char aid[24], desc[DESC_MAX];
-        int rc = get_opt(r->wc, k, &v, r->tick); /* short: our own heartbeat waits */
-        if (rc < 0) {
-            free(m);
-            return rc;
-        }
+        rc = get_opt(r->wc, k, &v, r->tick); /* short: our own heartbeat waits */
+        if (rc < 0) goto out;
         if (rc == 1) {
             parse_desc(v, aid, sizeof aid, desc, sizeof desc);
             free(v);
+            v = NULL;
         } else {
             snprintf(aid, sizeof aid, "?%d", i + 1);
             snprintf(desc, sizeof desc, "(never registered)");
         }
-        peer *p = peer_find(r, aid, desc);
-        if (!p) {
-            free(m);
-            return -ENOMEM;
+        if (!(joined[i] = peer_find(r, aid, desc))) {
+            rc = -ENOMEM;
+            goto out;
         }
-        p->node = i;
-        m[i] = p;
     }
+    key(r, k, "r/%d/ranks", ws->gen);
+    if ((rc = get_opt(r->wc, k, &v, ws->member ? r->tick : 0)) < 0) goto out;
+    if (rc == 1 && split_ranks(v, n, ent) == 0) {
+        for (int i = 0; i < n; i++) {
+            int j = -1;
+            if (ent[i][0] == '?') {
+                j = atoi(ent[i] + 1) - 1;
+            } else {
+                for (int q = 0; q < n && j < 0; q++)
+                    if (joined[q] && !strcmp(joined[q]->aid, ent[i])) j = q;
+            }
+            if (j < 0 || j >= n || !joined[j]) {
+                rc = -EBADMSG;
+                goto out;
+            }
+            m[i] = joined[j];
+            joined[j] = NULL;
+        }
+    } else {
+        memcpy(m, joined, (size_t)n * sizeof *m);
+    }
+    for (int i = 0; i < n; i++) m[i]->node = i;
     *out = m;
-    return n;
+    m = NULL;
+    rc = n;
+out:
+    free(v);
+    free(joined);
+    free(ent);
+    free(m);
+    return rc;
 }
 
 static void *watcher(void *arg)
@@ -371,7 +423,7 @@ static void *watcher(void *arg)
         if (!watching) continue;
         /* heartbeats of the other members */
         for (int i = 0; i < nmembers && rc == 0; i++) {
-            if (!ws.member || i != ws.self) {
+            if (!ws.member || strcmp(members[i]->aid, r->aid) != 0) {
                 double silent = 0;
                 int st = peer_stale(r, r->wc, members[i], &silent);
                 if (st < 0) {
@@ -721,7 +773,112 @@ static int prev_pending(elastic_rdzv *r, int g)
     return pending;
 }
 
+/* The node rank of this agent (join number me) in round g, which closed with n nodes (see
+ * r/<g>/ranks at the top). Proposes an assignment - the members of round g-1 keep their node
+ * rank when it is below n, the others fill the free ranks in join order - and sets it when
+ * no member did yet; the value that won decides. Returns 0 with *node_rank, <0 a store error
+ * or -EBADMSG (a malformed value). Main thread only. */
+static int assign_ranks(elastic_rdzv *r, int g, int n, int64_t me, int *node_rank)
+{
+    char k[KEY_MAX], *v = NULL, *pv = NULL;
+    char (*aid)[24] = calloc((size_t)n, sizeof *aid);
+    int *slot = malloc((size_t)n * sizeof *slot);
+    char **ent = calloc((size_t)n, sizeof *ent);
+    unsigned char *placed = calloc((size_t)n, 1);
+    char *prop = malloc((size_t)n * 25 + 1);
+    int rc = 0, np = 0;
+    char **pent = NULL;
+    void *won = NULL;
+    size_t wlen = 0;
+    if (!aid || !slot || !ent || !placed || !prop) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    key(r, k, "r/%d/ranks", g);
+    if ((rc = get_opt(r->c, k, &v, 0)) < 0) goto out;
+    if (rc == 0) {
+        for (int i = 0; i < n; i++) {
+            char desc[DESC_MAX];
+            key(r, k, "r/%d/a/%d", g, i + 1);
+            /* a joiner sets its descriptor right after its ADD: wait a little for it */
+            if ((rc = get_opt(r->c, k, &v, 1.0)) < 0) goto out;
+            if (rc == 1) {
+                parse_desc(v, aid[i], sizeof aid[i], desc, sizeof desc);
+                free(v);
+                v = NULL;
+            } else {
+                snprintf(aid[i], sizeof aid[i], "?%d", i + 1);
+            }
+        }
+        /* the node ranks of round g-1 */
+        if (g > 0) {
+            key(r, k, "r/%d/closed", g - 1);
+            if ((rc = get_opt(r->c, k, &v, 0)) < 0) goto out;
+            if (rc == 1) np = atoi(v);
+            free(v);
+            v = NULL;
+            key(r, k, "r/%d/ranks", g - 1);
+            if (np > 0 && (rc = get_opt(r->c, k, &pv, 0)) < 0) goto out;
+            if (np > 0 && rc == 1) {
+                if (!(pent = calloc((size_t)np, sizeof *pent))) {
+                    rc = -ENOMEM;
+                    goto out;
+                }
+                if (split_ranks(pv, np, pent) < 0) np = 0; /* no stickiness, not an error */
+            } else {
+                np = 0;
+            }
+        }
+        for (int i = 0; i < n; i++) slot[i] = -1;
+        for (int j = 0; j < n; j++) {
+            if (aid[j][0] == '?') continue;
+            for (int p = 0; p < np && p < n; p++)
+                if (slot[p] < 0 && !strcmp(pent[p], aid[j])) {
+                    slot[p] = j;
+                    placed[j] = 1;
+                    break;
+                }
+        }
+        for (int j = 0, p = 0; j < n; j++) {
+            if (placed[j]) continue;
+            while (slot[p] >= 0) p++;
+            slot[p] = j;
+        }
+        size_t len = 0;
+        for (int p = 0; p < n; p++) {
+            len += (size_t)snprintf(prop + len, 26, "%s%s", p ? " " : "", aid[slot[p]]);
+        }
+        key(r, k, "r/%d/ranks", g);
+        if ((rc = elastic_store_compare_set(r->c, k, NULL, 0, prop, len, &won, &wlen)) < 0)
+            goto out;
+        v = won;
+        won = NULL;
+    }
+    if ((rc = split_ranks(v, n, ent)) < 0) goto out;
+    char mine[24];
+    snprintf(mine, sizeof mine, "?%" PRId64, me);
+    rc = -EBADMSG;
+    for (int p = 0; p < n; p++)
+        if (!strcmp(ent[p], r->aid) || !strcmp(ent[p], mine)) {
+            *node_rank = p;
+            rc = 0;
+            break;
+        }
+out:
+    free(v);
+    free(pv);
+    free(won);
+    free(pent);
+    free(aid);
+    free(slot);
+    free(ent);
+    free(placed);
+    free(prop);
+    return rc;
+}
+
 int elastic_rdzv_join(elastic_rdzv *r, int from_gen, elastic_round *out,
+
                       int (*interrupted)(void *), void *arg)
 {
     char k[KEY_MAX], *v = NULL;
@@ -827,8 +984,13 @@ int elastic_rdzv_join(elastic_rdzv *r, int from_gen, elastic_round *out,
         }
         if (watching_prev) elastic_rdzv_unwatch(r);
         if (me <= n) {
+            int node = 0;
+            if ((rc = assign_ranks(r, g, n, me, &node)) < 0) {
+                if (rc == -EBADMSG || rc == -ENOMEM) return rc;
+                return main_lost(r, rc);
+            }
             out->gen = g;
-            out->node_rank = (int)(me - 1);
+            out->node_rank = node;
             out->nnodes = n;
             return 0;
         }

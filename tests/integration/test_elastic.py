@@ -775,6 +775,39 @@ class MultiNode(ElasticTest):
         for x in (a, b, c):
             self.assertRegex(x.err(), r"round 1: node \d of 3, ranks \d\.\.\d of world size 3")
             self.assertNotIn("restart 1", x.err())  # a scale-up is not a failure
+        # C joined round 1 first (it was waiting), yet A and B keep their node ranks: sticky
+        self.assertEqual(self.node_of(a, 1), self.node_of(a, 0))
+        self.assertEqual(self.node_of(b, 1), self.node_of(b, 0))
+        self.assertEqual(self.node_of(c, 1), 2)
+
+    @staticmethod
+    def node_of(agent, gen):
+        m = re.search(rf"round {gen}: node (\d+) of \d+, ranks", agent.err())
+        assert m, agent.err()
+        return int(m.group(1))
+
+    def test_node_ranks_are_sticky_across_a_restart(self):
+        """Three agents, one rank each; rank 2 fails in round 0. Its agent sees the failure first
+        and joins round 1 first (the join order), yet every agent keeps its node rank, so each
+        rank comes back on the node whose memory tier holds its own slot."""
+        port = free_port()
+        cmd = self.stub("--beats", "4", "--fail", "2:0:1:2")
+        agents = []
+        for name in "ABC":
+            x = self.multi(port, "3", 1, cmd, name=name, extra=["--max-restarts", "2"])
+            agents.append(x)
+            if name == "A":
+                x.wait_for(r"hosting the rendezvous store")
+        for x in agents:
+            self.assertEqual(x.wait(60), 0, x.err())
+        self.assertEqual(sorted(self.node_of(x, 0) for x in agents), [0, 1, 2])
+        for x in agents:
+            self.assertEqual(self.node_of(x, 1), self.node_of(x, 0), x.err())
+        # and the ranks the workers saw
+        for x in agents:
+            r0 = re.findall(r"start rank=(\d+) gen=0 ", x.out())
+            r1 = re.findall(r"start rank=(\d+) gen=1 ", x.out())
+            self.assertEqual((r0, r1), ([str(self.node_of(x, 0))],) * 2, x.out())
 
     def test_scale_up_waits_for_the_members_still_stopping(self):
         """A runs alone (--nnodes 1:2, --last-call 0.5); B joins, so A's round stops (scale-up)
