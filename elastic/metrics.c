@@ -45,7 +45,7 @@ struct elastic_metrics {
     } restore[MAX_SOURCES];
     int nrestore;
     /* histograms */
-    elastic_hist step_seconds, stall_seconds, persist_seconds, mem_stall_seconds;
+    elastic_hist step_seconds, stall_seconds, persist_seconds, mem_stall_seconds, wait_seconds;
     uint64_t mem_failed;      /* memory snapshots that failed (any local rank) */
     gauge mem_step;           /* the node's first rank's newest memory snapshot */
     /* one count per snapshot: the (round, step) last counted */
@@ -179,6 +179,12 @@ static void apply(elastic_metrics *m, int local_rank, const elastic_report_event
         break;
     case ELASTIC_REPORT_STAGED:
         elastic_hist_observe(&m->stall_seconds, ev->stall_seconds);
+        if (first) gp_add(m, ELASTIC_GP_STALL, now, ev->step, ev->stall_seconds);
+        break;
+    case ELASTIC_REPORT_SNAPSHOT_WAIT:
+        /* the second part of a snapshot's stall (asynchronous staging): not in the step's
+         * seconds, so it adds to the goodput's stall without counting twice */
+        elastic_hist_observe(&m->wait_seconds, ev->stall_seconds);
         if (first) gp_add(m, ELASTIC_GP_STALL, now, ev->step, ev->stall_seconds);
         break;
     case ELASTIC_REPORT_MEM_SNAPSHOT:
@@ -380,6 +386,11 @@ int elastic_metrics_render(elastic_metrics *m, double now, char **text, size_t *
     elastic_expo_family(&e, "ckpt_snapshot_stall_seconds", "histogram", "Training stall of each "
                         "snapshot's stage copy, seconds (every local rank).");
     elastic_expo_histogram(&e, "ckpt_snapshot_stall_seconds", NULL, &m->stall_seconds);
+    elastic_expo_family(&e, "ckpt_snapshot_wait_seconds", "histogram", "Time the next optimizer "
+                        "update waited for a snapshot's device-to-host copies and its digests "
+                        "(asynchronous staging: the second part of the snapshot's stall), "
+                        "seconds (every local rank).");
+    elastic_expo_histogram(&e, "ckpt_snapshot_wait_seconds", NULL, &m->wait_seconds);
     elastic_expo_family(&e, "ckpt_mem_snapshot_stall_seconds", "histogram", "Training stall of "
                         "each memory snapshot (the copy into the shared-memory slot with its "
                         "checksums, the record and digests), seconds (every local rank).");

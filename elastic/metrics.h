@@ -58,6 +58,8 @@ enum elastic_report_kind {
     ELASTIC_REPORT_MEM_SNAPSHOT, /* mem_snapshot step=<n> stall_seconds=<s> [bytes=<b>]: a
                                     memory snapshot (train's memory tier) completed */
     ELASTIC_REPORT_MEM_FAILED,   /* mem_snapshot_failed step=<n> result=<r> */
+    ELASTIC_REPORT_SNAPSHOT_WAIT, /* snapshot_wait step=<n> stall_seconds=<s>: the optimizer
+                                     waited for snapshot n's copies and digests */
 };
 
 /* Bits of elastic_report_event.has: the optional fields that were present. */

@@ -128,6 +128,7 @@ static const struct {
      B(K_STEP) | B(K_STALL)},
     {"mem_snapshot_failed", ELASTIC_REPORT_MEM_FAILED, B(K_STEP) | B(K_RESULT),
      B(K_STEP) | B(K_RESULT)},
+    {"snapshot_wait", ELASTIC_REPORT_SNAPSHOT_WAIT, B(K_STEP) | B(K_STALL), B(K_STEP) | B(K_STALL)},
 };
 
 static int word_is(const char *w, size_t n, const char *name)

@@ -159,6 +159,14 @@ void train_report_snapshot_staged(train_report *r, int64_t step, double stall_se
     tb_flush(r);
 }
 
+void train_report_snapshot_wait(train_report *r, int64_t step, double stall_seconds)
+{
+    emit(r, "snapshot_wait step=%" PRId64 " stall_seconds=%.9g", step, stall_seconds);
+    if (!r || !r->tb) return;
+    tb_scalar(r, "ckpt/wait_seconds", step, stall_seconds, train_tb_wall_now());
+    tb_flush(r);
+}
+
 void train_report_mem_snapshot(train_report *r, int64_t step, double stall_seconds,
                                uint64_t bytes, int slot)
 {

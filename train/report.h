@@ -16,6 +16,11 @@
  *       others do not know the global loss). Written after every step: the progress signal.
  *   val step=<n> loss=<x>                                                       (rank 0)
  *   snapshot_staged step=<n> stall_seconds=<s> bytes=<b>        a snapshot's copy (the stall)
+ *   snapshot_wait step=<n> stall_seconds=<s>   the wait of the next optimizer update (or of
+ *       the end of the run) for the device-to-host copies of snapshot n, which were queued at
+ *       its stage (asynchronous staging, train/stage.h), plus the snapshot's digests computed
+ *       once the copies are done: a stall too, the second part of the snapshot's. The step
+ *       event's seconds do not include it (so the two never count twice)
  *   snapshot_skipped step=<n>                         policy skip: the previous one persisted
  *   snapshot_failed step=<n> result=<r>     the stage of a snapshot failed (a negative errno):
  *       the snapshot was not taken on this rank
@@ -46,6 +51,7 @@
  *                                train/tokens_per_second, train/step_seconds
  *   train_report_val             train/val_loss
  *   train_report_snapshot_staged ckpt/stall_seconds                   at the snapshot's step
+ *   train_report_snapshot_wait   ckpt/wait_seconds                    at the snapshot's step
  *   train_report_mem_snapshot    ckpt/mem_stall_seconds       at the memory snapshot's step
  *   train_report_snapshot_done   ckpt/persist_seconds, ckpt/persist_mib_per_second (raw MiB
  *                                / persist seconds), ckpt/compression_ratio (raw / stored),
@@ -125,6 +131,10 @@ void train_report_snapshot_staged(train_report *r, int64_t step, double stall_se
 
 /* A memory snapshot of `step` completed in slot `slot` of this rank's segment: the stall in
  * seconds and the payload bytes. */
+/* snapshot_wait: the optimizer update waited stall_seconds (seconds) for the copies and the
+ * digests of the snapshot of step `step`. */
+void train_report_snapshot_wait(train_report *r, int64_t step, double stall_seconds);
+
 void train_report_mem_snapshot(train_report *r, int64_t step, double stall_seconds,
                                uint64_t bytes, int slot);
 

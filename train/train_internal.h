@@ -112,6 +112,10 @@ typedef struct state {
                                 (train_wait_stage_copies); the same on every rank */
     int stage_staged;        /* the engine took that snapshot (it waits for the record) */
     double stage_t0;         /* when the copies were queued (for the log line of the wait) */
+    double stage_wait_s;     /* seconds train_wait_stage_copies took (the wait and the
+                                digests), summed since the training loop last zeroed it: what
+                                the loop takes off a step's seconds in its report (the wait is
+                                reported as a stall, snapshot_wait) */
     void *stage_rec;         /* (json_t *) its trainer record, digests still to be filled */
     float *dm, *dv;          /* (dev, ohi - olo) Adam moments */
     float *m, *v;            /* host view of dm, dv: the same pointers on the CPU device, pinned
@@ -247,7 +251,8 @@ int train_make_engine(state *s);
  * trainer record from the host view (the state is still the snapshot's: no update ran since),
  * and hand the record to the engine (ckpt_engine_set_trainer). Collective when W > 1 (the
  * moments digest); every rank has the same pending snapshot. Logs how long the update waited
- * for the copies when it did. Returns 0, or the copy stream's or the collective's negative
+ * for the copies when it did; reports the wait and the digests' time (snapshot_wait, report.h)
+ * and adds it to s->stage_wait_s. Returns 0, or the copy stream's or the collective's negative
  * errno (logged; the record is then withdrawn: nothing is committed). */
 int train_wait_stage_copies(state *s);
 

@@ -440,6 +440,7 @@ int train_wait_stage_copies(state *s)
     s->stage_rec = NULL;
     double t0 = clock_now_s();
     double timeout = s->o->comm_timeout * 10 > 600 ? s->o->comm_timeout * 10 : 600;
+    const int64_t step = s->step; /* the snapshot's: no update ran since it was staged */
     int rc = train_stager_wait_all(s->stager, timeout);
     double t1 = clock_now_s();
     if (rc < 0) {
@@ -458,6 +459,10 @@ int train_wait_stage_copies(state *s)
         text = json_dumps(rec, JSON_COMPACT | JSON_REAL_PRECISION(17));
     json_decref(rec);
     if (rc == 0 && !text) rc = -ENOMEM;
+    /* the copies' wait and the digests: the second part of the snapshot's stall */
+    const double waited = clock_now_s() - t0;
+    s->stage_wait_s += waited;
+    if (rc == 0) train_report_snapshot_wait(s->report, step, waited);
     if (staged) {
         int sr = ckpt_engine_set_trainer(s->engine, (uint64_t)s->step, rc == 0 ? text : NULL);
         if (sr < 0 && sr != -ENOENT)

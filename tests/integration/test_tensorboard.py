@@ -144,7 +144,7 @@ COMMIT_RE = re.compile(r"snapshot step (\d+) committed: \S+ MiB raw -> \S+ MiB s
                        r"persist (\S+) ms(?: \([^)]*\))?, (\S+) MiB/s")
 
 TAGS = ["train/loss", "train/val_loss", "train/lr", "train/grad_norm", "train/tokens_per_second",
-        "train/step_seconds", "ckpt/stall_seconds", "ckpt/persist_seconds",
+        "train/step_seconds", "ckpt/stall_seconds", "ckpt/wait_seconds", "ckpt/persist_seconds",
         "ckpt/persist_mib_per_second", "ckpt/compression_ratio"]
 
 
@@ -198,6 +198,13 @@ class TensorBoard(h.TempDirTest):
         shows committed before the run ended, equal to the log's."""
         staged = [int(s) for s in re.findall(r"snapshot step (\d+) staged", log)]
         self.assertEqual([s for s, _, _ in tag_vals["ckpt/stall_seconds"]], staged)
+        # staged from the device (no memory tier here): the next update's wait for the
+        # copies and the digests, at the snapshot's step, for every one of them
+        queued = [int(s) for s in re.findall(r"snapshot step (\d+) staged: .*\(copies from .* queued\)", log)]
+        self.assertEqual(queued, staged)
+        waits = tag_vals["ckpt/wait_seconds"]
+        self.assertEqual([s for s, _, _ in waits], staged)
+        self.assertTrue(all(0 <= v < 60 for _, v, _ in waits), waits)
         commits = {int(m[0]): (float(m[1]), float(m[2]), float(m[3])) for m in COMMIT_RE.findall(log)}
         persist = {s: v for s, v, _ in tag_vals.get("ckpt/persist_seconds", [])}
         mibs = {s: v for s, v, _ in tag_vals.get("ckpt/persist_mib_per_second", [])}

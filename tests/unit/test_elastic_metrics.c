@@ -58,6 +58,10 @@ static void parser_events(void)
     T_CHECK(parse("mem_snapshot_failed step=47 result=-28", &ev) == 1 &&
             ev.kind == ELASTIC_REPORT_MEM_FAILED && ev.result == -28, "memory snapshot failed");
     T_CHECK(parse("mem_snapshot step=46", &ev) == -EINVAL, "memory snapshot without its stall");
+    T_CHECK(parse("snapshot_wait step=48 stall_seconds=0.0125", &ev) == 1 &&
+            ev.kind == ELASTIC_REPORT_SNAPSHOT_WAIT && ev.step == 48 && ev.stall_seconds == 0.0125,
+            "snapshot wait");
+    T_CHECK(parse("snapshot_wait step=48", &ev) == -EINVAL, "snapshot wait without its stall");
     T_CHECK(parse("snapshot_done step=42 result=0 persist_seconds=0.75 raw_bytes=1449984 "
                   "stored_bytes=1235380", &ev) == 1, "done");
     T_CHECK(ev.kind == ELASTIC_REPORT_DONE && ev.result == 0 && ev.persist_seconds == 0.75 &&
@@ -679,6 +683,48 @@ static void mem_aggregation(void)
     elastic_metrics_free(m);
 }
 
+/* The wait of the next optimizer update for a snapshot's copies (asynchronous staging): a
+ * histogram of every local rank, and the first rank's waits add to the goodput's stall next
+ * to the stage's stall (the step's seconds exclude it: nothing counts twice). */
+static void wait_aggregation(void)
+{
+    elastic_metrics *m;
+    T_REQUIRE(elastic_metrics_create(&m, 0) == 0, "create");
+    elastic_metrics_round(m, 0, 0, 2, 0, 2, 1.0);
+    elastic_metrics_rank_up(m, 0, 1);
+    elastic_metrics_rank_up(m, 1, 1);
+    char *t = render(m, 1.0);
+    T_CHECK(value_of(t, "ckpt_snapshot_wait_seconds_count") == 0, "none yet\n%s", t);
+    free(t);
+    for (int s = 1; s <= 4; s++) {
+        char l[128];
+        snprintf(l, sizeof l, "step %d seconds=0.25", s);
+        line(m, 0, l, 1.0 + 0.5 * s);
+        line(m, 1, l, 1.0 + 0.5 * s);
+        if (s % 2 == 0) {
+            snprintf(l, sizeof l, "snapshot_staged step=%d stall_seconds=0.001 bytes=100", s);
+            line(m, 0, l, 1.0 + 0.5 * s);
+            line(m, 1, l, 1.0 + 0.5 * s);
+        } else if (s > 1) {
+            snprintf(l, sizeof l, "snapshot_wait step=%d stall_seconds=0.125", s - 1);
+            line(m, 0, l, 1.0 + 0.5 * s);
+            line(m, 1, l, 1.0 + 0.5 * s);
+        }
+    }
+    t = render(m, 3.0);
+    check_exposition(t);
+    T_CHECK(value_of(t, "ckpt_snapshot_wait_seconds_count") == 2, "every local rank\n%s", t);
+    T_CHECK(t_close(value_of(t, "ckpt_snapshot_wait_seconds_sum"), 0.25, 1e-12, 0), "sum\n%s", t);
+    T_CHECK(value_of(t, "ckpt_snapshot_stall_seconds_count") == 4, "the stage's stall apart");
+    free(t);
+    elastic_goodput_report r;
+    elastic_metrics_goodput(m, 3.0, &r);
+    T_CHECK(t_close(r.stall_s, 2 * 0.001 + 0.125, 1e-12, 0), "stall: stage + wait, first rank %g",
+            r.stall_s);
+    T_CHECK(t_close(r.productive_s, 4 * 0.25, 1e-12, 0), "productive %g", r.productive_s);
+    elastic_metrics_free(m);
+}
+
 /* ------------------------------------------------------------------ goodput */
 
 #define EV(k, t, s, d) {ELASTIC_GP_##k, t, s, d}
@@ -960,6 +1006,7 @@ int main(void)
     aggregation();
     upload_aggregation();
     mem_aggregation();
+    wait_aggregation();
     goodput_sequences();
     goodput_long();
     http_server();
