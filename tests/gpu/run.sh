@@ -16,18 +16,34 @@
 #                 next to llm.c's train_gpt2cu (../shared/peers/llm.c, `-e d12`, same shards)
 #   stall         the 124M run's snapshot stall (ms) next to a bare pinned D2H copy of the
 #                 same bytes (tests/gpu/copy_bench), and the persist throughput (MiB/s)
-# Usage: tests/gpu/run.sh [--quick]   (--quick: skip llm.c and the 124M runs)
+# Usage: tests/gpu/run.sh [--quick] [--cpu-dry-run]
+#   --quick        skip llm.c and the 124M runs
+#   --cpu-dry-run  on a machine without a GPU: the same steps with --device cpu, a small model
+#                  instead of the 124M one, llm.c's train_gpt2cu built but not run, the GPU
+#                  programs' skips (77) as "skip" rows: checks the script itself (its parsing,
+#                  its commands, the llm.c build) before device time is spent on it
 # Environment: OUT (work folder; default /tmp/ckpt-gpu-run), DATA (token shards; default
-# data/brown, made by scripts/demo's set-up), JOBS (build parallelism; default nproc).
-# Exit status: 0 every check passed, 1 a check failed, 77 no GPU here.
+# data/brown, made by scripts/demo's set-up), JOBS (build parallelism; default nproc), B (the
+# build folder; default build-gpu/, configured here with -Dcuda=enabled when missing).
+# Exit status: 0 every check passed, 1 a check failed, 77 no GPU here (without --cpu-dry-run).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 OUT="${OUT:-/tmp/ckpt-gpu-run}"
 DATA="${DATA:-$ROOT/data/brown}"
 JOBS="${JOBS:-$(nproc)}"
-B="$ROOT/build-gpu"
+B="${B:-$ROOT/build-gpu}"
 QUICK=0
-[ "${1:-}" = "--quick" ] && QUICK=1
+DRY=0
+for a in "$@"; do
+    case "$a" in
+    --quick) QUICK=1 ;;
+    --cpu-dry-run) DRY=1 ;;
+    *) echo "tests/gpu/run.sh: unknown argument $a (see the header)" >&2; exit 2 ;;
+    esac
+done
+DEV=cuda
+[ $DRY = 1 ] && DEV=cpu
+export PATH="/usr/local/cuda/bin:$PATH" # nvcc for meson and llm.c's Makefile
 T0=$SECONDS
 
 rows=()
@@ -48,7 +64,9 @@ table() {
 digest() { sed -n 's/.*params_digest=\([0-9a-f]*\).*/\1/p' "$1" | tail -1; }
 
 mkdir -p "$OUT"
-if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >"$OUT/gpus.txt" 2>&1; then
+if [ $DRY = 1 ]; then
+    echo "GPU 0: none (--cpu-dry-run: every step with --device cpu)" >"$OUT/gpus.txt"
+elif ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >"$OUT/gpus.txt" 2>&1; then
     echo "tests/gpu/run.sh: no GPU here (nvidia-smi -L failed): skipped"
     exit 77
 fi
@@ -71,14 +89,18 @@ else
 fi
 
 # ---- fatbin and spills (the same test CI runs)
-if meson test -C "$B" --suite build --print-errorlogs >"$OUT/fatbin.log" 2>&1; then
-    row fatbin ok "$(grep -ho 'sm_90[^ ]*' "$OUT/fatbin.log" | sort -u | tr '\n' ' ')"
+if meson test -C "$B" --suite build --verbose >"$OUT/fatbin.log" 2>&1; then
+    row fatbin ok "$(grep -m1 -o 'fatbin of [^:]*: [^:]*' "$OUT/fatbin.log"); $(grep -m1 -o 'zero spill.*' "$OUT/fatbin.log")"
 else
     row fatbin FAIL "see $OUT/fatbin.log"
 fi
 
 # ---- kernels vs CPU reference
-if "$B/tests/gpu/kernel_check" >"$OUT/kernels.log" 2>&1; then
+"$B/tests/gpu/kernel_check" >"$OUT/kernels.log" 2>&1
+krc=$?
+if [ $krc = 77 ] && [ $DRY = 1 ]; then
+    row kernels skip "no GPU (exit 77): $(tail -1 "$OUT/kernels.log")"
+elif [ $krc = 0 ]; then
     row kernels ok "$(grep -c PASS "$OUT/kernels.log") ops pass; worst $(sort -k3 -g "$OUT/kernels.log" | awk '/PASS/ {w=$0} END {print w}')"
 else
     row kernels FAIL "$(grep -v PASS "$OUT/kernels.log" | head -3 | tr '\n' ';')"
@@ -100,9 +122,9 @@ TR="$B/train"
 SMALL=(--data "$DATA/train_*.bin" --n-layer 4 --n-embd 128 --n-head 4 --seq-len 128
        --micro-batch 8 --grad-accum 2 --steps 120 --log-every 10 --seed 7)
 rm -rf "$OUT/ref" "$OUT/kill" "$OUT/cpu"
-"$TR" "${SMALL[@]}" --device cuda --ckpt-dir "$OUT/ref" --ckpt-every 40 >"$OUT/ref.log" 2>&1
+"$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$OUT/ref" --ckpt-every 40 >"$OUT/ref.log" 2>&1
 ref=$(digest "$OUT/ref.log")
-( "$TR" "${SMALL[@]}" --device cuda --ckpt-dir "$OUT/kill" --ckpt-every 20 --log-every 1 \
+( "$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$OUT/kill" --ckpt-every 20 --log-every 1 \
     >"$OUT/kill1.log" 2>&1 ) &
 kpid=$!
 for _ in $(seq 1 600); do
@@ -113,7 +135,7 @@ done
 kill -KILL $kpid 2>/dev/null
 wait $kpid 2>/dev/null
 killed_at=$(grep -o 'step [0-9]*/' "$OUT/kill1.log" | tail -1 | tr -dc 0-9)
-"$TR" "${SMALL[@]}" --device cuda --ckpt-dir "$OUT/kill" --ckpt-every 20 --resume auto \
+"$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$OUT/kill" --ckpt-every 20 --resume auto \
     >"$OUT/kill2.log" 2>&1
 res=$(digest "$OUT/kill2.log")
 from=$(grep -o 'resumed from .* at step [0-9]*' "$OUT/kill2.log" | head -1 | sed 's/.* at //')
@@ -137,7 +159,7 @@ CPUS=(--data "$DATA/train_*.bin" --n-layer 2 --n-embd 64 --n-head 2 --seq-len 64
       --micro-batch 4 --steps 20 --seed 7)
 "$TR" "${CPUS[@]}" --device cpu --ckpt-dir "$OUT/cpu" --ckpt-every 20 >"$OUT/cpu.log" 2>&1
 cpud=$(digest "$OUT/cpu.log")
-"$TR" "${CPUS[@]}" --device cuda --resume "$OUT/cpu/step-000000020" >"$OUT/c2g.log" 2>&1
+"$TR" "${CPUS[@]}" --device "$DEV" --resume "$OUT/cpu/step-000000020" >"$OUT/c2g.log" 2>&1
 c2g=$(digest "$OUT/c2g.log")
 if [ -n "$c2g" ] && [ "$c2g" = "$cpud" ]; then row cpu-gpu ok "cpu snapshot on cuda: ${c2g:0:16} equal"
 else row cpu-gpu FAIL "cpu ${cpud:-none} vs cuda ${c2g:-none}"; fi
@@ -150,6 +172,9 @@ if [ $QUICK = 0 ]; then
     BIG=(--data "$DATA/train_*.bin" --vocab 50257 --n-layer 12 --n-embd 768 --n-head 12
          --seq-len 1024 --micro-batch 16 --grad-accum 1 --steps 12 --log-every 1 --device cuda
          --dtype bf16)
+    [ $DRY = 1 ] && BIG=(--data "$DATA/train_*.bin" --vocab 50257 --n-layer 2 --n-embd 128
+         --n-head 4 --seq-len 256 --micro-batch 4 --grad-accum 1 --steps 12 --log-every 1
+         --device cpu --dtype bf16)
     rm -rf "$OUT/big"
     timeout 240 "$TR" "${BIG[@]}" --ckpt-dir "$OUT/big" --ckpt-every 6 --keep-last 1 \
         >"$OUT/big.log" 2>&1
@@ -157,25 +182,31 @@ if [ $QUICK = 0 ]; then
     rm -rf "$OUT/llmc" && cp -r "$ROOT/../shared/peers/llm.c" "$OUT/llmc"
     if (cd "$OUT/llmc" && make train_gpt2cu NO_MULTI_GPU=1 NO_USE_MPI=1 GPU_COMPUTE_CAPABILITY=90 \
             >"$OUT/llmc-build.log" 2>&1); then
-        (cd "$OUT/llmc" && timeout 180 ./train_gpt2cu -i "$DATA/train_*.bin" -j "$DATA/val_*.bin" \
-            -e d12 -b 16 -t 1024 -x 12 -v 100000 -s 100000 >"$OUT/llmc.log" 2>&1)
-        theirs=$(grep -o '[0-9.]* tok/s' "$OUT/llmc.log" | awk 'NR > 3 {print int($1)}' | sort -n |
+        [ $DRY = 1 ] || (cd "$OUT/llmc" && timeout 180 ./train_gpt2cu -i "$DATA/train_*.bin" -j "$DATA/val_*.bin" \
+            -e d12 -b 16 -t 1024 -x 12 -v 100000 -s 100000 -m 2 >"$OUT/llmc.log" 2>&1)
+        [ $DRY = 1 ] || theirs=$(grep -o '[0-9.]* tok/s' "$OUT/llmc.log" | awk 'NR > 3 {print int($1)}' | sort -n |
                  awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print 0}')
+        [ $DRY = 1 ] && theirs="(built, not run: no GPU)"
     else
         theirs=0
+        [ $DRY = 1 ] && theirs="(build FAILED: $OUT/llmc-build.log)"
     fi
     if [ "${ours:-0}" -gt 0 ]; then
-        ratio=$(awk -v a="$ours" -v b="${theirs:-0}" 'BEGIN {if (b > 0) printf "%.2f", a / b; else print "n/a"}')
-        row tokens/s ok "ours $ours, llm.c ${theirs:-0} (ratio $ratio), 124M bf16 16x1024"
+        ratio=$(awk -v a="$ours" -v b="${theirs:-0}" 'BEGIN {if (b + 0 > 0) printf "%.2f", a / b; else print "n/a"}')
+        what="124M bf16 16x1024"
+        [ $DRY = 1 ] && what="dry run: 2 x 128 bf16 4x256 on the CPU"
+        row tokens/s ok "ours $ours, llm.c ${theirs:-0} (ratio $ratio), $what"
     else
         row tokens/s FAIL "no step line in $OUT/big.log: $(grep -m1 -iE 'error|fail' "$OUT/big.log")"
     fi
     st=$(grep -o 'stall [0-9.]* ms for [0-9.]* MiB' "$OUT/big.log" | tail -1)
     smib=$(echo "$st" | awk '{print int($5 + 0.5)}')
     if [ -n "$st" ] && [ "${smib:-0}" -gt 0 ]; then
-        bare=$("$B/tests/gpu/copy_bench" --device cuda "$smib" 5 2>&1 | tail -1)
+        bare=$("$B/tests/gpu/copy_bench" --device "$DEV" "$smib" 5 2>&1 | tail -1)
         pers=$(grep -o 'persist [0-9]* ms[^,]*, [0-9.]* MiB/s' "$OUT/big.log" | tail -1)
-        row stall ok "$st; bare copy: $(echo "$bare" | grep -o 'd2h_ms=[0-9.]* d2h_gbps=[0-9.]*'); $pers"
+        # the second part of the stall: the next update's wait for the copies (and digests)
+        wt=$(grep -o 'waited [0-9.]* ms for its copies' "$OUT/big.log" | tail -1)
+        row stall ok "$st, ${wt:-no wait logged}; bare copy: $(echo "$bare" | grep -o 'd2h_ms=[0-9.]* d2h_gbps=[0-9.]*'); $pers"
     else
         row stall FAIL "no stall line in $OUT/big.log"
     fi
