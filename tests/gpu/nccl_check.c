@@ -14,7 +14,8 @@
  * one GPU (W = 1: the NCCL calls, the waits and the tree sum, no peers).
  *
  * The tree sum is the CUDA table's rank_tree_sum (kern_cuda_ops_init on the dcomm's stream),
- * checked bit for bit against the host reference tree.
+ * checked bit for bit against the host reference tree. The process harness and the inputs are
+ * tests/unit/t_ranks.h's.
  */
 #include "comm.h"
 #include "dcomm.h"
@@ -23,60 +24,15 @@
 #include "kern_ops.h"
 #include "store.h"
 #include "t_helpers.h"
+#include "t_ranks.h"
 
 #include <cuda_runtime_api.h>
 
-#include <poll.h>
 #include <signal.h>
 #include <stdint.h>
-#include <sys/wait.h>
 
-#define MAXW 8
+#define MAXW T_RANKS_MAXW
 #define TIMEOUT_S 10.0
-
-static uint64_t mix(uint64_t x)
-{
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
-
-static float gen(uint64_t seed, int r, size_t i)
-{
-    uint64_t h = mix(seed * 0x100000001b3ull ^ mix(((uint64_t)r << 40) ^ (uint64_t)i));
-    float u = (float)(h >> 40) / 16777216.0f;
-    int e = (int)((h >> 8) % 21) - 10;
-    return ldexpf(h & 1 ? -u : u, e);
-}
-
-static float tree_sum(const float *v, size_t stride, int n)
-{
-    if (n == 1) return v[0];
-    int h = 1;
-    while (h * 2 < n) h *= 2;
-    return tree_sum(v, stride, h) + tree_sum(v + (size_t)h * stride, stride, n - h);
-}
-
-static float ref_elem(uint64_t seed, int W, size_t i, double *abs_sum)
-{
-    float v[MAXW];
-    double a = 0;
-    for (int r = 0; r < W; r++) {
-        v[r] = gen(seed, r, i);
-        a += fabs(v[r]);
-    }
-    if (abs_sum) *abs_sum = a;
-    return tree_sum(v, 1, W);
-}
-
-static uint64_t fnv(uint64_t h, const void *p, size_t n)
-{
-    const uint8_t *b = p;
-    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
-    return h;
-}
-
 
 /* ------------------------------------------------------------------ child side */
 
@@ -94,16 +50,6 @@ typedef struct child {
     cudaStream_t cs;
     msg m;
 } child;
-
-#define C_CHECK(ch, cond, ...)                                                                 \
-    do {                                                                                       \
-        if (!(cond)) {                                                                         \
-            (ch)->fails++;                                                                     \
-            fprintf(stderr, "FAIL rank %d %s:%d: %s: ", (ch)->rank, __FILE__, __LINE__, #cond); \
-            fprintf(stderr, __VA_ARGS__);                                                      \
-            fputc('\n', stderr);                                                               \
-        }                                                                                      \
-    } while (0)
 
 static void *dalloc(child *ch, size_t bytes)
 {
@@ -129,7 +75,7 @@ static size_t compare(const float *got, size_t n, size_t off, uint64_t seed, int
     size_t bad = 0;
     for (size_t k = 0; k < n; k++) {
         double a = 0;
-        float ref = ref_elem(seed, W, off + k, &a);
+        float ref = t_ref_elem(seed, W, off + k, &a);
         if (ring ? fabs((double)got[k] - ref) > 1e-5 * a + 1e-30 : memcmp(&got[k], &ref, 4))
             bad++;
     }
@@ -140,7 +86,7 @@ static uint64_t check_all_reduce(child *ch, train_dcomm *d, uint64_t seed, size_
 {
     float *h = malloc(n * sizeof *h), *dv = dalloc(ch, n * sizeof *h);
     if (!h) _exit(3);
-    for (size_t i = 0; i < n; i++) h[i] = gen(seed, ch->rank, i);
+    for (size_t i = 0; i < n; i++) h[i] = t_gen(seed, ch->rank, i);
     h2d(ch, dv, h, n * sizeof *h);
     int r = train_dcomm_all_reduce_f32(d, dv, n);
     C_CHECK(ch, r == 0, "all-reduce n=%zu: %d", n, r);
@@ -148,7 +94,7 @@ static uint64_t check_all_reduce(child *ch, train_dcomm *d, uint64_t seed, size_
     size_t bad = compare(h, n, 0, seed, ch->W, ring);
     C_CHECK(ch, bad == 0, "%s all-reduce n=%zu: %zu of %zu elements off the reference",
             ring ? "ring" : "tree", n, bad, n);
-    uint64_t hash = fnv(1469598103934665603ull, h, n * sizeof *h);
+    uint64_t hash = t_fnv(T_FNV_OFFSET, h, n * sizeof *h);
     train_device_free(ch->dev, dv);
     free(h);
     return hash;
@@ -166,7 +112,7 @@ static void check_reduce_scatter(child *ch, train_dcomm *d, int equal, int ring)
     uint64_t seed = 40 + (uint64_t)equal;
     float *h = malloc(tot * sizeof *h), *din = dalloc(ch, tot * 4), *dout = dalloc(ch, cnt[me] * 4);
     if (!h) _exit(3);
-    for (size_t i = 0; i < tot; i++) h[i] = gen(seed, me, i);
+    for (size_t i = 0; i < tot; i++) h[i] = t_gen(seed, me, i);
     for (int pass = 0; pass < 2; pass++) { /* out of place, in place */
         h2d(ch, din, h, tot * 4);
         float *dst = pass ? din + off[me] : dout;
@@ -216,7 +162,7 @@ static void check_all_gather(child *ch, train_dcomm *d, int equal)
 
 static void functional(child *ch, const kern_ops *ops)
 {
-    ch->m.hash = 1469598103934665603ull;
+    ch->m.hash = T_FNV_OFFSET;
     for (int ring = 0; ring < 2; ring++) {
         train_dcomm *d = NULL;
         int r = train_dcomm_create(&d, ch->c, ch->dev, ops, ch->s,
@@ -231,7 +177,7 @@ static void functional(child *ch, const kern_ops *ops)
         check_all_reduce(ch, d, 8, n_even, ring);
         if (!ring) {
             C_CHECK(ch, h1 == h2, "tree all-reduce: bits differ run to run");
-            ch->m.hash = fnv(ch->m.hash, &h1, sizeof h1);
+            ch->m.hash = t_fnv(ch->m.hash, &h1, sizeof h1);
         }
         check_reduce_scatter(ch, d, 1, ring);
         check_reduce_scatter(ch, d, 0, ring);
@@ -279,28 +225,16 @@ static void killed_rank(child *ch, const kern_ops *ops, int out_fd)
 
 enum { SC_FUNC, SC_KILL };
 
-static void child_main(int rank, int W, int sc, int port_rd, int port_wr, int out_fd)
+/* arg: the scenario (int *) */
+static void child_main(int rank, int W, int port_rd, int port_wr, int out_fd, void *arg)
 {
+    int sc = *(const int *)arg;
     child ch;
     memset(&ch, 0, sizeof ch);
     ch.rank = rank;
     ch.W = W;
     elastic_store_server *srv = NULL;
-    int port = 0;
-    if (W > 1) {
-        if (rank == 0) {
-            elastic_store_server_opts so = ELASTIC_STORE_SERVER_OPTS_INIT;
-            so.token = "nccl-check";
-            if (elastic_store_server_start(&srv, &so) < 0) _exit(3);
-            port = elastic_store_server_port(srv);
-            for (int i = 1; i < W; i++)
-                if (write(port_wr, &port, sizeof port) != (ssize_t)sizeof port) _exit(3);
-        } else if (read(port_rd, &port, sizeof port) != (ssize_t)sizeof port) {
-            _exit(3);
-        }
-    }
-    close(port_rd);
-    close(port_wr);
+    int port = t_ranks_store(rank, W, "nccl-check", NULL, port_rd, port_wr, &srv);
     char why[512] = "";
     int r = train_device_open(&ch.dev, TRAIN_DEVICE_CUDA, rank, why, sizeof why);
     if (r < 0) {
@@ -332,7 +266,7 @@ static void child_main(int rank, int W, int sc, int port_rd, int port_wr, int ou
     ch.m.rank = rank;
     ch.m.fails = ch.fails;
     msg copy = ch.m;
-    if (write(out_fd, &copy, sizeof copy) != (ssize_t)sizeof copy) _exit(3);
+    t_ranks_send(out_fd, &copy, sizeof copy);
     if (sc == SC_FUNC) train_comm_barrier(ch.c);
     train_comm_free(ch.c);
     kern_cuda_ops_free(&ops);
@@ -343,55 +277,24 @@ static void child_main(int rank, int W, int sc, int port_rd, int port_wr, int ou
 
 /* ------------------------------------------------------------------ parent */
 
+/* One group; returns the number of ranks (the killed one not counted) that did not exit 0. */
 static int run_group(int W, int sc, msg *done, int *got, double limit_s)
 {
-    int pp[2], rp[2];
-    pid_t pid[MAXW];
-    T_REQUIRE(pipe(pp) == 0 && pipe(rp) == 0, "pipe");
-    fflush(stdout);
-    fflush(stderr);
-    for (int r = 0; r < W; r++) {
-        pid[r] = fork();
-        T_REQUIRE(pid[r] >= 0, "fork");
-        if (pid[r] == 0) {
-            close(rp[0]);
-            child_main(r, W, sc, pp[0], pp[1], rp[1]);
-        }
-        got[r] = 0;
-    }
-    close(pp[0]);
-    close(pp[1]);
-    close(rp[1]);
+    for (int r = 0; r < W; r++) got[r] = 0;
+    t_ranks g;
+    t_ranks_start(&g, W, child_main, &sc);
     int expect = sc == SC_KILL ? W - 1 : W, n = 0;
     double end = t_now_s() + limit_s;
     while (n < expect) {
-        struct pollfd pf = {rp[0], POLLIN, 0};
-        int ms = (int)((end - t_now_s()) * 1000);
         msg m;
-        if (ms <= 0 || poll(&pf, 1, ms) <= 0 || read(rp[0], &m, sizeof m) != (ssize_t)sizeof m)
-            break;
+        if (t_ranks_read(&g, &m, sizeof m, end) < 0) break;
         if (m.rank >= 0 && m.rank < W && !got[m.rank]) {
             got[m.rank] = 1;
             done[m.rank] = m;
             n++;
         }
     }
-    close(rp[0]);
-    int bad = 0;
-    for (int r = 0; r < W; r++) {
-        int st = 0;
-        pid_t w = 0;
-        double wd = t_now_s() + 20;
-        while ((w = waitpid(pid[r], &st, WNOHANG)) == 0 && t_now_s() < wd) t_sleep_s(0.01);
-        if (w != pid[r]) {
-            kill(pid[r], SIGKILL);
-            waitpid(pid[r], &st, 0);
-            if (!(sc == SC_KILL && r == W - 1)) bad++;
-        } else if (!(sc == SC_KILL && r == W - 1) && (!WIFEXITED(st) || WEXITSTATUS(st))) {
-            bad++;
-        }
-    }
-    return bad;
+    return t_ranks_reap(&g, sc == SC_KILL ? W - 1 : -1, 20.0);
 }
 
 int main(int argc, char **argv)

@@ -23,34 +23,6 @@ static void fill(float *x, size_t n, float scale)
     for (size_t i = 0; i < n; i++) x[i] = scale * ((float)(rnd() % 2001) - 1000.0f) / 1000.0f;
 }
 
-static char *read_all(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *buf = malloc((size_t)n + 1);
-    if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) {
-        free(buf);
-        buf = NULL;
-    }
-    fclose(f);
-    if (buf) buf[n] = '\0';
-    *len = (size_t)n;
-    return buf;
-}
-
-static int file_equal(const char *a, const char *b)
-{
-    size_t na, nb;
-    char *x = read_all(a, &na), *y = read_all(b, &nb);
-    int eq = x && y && na == nb && memcmp(x, y, na) == 0;
-    free(x);
-    free(y);
-    return eq;
-}
-
 static int exists(const char *dir, const char *name)
 {
     char p[8400];
@@ -113,12 +85,14 @@ static void test_async_equals_sync(const char *root)
     char pa[4300], pb[4300];
     snprintf(pa, sizeof pa, "%s/step-000000007/rank-00000.bin", sync_dir);
     snprintf(pb, sizeof pb, "%s/step-000000007/rank-00000.bin", async_dir);
-    T_CHECK(file_equal(pa, pb), "async data file is bit-identical to the synchronous save's");
+    T_CHECK(t_file_equal(pa, pb), "async data file is bit-identical to the synchronous save's");
     /* manifests equal apart from created_unix and the checksum */
-    size_t la, lb;
     snprintf(pa, sizeof pa, "%s/step-000000007/manifest.json", sync_dir);
     snprintf(pb, sizeof pb, "%s/step-000000007/manifest.json", async_dir);
-    char *ma = read_all(pa, &la), *mb = read_all(pb, &lb);
+    unsigned char *ua, *ub;
+    t_slurp(pa, &ua);
+    t_slurp(pb, &ub);
+    char *ma = (char *)ua, *mb = (char *)ub;
     T_REQUIRE(ma && mb, "manifests readable");
     char *ca = strstr(ma, "\"created_unix\""), *cb = strstr(mb, "\"created_unix\"");
     char *ba = strstr(ma, "\"files\""), *bb = strstr(mb, "\"files\"");
@@ -323,8 +297,9 @@ static void test_raw_chunks(const char *root)
         T_CHECK(ckpt_engine_destroy(e) == 0, "persist ok");
         snprintf(snap, sizeof snap, "%s/step-000000001", dir);
         snprintf(path, sizeof path, "%s/manifest.json", snap);
-        size_t len;
-        char *m = read_all(path, &len);
+        unsigned char *um;
+        t_slurp(path, &um);
+        char *m = (char *)um;
         int nzstd = 0, nnone = 0;
         for (char *p = m; p && (p = strstr(p, "\"codec\":\"")); p++) {
             if (!strncmp(p + 9, "zstd", 4)) nzstd++;
@@ -426,7 +401,7 @@ static void test_persist_staged(const char *root)
         char pa[4300], pb[4300];
         snprintf(pa, sizeof pa, "%s/step-00000000%d/rank-00000.bin", sync_dir, st);
         snprintf(pb, sizeof pb, "%s/step-00000000%d/rank-00000.bin", dir, st);
-        T_CHECK(file_equal(pa, pb), "step %d: data file equals the synchronous save's", st);
+        T_CHECK(t_file_equal(pa, pb), "step %d: data file equals the synchronous save's", st);
     }
     ckpt_snapshot *s;
     char p[4300];

@@ -12,33 +12,12 @@
  */
 #include "ckpt.h"
 #include "t_helpers.h"
+#include "t_threads.h"
 
 #include <dirent.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <sys/stat.h>
-
-/* ThreadSanitizer: liburing (2.3 here) maps and unmaps its rings with raw system calls that
- * TSan does not intercept. When one rank's writer unmaps its ring and another rank's thread
- * gets a new ring at the same address, TSan takes the new ring's SQE/CQE accesses for a race
- * with the old ring's (a two-thread program that only creates and drops its own rings shows
- * the same). Location suppressions do not match those mappings, so the two functions that
- * touch ring memory are exempted; a writer is private to one persist, and a real race on its
- * state would also show in store_writer_append/close. */
-#if defined(__SANITIZE_THREAD__)
-#define T_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define T_TSAN 1
-#endif
-#endif
-#ifdef T_TSAN
-const char *__tsan_default_suppressions(void);
-const char *__tsan_default_suppressions(void)
-{
-    return "race:w_queue\nrace:w_complete\n";
-}
-#endif
 
 #define MAXW 8
 #define NSLOTS 4
@@ -112,18 +91,6 @@ static slot *slot_of(board *b, uint64_t step)
     abort();
 }
 
-static void deadline_in(struct timespec *ts, double s)
-{
-    clock_gettime(CLOCK_MONOTONIC, ts);
-    double whole = (double)(time_t)s;
-    ts->tv_sec += (time_t)s;
-    ts->tv_nsec += (long)((s - whole) * 1e9);
-    if (ts->tv_nsec >= 1000000000L) {
-        ts->tv_sec++;
-        ts->tv_nsec -= 1000000000L;
-    }
-}
-
 /* Votes of ranks 1..W-1: 1 all in and 0, the first negative one, or 0 while some are missing
  * (*missing set). Mutex held. */
 static int tally(const board *b, const slot *s, int *missing)
@@ -157,7 +124,7 @@ static int board_collect(void *ctx, uint64_t step, double timeout_s)
     rank_ctx *c = ctx;
     board *b = c->b;
     struct timespec ts;
-    deadline_in(&ts, timeout_s);
+    t_deadline_in(CLOCK_MONOTONIC, &ts, timeout_s);
     pthread_mutex_lock(&b->mu);
     b->collect_calls++;
     slot *s = slot_of(b, step);
@@ -193,7 +160,7 @@ static int board_outcome(void *ctx, uint64_t step, double timeout_s, int *decisi
     rank_ctx *c = ctx;
     board *b = c->b;
     struct timespec ts;
-    deadline_in(&ts, timeout_s);
+    t_deadline_in(CLOCK_MONOTONIC, &ts, timeout_s);
     pthread_mutex_lock(&b->mu);
     b->outcome_calls[c->rank]++;
     slot *s = slot_of(b, step);
@@ -211,7 +178,7 @@ static int board_outcome(void *ctx, uint64_t step, double timeout_s, int *decisi
 static int board_wait_votes(board *b, uint64_t step, int n, double timeout_s)
 {
     struct timespec ts;
-    deadline_in(&ts, timeout_s);
+    t_deadline_in(CLOCK_MONOTONIC, &ts, timeout_s);
     pthread_mutex_lock(&b->mu);
     (void)step; /* one step per board in these tests */
     int rc = 0;
@@ -239,7 +206,7 @@ static void board_set_rank0_done(board *b)
 static int board_wait_rank0_done(board *b, double timeout_s)
 {
     struct timespec ts;
-    deadline_in(&ts, timeout_s);
+    t_deadline_in(CLOCK_MONOTONIC, &ts, timeout_s);
     pthread_mutex_lock(&b->mu);
     while (!b->rank0_done)
         if (pthread_cond_timedwait(&b->cv, &b->mu, &ts) == ETIMEDOUT) break;

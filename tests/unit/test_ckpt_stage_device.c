@@ -12,41 +12,15 @@
  */
 #include "ckpt.h"
 #include "t_helpers.h"
+#include "t_threads.h"
 
 #include <dirent.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <sys/stat.h>
 
-/* ThreadSanitizer: see test_ckpt_group.c (liburing's rings, unmapped with raw syscalls). */
-#if defined(__SANITIZE_THREAD__)
-#define T_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define T_TSAN 1
-#endif
-#endif
-#ifdef T_TSAN
-const char *__tsan_default_suppressions(void);
-const char *__tsan_default_suppressions(void)
-{
-    return "race:w_queue\nrace:w_complete\n";
-}
-#endif
-
 #define CHUNK (1u << 20)
 #define N (600 * 1024) /* floats per buffer: 2.3 MiB, 3 chunks of 1 MiB */
-
-static void deadline_in(struct timespec *ts, double s)
-{
-    clock_gettime(CLOCK_REALTIME, ts);
-    ts->tv_sec += (time_t)s;
-    ts->tv_nsec += (long)((s - (double)(time_t)s) * 1e9);
-    if (ts->tv_nsec >= 1000000000L) {
-        ts->tv_sec++;
-        ts->tv_nsec -= 1000000000L;
-    }
-}
 
 /* ------------------------------------------------------------------ the test copier
  *
@@ -170,7 +144,7 @@ static int tc_wait(void *ctx, uint64_t ticket, double timeout_s)
 {
     tcopier *c = ctx;
     struct timespec ts;
-    deadline_in(&ts, timeout_s);
+    t_deadline_in(CLOCK_REALTIME, &ts, timeout_s);
     pthread_mutex_lock(&c->mu);
     c->waits++;
     if (ticket < TMAX) c->waited[ticket] = 1;
@@ -541,7 +515,7 @@ static int bc(void *ctx, uint64_t step, double timeout_s)
     (void)step;
     board *b = ((rank_job *)ctx)->b;
     struct timespec ts;
-    deadline_in(&ts, timeout_s);
+    t_deadline_in(CLOCK_REALTIME, &ts, timeout_s);
     pthread_mutex_lock(&b->mu);
     while (!b->voted)
         if (pthread_cond_timedwait(&b->cv, &b->mu, &ts) == ETIMEDOUT) break;
@@ -567,7 +541,7 @@ static int bo(void *ctx, uint64_t step, double timeout_s, int *decision)
     (void)step;
     board *b = ((rank_job *)ctx)->b;
     struct timespec ts;
-    deadline_in(&ts, timeout_s);
+    t_deadline_in(CLOCK_REALTIME, &ts, timeout_s);
     pthread_mutex_lock(&b->mu);
     while (!b->decided)
         if (pthread_cond_timedwait(&b->cv, &b->mu, &ts) == ETIMEDOUT) break;

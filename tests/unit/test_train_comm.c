@@ -7,65 +7,23 @@
  * bits on every rank; uneven and empty ranges; all-gather; broadcast from non-zero roots;
  * barrier; 64 MiB all-reduce (no deadlock); random sleeps (timing independence); a killed
  * rank (before and during a collective) and a stopped rank turn into errors in every
- * survivor within timeout + 1 s.
+ * survivor within timeout + 1 s. The process harness and the inputs are t_ranks.h's.
  */
 #include "comm.h"
 #include "store.h"
 #include "t_helpers.h"
+#include "t_ranks.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
-#include <poll.h>
 #include <signal.h>
 #include <stdint.h>
 #include <sys/socket.h>
 #include <sys/time.h>
-#include <sys/wait.h>
 #include <time.h>
 
-#define MAXW 8
+#define MAXW T_RANKS_MAXW
 #define FAIL_TIMEOUT_S 3.0
-
-static uint64_t mix(uint64_t x)
-{
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
-
-/* Input element i of rank r: random sign, mantissa and exponent in [2^-10, 2^10], so the
- * order of additions changes the rounding. */
-static float gen(uint64_t seed, int r, size_t i)
-{
-    uint64_t h = mix(seed * 0x100000001b3ull ^ mix(((uint64_t)r << 40) ^ (uint64_t)i));
-    float u = (float)(h >> 40) / 16777216.0f;
-    int e = (int)((h >> 8) % 21) - 10;
-    return ldexpf(h & 1 ? -u : u, e);
-}
-
-/* The reference: the same pairwise tree over ranks, element by element. */
-static float tree_ref(const float *v, int n)
-{
-    if (n == 1) return v[0];
-    int h = 1;
-    while (h * 2 < n) h *= 2;
-    return tree_ref(v, h) + tree_ref(v + h, n - h);
-}
-
-static float ref_elem(uint64_t seed, int W, size_t i)
-{
-    float v[MAXW];
-    for (int r = 0; r < W; r++) v[r] = gen(seed, r, i);
-    return tree_ref(v, W);
-}
-
-static uint64_t fnv(uint64_t h, const void *p, size_t n)
-{
-    const uint8_t *b = p;
-    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
-    return h;
-}
 
 /* ------------------------------------------------------------------ child side */
 
@@ -84,38 +42,28 @@ typedef struct child {
     msg m;
 } child;
 
-#define C_CHECK(ch, cond, ...)                                                                 \
-    do {                                                                                       \
-        if (!(cond)) {                                                                         \
-            (ch)->fails++;                                                                     \
-            fprintf(stderr, "FAIL rank %d %s:%d: %s: ", (ch)->rank, __FILE__, __LINE__, #cond); \
-            fprintf(stderr, __VA_ARGS__);                                                      \
-            fputc('\n', stderr);                                                               \
-        }                                                                                      \
-    } while (0)
-
 static void send_msg(child *ch, int type)
 {
     ch->m.type = type;
     ch->m.rank = ch->rank;
     ch->m.fails = ch->fails;
-    if (write(ch->out_fd, &ch->m, sizeof ch->m) != (ssize_t)sizeof ch->m) _exit(3);
+    t_ranks_send(ch->out_fd, &ch->m, sizeof ch->m);
 }
 
 static void check_allreduce(child *ch, uint64_t seed, size_t n)
 {
     float *b = n ? malloc(n * sizeof *b) : NULL;
     if (n && !b) _exit(3);
-    for (size_t i = 0; i < n; i++) b[i] = gen(seed, ch->rank, i);
+    for (size_t i = 0; i < n; i++) b[i] = t_gen(seed, ch->rank, i);
     int r = train_comm_all_reduce_f32(ch->c, b, n);
     C_CHECK(ch, r == 0, "all_reduce n=%zu: %d", n, r);
     size_t bad = 0;
     for (size_t i = 0; i < n; i++) {
-        float ref = ref_elem(seed, ch->W, i);
+        float ref = t_ref_elem(seed, ch->W, i, NULL);
         if (memcmp(&ref, &b[i], sizeof ref)) bad++;
     }
     C_CHECK(ch, bad == 0, "all_reduce n=%zu: %zu elements differ from the tree sum", n, bad);
-    if (n) ch->m.hash = fnv(ch->m.hash, b, n * sizeof *b);
+    if (n) ch->m.hash = t_fnv(ch->m.hash, b, n * sizeof *b);
     free(b);
 }
 
@@ -123,7 +71,7 @@ static void scenario_func(child *ch)
 {
     train_comm *c = ch->c;
     int W = ch->W, me = ch->rank, r;
-    ch->m.hash = 1469598103934665603ull;
+    ch->m.hash = T_FNV_OFFSET;
 
     C_CHECK(ch, train_comm_rank(c) == me && train_comm_world_size(c) == W, "rank/size");
     check_allreduce(ch, 11, 10007);
@@ -141,13 +89,13 @@ static void scenario_func(child *ch)
     float *in = malloc(total * sizeof *in), *out = malloc((counts[me] + 1) * sizeof *out);
     if (!in || !out) _exit(3);
     for (int pass = 0; pass < 2; pass++) {
-        for (size_t i = 0; i < total; i++) in[i] = gen(21, me, i);
+        for (size_t i = 0; i < total; i++) in[i] = t_gen(21, me, i);
         float *dst = pass ? in + off[me] : out;
         r = train_comm_reduce_scatter_f32(c, in, dst, counts);
         C_CHECK(ch, r == 0, "reduce_scatter pass %d: %d", pass, r);
         size_t bad = 0;
         for (size_t i = 0; i < counts[me]; i++) {
-            float ref = ref_elem(21, W, off[me] + i);
+            float ref = t_ref_elem(21, W, off[me] + i, NULL);
             if (memcmp(&ref, &dst[i], sizeof ref)) bad++;
         }
         C_CHECK(ch, bad == 0, "reduce_scatter pass %d: %zu bad", pass, bad);
@@ -222,18 +170,18 @@ static void scenario_big(child *ch)
     size_t n = (size_t)16 << 20;
     float *b = malloc(n * sizeof *b);
     if (!b) _exit(3);
-    for (size_t i = 0; i < n; i++) b[i] = gen(77, ch->rank, i);
+    for (size_t i = 0; i < n; i++) b[i] = t_gen(77, ch->rank, i);
     double t0 = t_now_s();
     int r = train_comm_all_reduce_f32(ch->c, b, n);
     ch->m.elapsed = t_now_s() - t0;
     C_CHECK(ch, r == 0, "64 MiB all_reduce: %d", r);
     size_t bad = 0;
     for (size_t i = 0; i < n; i++) {
-        float ref = ref_elem(77, ch->W, i);
+        float ref = t_ref_elem(77, ch->W, i, NULL);
         if (memcmp(&ref, &b[i], sizeof ref)) bad++;
     }
     C_CHECK(ch, bad == 0, "64 MiB all_reduce: %zu bad", bad);
-    ch->m.hash = fnv(1469598103934665603ull, b, n * sizeof *b);
+    ch->m.hash = t_fnv(T_FNV_OFFSET, b, n * sizeof *b);
     free(b);
     r = train_comm_barrier(ch->c);
     C_CHECK(ch, r == 0, "barrier: %d", r);
@@ -263,7 +211,7 @@ static void scenario_fail(child *ch, const fail_case *fc)
 {
     float *b = malloc(fc->n * sizeof *b);
     if (!b) _exit(3);
-    for (size_t i = 0; i < fc->n; i++) b[i] = gen(5, ch->rank, i);
+    for (size_t i = 0; i < fc->n; i++) b[i] = t_gen(5, ch->rank, i);
     send_msg(ch, MSG_READY);
     if (ch->rank == fc->victim) {
         if (fc->victim_mode == VICTIM_SUICIDE) raise(SIGKILL);
@@ -342,32 +290,24 @@ static void check_published_addr(child *ch, int port)
     elastic_store_close(st);
 }
 
-static void child_main(int rank, int W, int sc, const fail_case *fc, int port_rd, int port_wr,
-                       int out_fd)
+/* what a group's children run: the scenario and, for SC_FAIL, the case */
+typedef struct group_arg {
+    int sc;
+    const fail_case *fc;
+} group_arg;
+
+static void child_main(int rank, int W, int port_rd, int port_wr, int out_fd, void *arg)
 {
+    int sc = ((const group_arg *)arg)->sc;
+    const fail_case *fc = ((const group_arg *)arg)->fc;
     child ch;
     memset(&ch, 0, sizeof ch);
     ch.rank = rank;
     ch.W = W;
     ch.out_fd = out_fd;
     elastic_store_server *srv = NULL;
-    int port = 0;
-    if (W > 1) {
-        if (rank == 0) {
-            elastic_store_server_opts so = ELASTIC_STORE_SERVER_OPTS_INIT;
-            so.token = "test-token";
-            if (sc == SC_V6) so.host = "::1";
-            int r = elastic_store_server_start(&srv, &so);
-            if (r < 0) _exit(3);
-            port = elastic_store_server_port(srv);
-            for (int i = 1; i < W; i++)
-                if (write(port_wr, &port, sizeof port) != (ssize_t)sizeof port) _exit(3);
-        } else if (read(port_rd, &port, sizeof port) != (ssize_t)sizeof port) {
-            _exit(3);
-        }
-    }
-    close(port_rd);
-    close(port_wr);
+    int port = t_ranks_store(rank, W, "test-token", sc == SC_V6 ? "::1" : NULL, port_rd, port_wr,
+                             &srv);
     train_comm_opts o = TRAIN_COMM_OPTS_INIT;
     o.rank = rank;
     o.world_size = W;
@@ -399,61 +339,24 @@ static void child_main(int rank, int W, int sc, const fail_case *fc, int port_rd
 }
 
 typedef struct group {
-    int W;
-    pid_t pid[MAXW];
-    int alive[MAXW];
+    t_ranks r;
     msg done[MAXW];
     int got[MAXW];
     double t_signal;
 } group;
-
-static int read_msg(int fd, msg *m, double deadline)
-{
-    struct pollfd pf = {fd, POLLIN, 0};
-    int ms = (int)((deadline - t_now_s()) * 1000);
-    if (ms <= 0 || poll(&pf, 1, ms) <= 0) return -ETIMEDOUT;
-    ssize_t r = read(fd, m, sizeof *m);
-    return r == (ssize_t)sizeof *m ? 0 : -EIO;
-}
-
-static void kill_reap(group *g)
-{
-    for (int r = 0; r < g->W; r++)
-        if (g->alive[r]) {
-            kill(g->pid[r], SIGKILL);
-            waitpid(g->pid[r], NULL, 0);
-            g->alive[r] = 0;
-        }
-}
 
 /* Run one group; returns the number of children that exited non-zero (killed victims not
  * counted). */
 static int run_group(group *g, int W, int sc, const fail_case *fc)
 {
     memset(g, 0, sizeof *g);
-    g->W = W;
-    int pp[2], rp[2];
-    T_REQUIRE(pipe(pp) == 0 && pipe(rp) == 0, "pipe");
-    fflush(stdout);
-    fflush(stderr);
-    for (int r = 0; r < W; r++) {
-        pid_t p = fork();
-        T_REQUIRE(p >= 0, "fork");
-        if (p == 0) {
-            close(rp[0]);
-            child_main(r, W, sc, fc, pp[0], pp[1], rp[1]);
-        }
-        g->pid[r] = p;
-        g->alive[r] = 1;
-    }
-    close(pp[0]);
-    close(pp[1]);
-    close(rp[1]);
+    group_arg ga = {sc, fc};
+    t_ranks_start(&g->r, W, child_main, &ga);
     double deadline = t_now_s() + 40.0;
     int ready = 0, ndone = 0, expect_done = fc ? W - 1 : W; /* a victim never reports */
     while (ndone < expect_done) {
         msg m;
-        if (read_msg(rp[0], &m, deadline) < 0) {
+        if (t_ranks_read(&g->r, &m, sizeof m, deadline) < 0) {
             T_CHECK(0, "group W=%d: children did not report in time (%d of %d)", W, ndone,
                     expect_done);
             break;
@@ -462,30 +365,15 @@ static int run_group(group *g, int W, int sc, const fail_case *fc)
         if (m.type == MSG_READY && ++ready == W && fc && fc->sig) {
             t_sleep_s(0.3);
             g->t_signal = t_now_s();
-            kill(g->pid[fc->victim], fc->sig);
+            kill(g->r.pid[fc->victim], fc->sig);
         } else if (m.type == MSG_DONE && !g->got[m.rank]) {
             g->got[m.rank] = 1;
             g->done[m.rank] = m;
             ndone++;
         }
     }
-    close(rp[0]);
-    int bad = 0;
-    for (int r = 0; r < W; r++) {
-        if (fc && r == fc->victim) continue;
-        int st = 0;
-        double wd = t_now_s() + 10;
-        pid_t w = 0;
-        while ((w = waitpid(g->pid[r], &st, WNOHANG)) == 0 && t_now_s() < wd) t_sleep_s(0.01);
-        if (w == g->pid[r]) {
-            g->alive[r] = 0;
-            if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) bad++;
-        } else {
-            bad++;
-        }
-    }
-    kill_reap(g); /* the victim (killed or stopped), and anything that hung */
-    return bad;
+    /* then the victim (killed or stopped), and anything that hung, is killed */
+    return t_ranks_reap(&g->r, fc ? fc->victim : -1, 10.0);
 }
 
 static void test_single(void)
@@ -533,11 +421,6 @@ static void test_single(void)
     T_CHECK(train_comm_opts_from_env(&o) == 0 && o.world_size == 1 && o.rank == 0, "no env");
 }
 
-static const char *ename(int rc)
-{
-    return rc == 0 ? "ok" : strerror(-rc);
-}
-
 int main(void)
 {
     double t_all = t_now_s();
@@ -576,8 +459,8 @@ int main(void)
                     g.done[r].rc2);
         }
         T_CHECK(n_bad >= 1, "mismatch: nobody saw -EBADMSG");
-        printf("mismatched arguments: rank 0 %s, rank 1 %s\n", ename(g.done[0].rc),
-               ename(g.done[1].rc));
+        printf("mismatched arguments: rank 0 %s, rank 1 %s\n", t_errname(g.done[0].rc),
+               t_errname(g.done[1].rc));
     }
 
     {
@@ -628,8 +511,8 @@ int main(void)
             if (!g.got[r]) continue;
             /* for a parent's signal: time from the signal; else from the call */
             double lat = fc->sig ? m->t - g.t_signal : m->elapsed;
-            printf("  rank %d: %s after %.3f s (%d collective(s)), then %s\n", r, ename(m->rc),
-                   lat, m->iters, ename(m->rc2));
+            printf("  rank %d: %s after %.3f s (%d collective(s)), then %s\n", r,
+                   t_errname(m->rc), lat, m->iters, t_errname(m->rc2));
             T_CHECK(m->rc < 0 && m->rc2 == m->rc, "%s: rank %d rc %d rc2 %d", fc->name, r,
                     m->rc, m->rc2);
             T_CHECK(lat < FAIL_TIMEOUT_S + 1.0, "%s: rank %d took %.3f s", fc->name, r, lat);
@@ -641,7 +524,7 @@ int main(void)
                         fc->name, r, lat);
             } else {
                 T_CHECK(m->rc == -ECONNRESET || m->rc == -EPIPE, "%s: rank %d: %s", fc->name, r,
-                        ename(m->rc));
+                        t_errname(m->rc));
                 T_CHECK(lat < 1.0, "%s: rank %d took %.3f s for a dead peer", fc->name, r, lat);
             }
         }

@@ -1,7 +1,8 @@
 /* test_train_dcomm.c - the device collectives (train/dcomm.h) without a GPU.
  *
  * Like test_train_comm.c, W forked processes, rank 0 hosting the store; children report over
- * a shared pipe (fixed-size records) and the parent always kills and reaps every child.
+ * a shared pipe (fixed-size records) and the parent always kills and reaps every child (the
+ * harness and the inputs: t_ranks.h).
  * Checked:
  *   - the CPU backend at W = 1, 2, 3, 4: reduce-scatter (uneven and empty ranges, out of
  *     place and in place), all-reduce (n = 10007, 3, 1, 0) and all-gather (uneven parts)
@@ -22,56 +23,16 @@
 #include "log.h"
 #include "store.h"
 #include "t_helpers.h"
+#include "t_ranks.h"
 
 #include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
 #include <stdint.h>
-#include <sys/wait.h>
 
 #define MAXW 4
 #define FAIL_TIMEOUT_S 3.0
 
 extern char **environ;
-
-static uint64_t mix(uint64_t x)
-{
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
-
-/* random sign, mantissa and exponent in [2^-10, 2^10]: the order of the adds matters */
-static float gen(uint64_t seed, int r, size_t i)
-{
-    uint64_t h = mix(seed * 0x100000001b3ull ^ mix(((uint64_t)r << 40) ^ (uint64_t)i));
-    float u = (float)(h >> 40) / 16777216.0f;
-    int e = (int)((h >> 8) % 21) - 10;
-    return ldexpf(h & 1 ? -u : u, e);
-}
-
-static float tree_ref(const float *v, int n)
-{
-    if (n == 1) return v[0];
-    int h = 1;
-    while (h * 2 < n) h *= 2;
-    return tree_ref(v, h) + tree_ref(v + h, n - h);
-}
-
-static float ref_elem(uint64_t seed, int W, size_t i)
-{
-    float v[MAXW];
-    for (int r = 0; r < W; r++) v[r] = gen(seed, r, i);
-    return tree_ref(v, W);
-}
-
-static uint64_t fnv(uint64_t h, const void *p, size_t n)
-{
-    const uint8_t *b = p;
-    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
-    return h;
-}
 
 /* ------------------------------------------------------------------ child side */
 
@@ -92,23 +53,13 @@ typedef struct child {
     msg m;
 } child;
 
-#define C_CHECK(ch, cond, ...)                                                                 \
-    do {                                                                                       \
-        if (!(cond)) {                                                                         \
-            (ch)->fails++;                                                                     \
-            fprintf(stderr, "FAIL rank %d %s:%d: %s: ", (ch)->rank, __FILE__, __LINE__, #cond); \
-            fprintf(stderr, __VA_ARGS__);                                                      \
-            fputc('\n', stderr);                                                               \
-        }                                                                                      \
-    } while (0)
-
 static void send_msg(child *ch, int type)
 {
     ch->m.type = type;
     ch->m.rank = ch->rank;
     ch->m.fails = ch->fails;
     msg copy = ch->m;
-    if (write(ch->out_fd, &copy, sizeof copy) != (ssize_t)sizeof copy) _exit(3);
+    t_ranks_send(ch->out_fd, &copy, sizeof copy);
 }
 
 static void *xmalloc(size_t n)
@@ -122,20 +73,20 @@ static void *xmalloc(size_t n)
 static void check_allreduce(child *ch, train_dcomm *d, uint64_t seed, size_t n)
 {
     float *a = xmalloc(n * sizeof *a), *b = xmalloc(n * sizeof *b);
-    for (size_t i = 0; i < n; i++) a[i] = b[i] = gen(seed, ch->rank, i);
+    for (size_t i = 0; i < n; i++) a[i] = b[i] = t_gen(seed, ch->rank, i);
     int r1 = train_dcomm_all_reduce_f32(d, n ? a : NULL, n);
     int r2 = train_comm_all_reduce_f32(ch->c, n ? b : NULL, n);
     C_CHECK(ch, r1 == 0 && r2 == 0, "all_reduce n=%zu: dcomm %d, comm %d", n, r1, r2);
     size_t bad_comm = 0, bad_tree = 0;
     for (size_t i = 0; i < n; i++) {
-        float ref = ref_elem(seed, ch->W, i);
+        float ref = t_ref_elem(seed, ch->W, i, NULL);
         bad_comm += memcmp(&a[i], &b[i], sizeof *a) != 0;
         bad_tree += memcmp(&a[i], &ref, sizeof ref) != 0;
     }
     C_CHECK(ch, bad_comm == 0 && bad_tree == 0,
             "all_reduce n=%zu: %zu elements differ from comm.h, %zu from the tree", n, bad_comm,
             bad_tree);
-    ch->m.hash = fnv(ch->m.hash, a, n * sizeof *a);
+    ch->m.hash = t_fnv(ch->m.hash, a, n * sizeof *a);
     free(a);
     free(b);
 }
@@ -152,14 +103,14 @@ static void check_reduce_scatter(child *ch, train_dcomm *d)
     float *in = xmalloc(total * sizeof *in), *in2 = xmalloc(total * sizeof *in);
     float *out = xmalloc((counts[me] + 1) * sizeof *out), *out2 = xmalloc((counts[me] + 1) * 4);
     for (int pass = 0; pass < 2; pass++) { /* out of place, in place */
-        for (size_t i = 0; i < total; i++) in[i] = in2[i] = gen(21 + (uint64_t)pass, me, i);
+        for (size_t i = 0; i < total; i++) in[i] = in2[i] = t_gen(21 + (uint64_t)pass, me, i);
         float *dst = pass ? in + off[me] : out, *dst2 = pass ? in2 + off[me] : out2;
         int r1 = train_dcomm_reduce_scatter_f32(d, in, dst, counts);
         int r2 = train_comm_reduce_scatter_f32(ch->c, in2, dst2, counts);
         C_CHECK(ch, r1 == 0 && r2 == 0, "reduce_scatter pass %d: dcomm %d comm %d", pass, r1, r2);
         size_t bad_comm = 0, bad_tree = 0;
         for (size_t i = 0; i < counts[me]; i++) {
-            float ref = ref_elem(21 + (uint64_t)pass, W, off[me] + i);
+            float ref = t_ref_elem(21 + (uint64_t)pass, W, off[me] + i, NULL);
             bad_comm += memcmp(&dst[i], &dst2[i], sizeof ref) != 0;
             bad_tree += memcmp(&dst[i], &ref, sizeof ref) != 0;
         }
@@ -220,7 +171,7 @@ static void check_stream_order(child *ch)
     C_CHECK(ch, r == 0, "create on a stream: %d", r);
     size_t n = (size_t)1 << 20;
     float *src = xmalloc(n * sizeof *src), *buf = xmalloc(n * sizeof *buf);
-    for (size_t i = 0; i < n; i++) src[i] = gen(31, ch->rank, i);
+    for (size_t i = 0; i < n; i++) src[i] = t_gen(31, ch->rank, i);
     memset(buf, 0, n * sizeof *buf);
     r = train_stream_copy_async(s, buf, src, n * sizeof *src, TRAIN_COPY_H2D);
     C_CHECK(ch, r == 0, "copy_async: %d", r);
@@ -228,7 +179,7 @@ static void check_stream_order(child *ch)
     C_CHECK(ch, r == 0, "all_reduce after a queued copy: %d", r);
     size_t bad = 0;
     for (size_t i = 0; i < n; i++) {
-        float ref = ref_elem(31, ch->W, i);
+        float ref = t_ref_elem(31, ch->W, i, NULL);
         bad += memcmp(&buf[i], &ref, sizeof ref) != 0;
     }
     C_CHECK(ch, bad == 0, "all_reduce after a queued copy: %zu of %zu wrong", bad, n);
@@ -240,7 +191,7 @@ static void check_stream_order(child *ch)
 
 static void scenario_func(child *ch)
 {
-    ch->m.hash = 1469598103934665603ull;
+    ch->m.hash = T_FNV_OFFSET;
     for (int mode = 0; mode < 2; mode++) {
         train_dcomm *d = NULL;
         int r = train_dcomm_create(&d, ch->c, ch->dev, NULL, NULL,
@@ -272,7 +223,7 @@ static void scenario_dead_peer(child *ch)
     C_CHECK(ch, r == 0, "create: %d", r);
     size_t n = (size_t)1 << 18;
     float *b = xmalloc(n * sizeof *b);
-    for (size_t i = 0; i < n; i++) b[i] = gen(5, ch->rank, i);
+    for (size_t i = 0; i < n; i++) b[i] = t_gen(5, ch->rank, i);
     r = train_comm_barrier(ch->c);
     C_CHECK(ch, r == 0, "barrier: %d", r);
     send_msg(ch, MSG_READY);
@@ -295,29 +246,17 @@ static void scenario_id(child *ch)
 
 enum { SC_FUNC, SC_DEAD, SC_ID };
 
-static void child_main(int rank, int W, int sc, int port_rd, int port_wr, int out_fd)
+/* arg: the scenario (int *) */
+static void child_main(int rank, int W, int port_rd, int port_wr, int out_fd, void *arg)
 {
+    int sc = *(const int *)arg;
     child ch;
     memset(&ch, 0, sizeof ch);
     ch.rank = rank;
     ch.W = W;
     ch.out_fd = out_fd;
     elastic_store_server *srv = NULL;
-    int port = 0;
-    if (W > 1) {
-        if (rank == 0) {
-            elastic_store_server_opts so = ELASTIC_STORE_SERVER_OPTS_INIT;
-            so.token = "test-token";
-            if (elastic_store_server_start(&srv, &so) < 0) _exit(3);
-            port = elastic_store_server_port(srv);
-            for (int i = 1; i < W; i++)
-                if (write(port_wr, &port, sizeof port) != (ssize_t)sizeof port) _exit(3);
-        } else if (read(port_rd, &port, sizeof port) != (ssize_t)sizeof port) {
-            _exit(3);
-        }
-    }
-    close(port_rd);
-    close(port_wr);
+    int port = t_ranks_store(rank, W, "test-token", NULL, port_rd, port_wr, &srv);
     train_comm_opts o = TRAIN_COMM_OPTS_INIT;
     o.rank = rank;
     o.world_size = W;
@@ -351,49 +290,21 @@ static void child_main(int rank, int W, int sc, int port_rd, int port_wr, int ou
 /* ------------------------------------------------------------------ parent side */
 
 typedef struct group {
-    int W;
-    pid_t pid[MAXW];
-    int alive[MAXW];
+    t_ranks r;
     msg done[MAXW];
     int got[MAXW];
 } group;
-
-static int read_msg(int fd, msg *m, double deadline)
-{
-    struct pollfd pf = {fd, POLLIN, 0};
-    int ms = (int)((deadline - t_now_s()) * 1000);
-    if (ms <= 0 || poll(&pf, 1, ms) <= 0) return -ETIMEDOUT;
-    ssize_t r = read(fd, m, sizeof *m);
-    return r == (ssize_t)sizeof *m ? 0 : -EIO;
-}
 
 /* One group; returns the number of children (the victim not counted) that did not exit 0. */
 static int run_group(group *g, int W, int sc, int victim)
 {
     memset(g, 0, sizeof *g);
-    g->W = W;
-    int pp[2], rp[2];
-    T_REQUIRE(pipe(pp) == 0 && pipe(rp) == 0, "pipe");
-    fflush(stdout);
-    fflush(stderr);
-    for (int r = 0; r < W; r++) {
-        pid_t p = fork();
-        T_REQUIRE(p >= 0, "fork");
-        if (p == 0) {
-            close(rp[0]);
-            child_main(r, W, sc, pp[0], pp[1], rp[1]);
-        }
-        g->pid[r] = p;
-        g->alive[r] = 1;
-    }
-    close(pp[0]);
-    close(pp[1]);
-    close(rp[1]);
+    t_ranks_start(&g->r, W, child_main, &sc);
     double deadline = t_now_s() + 60.0;
     int ndone = 0, expect = victim >= 0 ? W - 1 : W;
     while (ndone < expect) {
         msg m;
-        if (read_msg(rp[0], &m, deadline) < 0) {
+        if (t_ranks_read(&g->r, &m, sizeof m, deadline) < 0) {
             T_CHECK(0, "group W=%d: children did not report in time (%d of %d)", W, ndone,
                     expect);
             break;
@@ -403,27 +314,7 @@ static int run_group(group *g, int W, int sc, int victim)
         g->done[m.rank] = m;
         ndone++;
     }
-    close(rp[0]);
-    int bad = 0;
-    for (int r = 0; r < W; r++) {
-        if (r == victim) continue;
-        int st = 0;
-        double wd = t_now_s() + 10;
-        pid_t w = 0;
-        while ((w = waitpid(g->pid[r], &st, WNOHANG)) == 0 && t_now_s() < wd) t_sleep_s(0.01);
-        if (w == g->pid[r]) {
-            g->alive[r] = 0;
-            if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) bad++;
-        } else {
-            bad++;
-        }
-    }
-    for (int r = 0; r < W; r++)
-        if (g->alive[r]) {
-            kill(g->pid[r], SIGKILL);
-            waitpid(g->pid[r], NULL, 0);
-        }
-    return bad;
+    return t_ranks_reap(&g->r, victim, 10.0);
 }
 
 /* ------------------------------------------------------------------ single process */
@@ -553,11 +444,6 @@ static void test_log_env(void)
     unsetenv("NOT_NCCL_X");
 }
 
-static const char *ename(int rc)
-{
-    return rc == 0 ? "ok" : strerror(-rc);
-}
-
 int main(void)
 {
     double t_all = t_now_s();
@@ -585,9 +471,9 @@ int main(void)
             T_CHECK(g.got[r], "dead peer W=%d: rank %d did not report", W, r);
             if (!g.got[r]) continue;
             printf("dead peer W=%d: rank %d: %s after %.3f s, status %s, next call %s\n", W, r,
-                   ename(m->rc), m->elapsed, ename(m->rc2), ename(m->rc3));
+                   t_errname(m->rc), m->elapsed, t_errname(m->rc2), t_errname(m->rc3));
             T_CHECK(m->rc == -ECONNRESET || m->rc == -EPIPE, "dead peer W=%d rank %d: %s", W, r,
-                    ename(m->rc));
+                    t_errname(m->rc));
             T_CHECK(m->elapsed < FAIL_TIMEOUT_S, "dead peer: rank %d took %.3f s", r, m->elapsed);
             T_CHECK(m->rc2 == m->rc && m->rc3 == m->rc, "poisoned: %d %d %d", m->rc, m->rc2,
                     m->rc3);
