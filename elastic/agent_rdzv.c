@@ -66,6 +66,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -196,17 +197,28 @@ static void parse_desc(const char *v, char *aid, size_t alen, char *desc, size_t
     snprintf(desc, dlen, "%s", sp ? sp + 1 : v);
 }
 
+/* Make room in the peer table for `more` new entries, so that the peer_find calls that follow
+ * (at most `more` new aids) do not move it: callers keep the pointers peer_find returns. */
+static int peers_reserve(elastic_rdzv *r, int more)
+{
+    if (more < 0 || r->npeers > INT_MAX / 2 - more) return -ENOMEM;
+    if (r->npeers + more <= r->cap) return 0;
+    int cap = r->cap ? r->cap : 16;
+    while (cap < r->npeers + more) cap *= 2;
+    peer *p = realloc(r->peers, (size_t)cap * sizeof *p);
+    if (!p) return -ENOMEM;
+    r->peers = p;
+    r->cap = cap;
+    return 0;
+}
+
+/* The entry of aid, added when missing. The table moves when it grows: a caller that keeps
+ * the returned pointers across calls reserves room first (peers_reserve). NULL: no memory. */
 static peer *peer_find(elastic_rdzv *r, const char *aid, const char *desc)
 {
     for (int i = 0; i < r->npeers; i++)
         if (!strcmp(r->peers[i].aid, aid)) return &r->peers[i];
-    if (r->npeers == r->cap) {
-        int cap = r->cap ? 2 * r->cap : 16;
-        peer *p = realloc(r->peers, (size_t)cap * sizeof *p);
-        if (!p) return NULL;
-        r->peers = p;
-        r->cap = cap;
-    }
+    if (r->npeers == r->cap && peers_reserve(r, 1) < 0) return NULL;
     peer *p = &r->peers[r->npeers++];
     memset(p, 0, sizeof *p);
     snprintf(p->aid, sizeof p->aid, "%s", aid);
@@ -278,7 +290,8 @@ static int load_members(elastic_rdzv *r, const watch_state *ws, peer ***out)
     peer **m = calloc((size_t)n, sizeof *m);
     char **ent = calloc((size_t)n, sizeof *ent);
     int rc = 0;
-    if (!joined || !m || !ent) {
+    /* the pointers into the peer table must survive the peer_find calls below */
+    if (!joined || !m || !ent || peers_reserve(r, n) < 0) {
         rc = -ENOMEM;
         goto out;
     }
@@ -1079,7 +1092,10 @@ static void wait_for_others(elastic_rdzv *r)
     key(r, k, "agents");
     if (elastic_store_add(r->c, k, 0, &n) < 0 || n <= 1) return;
     peer **pend = calloc((size_t)n, sizeof *pend);
-    if (!pend) return;
+    if (!pend || n > INT_MAX / 4 || peers_reserve(r, (int)n) < 0) { /* pend keeps pointers */
+        free(pend);
+        return;
+    }
     int np = 0;
     for (int64_t i = 1; i <= n; i++) {
         key(r, k, "agent/%" PRId64, i);

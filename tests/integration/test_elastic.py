@@ -863,6 +863,36 @@ class MultiNode(ElasticTest):
         self.assertEqual(b.wait(30), 1, b.err())
         self.assertRegex(b.err(), r"job ended by another node \(exit 1\): .*restart budget exhausted")
 
+    def test_sixteen_rejoins_keep_the_host_alive(self):
+        """Node B leaves (SIGKILL) and a new agent takes its place, 15 times (--nnodes 2): the
+        host A meets its 17th distinct agent in round 15, joining before it. A's watcher kept
+        pointers into its peer table while adding the new agent, which moved the table: A read
+        freed memory (the sticky ranks then named nobody it knew, and A left with "lost the
+        rendezvous store (Bad message)", ending the job). Every round has ranks 0 and 1 once;
+        the last round finishes."""
+        port = free_port()
+        cycles = 15
+        forever = [x for g in range(cycles) for x in ("--forever", f"*:{g}")]
+        cmd = self.stub("--beats", "3", *forever)
+        extra = ["--max-restarts", str(cycles + 2)]
+        a = self.multi(port, "2", 1, cmd, extra, name="A", env={"CKPT_LOG_LEVEL": "debug"})
+        a.wait_for(r"hosting the rendezvous store")
+        bs = [self.multi(port, "2", 1, cmd, extra, name="B0")]
+        for k in range(1, cycles + 1):
+            bs[-1].wait_for(rf"round {k - 1}: first progress")
+            bs[-1].kill()
+            # the new agent joins after A: A adds it to its table while holding its own entry
+            a.wait_for(rf"joined round {k} as number 1$")
+            bs.append(self.multi(port, "2", 1, cmd, extra, name=f"B{k}"))
+        self.assertEqual(a.wait(60), 0, a.err())
+        self.assertEqual(bs[-1].wait(30), 0, bs[-1].err())
+        self.assertNotIn("lost the rendezvous store", a.err())
+        self.assertIn(f"restart {cycles} of at most", a.err())
+        for g in range(cycles + 1):
+            ranks = sorted(re.findall(rf"start rank=(\d+) gen={g} pid=\d+ world=2 ",
+                                      a.out() + bs[g].out()))
+            self.assertEqual(ranks, ["0", "1"], (g, a.out(), bs[g].out()))
+
     def test_store_flood_during_rendezvous_and_restart(self):
         """Issue 9 item 4: a flood of silent sockets (1100, more than max_clients, each replaced
         as soon as the store closes it) on the store of agent A while agent B joins, the ranks
