@@ -554,6 +554,10 @@ static int run_job(agent *a)
                       "(--join-timeout)", o->min_nodes, o->max_nodes, o->join_timeout_s);
                 return leave(a, &rd, ELASTIC_EXIT_FAILED);
             }
+            if (rc == -EBADMSG || rc == -ENOMEM) { /* logged by the rendezvous (EBADMSG) */
+                if (rc == -ENOMEM) LOG_E(EA_TAG, "joining a round: out of memory");
+                return leave(a, &rd, ELASTIC_EXIT_FAILED);
+            }
             if (rc < 0) return leave(a, &rd, lost_exit(a));
             elastic_rdzv_watch(a->rdzv, &rd, 0);
             mem_round(a, &rd);

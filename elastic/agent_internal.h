@@ -212,10 +212,14 @@ typedef struct elastic_round {
  * --nnodes differ from the job's, -errno. */
 int elastic_rdzv_open(elastic_rdzv **out, const elastic_rdzv_opts *o);
 
-/* Join the next round (the first open one at or after from_gen) and wait until it closes.
+/* Join the next round (the first open one at or after from_gen) and wait until it closes;
+ * out->node_rank is this agent's node rank in it (sticky: the one it had in the round before
+ * when the new round still has it; agent_rdzv.c, r/<g>/ranks).
  * interrupted(arg) is called about every 0.1 s; non-zero stops the wait.
  * Errors: -EINTR interrupted, -ECANCELED the job ended (see elastic_rdzv_end_code),
- * -ETIMEDOUT no round within join_timeout_s, -ECONNRESET/-EPIPE/-ETIMEDOUT store lost. */
+ * -ETIMEDOUT no round within join_timeout_s, -ECONNRESET/-EPIPE/-ETIMEDOUT store lost,
+ * -EBADMSG the round's node ranks in the store are malformed or do not name this agent
+ * (logged), -ENOMEM. */
 int elastic_rdzv_join(elastic_rdzv *r, int from_gen, elastic_round *out,
                       int (*interrupted)(void *), void *arg);
 

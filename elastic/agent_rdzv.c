@@ -316,23 +316,27 @@ static int load_members(elastic_rdzv *r, const watch_state *ws, peer ***out)
     }
     key(r, k, "r/%d/ranks", ws->gen);
     if ((rc = get_opt(r->wc, k, &v, ws->member ? r->tick : 0)) < 0) goto out;
-    if (rc == 1 && split_ranks(v, n, ent) == 0) {
-        for (int i = 0; i < n; i++) {
-            int j = -1;
-            if (ent[i][0] == '?') {
-                j = atoi(ent[i] + 1) - 1;
-            } else {
-                for (int q = 0; q < n && j < 0; q++)
-                    if (joined[q] && !strcmp(joined[q]->aid, ent[i])) j = q;
-            }
-            if (j < 0 || j >= n || !joined[j]) {
-                rc = -EBADMSG;
-                goto out;
-            }
-            m[i] = joined[j];
-            joined[j] = NULL;
+    /* by node rank; join order when the value is missing (an outsider, before the members
+     * set it) or does not match the joiners as read here (an outsider that read a joiner's
+     * descriptor as missing a moment before it was set): then only the node numbers in this
+     * watcher's messages can be off, the heartbeats checked are the same */
+    int permuted = rc == 1 && split_ranks(v, n, ent) == 0;
+    for (int i = 0; i < n && permuted; i++) {
+        int j = -1;
+        if (ent[i][0] == '?') {
+            j = atoi(ent[i] + 1) - 1;
+        } else {
+            for (int q = 0; q < n && j < 0; q++)
+                if (!strcmp(joined[q]->aid, ent[i])) j = q;
         }
-    } else {
+        int taken = 0;
+        for (int q = 0; q < i && j >= 0 && j < n; q++) taken |= m[q] == joined[j];
+        if (j < 0 || j >= n || taken) permuted = 0;
+        else m[i] = joined[j];
+    }
+    if (!permuted) {
+        if (rc == 1) LOG_D(EA_TAG, "round %d: the node ranks do not match the joiners read: "
+                           "join order for this watcher's messages", ws->gen);
         memcpy(m, joined, (size_t)n * sizeof *m);
     }
     for (int i = 0; i < n; i++) m[i]->node = i;
@@ -999,6 +1003,11 @@ int elastic_rdzv_join(elastic_rdzv *r, int from_gen, elastic_round *out,
         if (me <= n) {
             int node = 0;
             if ((rc = assign_ranks(r, g, n, me, &node)) < 0) {
+                if (watching_prev) elastic_rdzv_unwatch(r);
+                if (rc == -EBADMSG)
+                    LOG_E(EA_TAG, "round %d: the node ranks in the store (key %sr/%d/ranks) are "
+                          "malformed or do not name this agent (%s, joined as number %" PRId64
+                          "): another program writes this job's keys?", g, r->prefix, g, r->aid, me);
                 if (rc == -EBADMSG || rc == -ENOMEM) return rc;
                 return main_lost(r, rc);
             }

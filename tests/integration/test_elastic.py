@@ -99,6 +99,47 @@ def hello_status(port, token):
         return hdr[9]
 
 
+class RawStore:
+    """A bare client of the store's wire protocol (elastic/store.h: HELLO, then SET and ADD),
+    for tests that write keys no agent would: a joiner that never writes its descriptor, a
+    malformed value. Every reply's status must be OK (0)."""
+
+    def __init__(self, port, token=""):
+        self.s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.id = 0
+        tok = token.encode()
+        self.call(0x01, b"ESTR" + struct.pack("<H", 1) + struct.pack("<I", len(tok)) + tok)
+
+    def call(self, op, body):
+        self.id += 1
+        self.s.sendall(struct.pack("<IBI", 5 + len(body), op, self.id) + body)
+        n = struct.unpack("<I", self.recv(4))[0]
+        reply = self.recv(n)
+        assert reply[5] == 0, f"store status {reply[5]} for op {op}"
+        return reply[6:]
+
+    def recv(self, n):
+        d = b""
+        while len(d) < n:
+            chunk = self.s.recv(n - len(d))
+            if not chunk:
+                raise ConnectionError("store closed the connection")
+            d += chunk
+        return d
+
+    def add(self, key, delta=1):
+        k = key.encode()
+        return struct.unpack("<q", self.call(0x05, struct.pack("<q", delta) +
+                                             struct.pack("<I", len(k)) + k)[:8])[0]
+
+    def set(self, key, value):
+        k, v = key.encode(), value.encode()
+        self.call(0x02, struct.pack("<I", len(k)) + k + struct.pack("<I", len(v)) + v)
+
+    def close(self):
+        self.s.close()
+
+
 class Flood(threading.Thread):
     """n silent TCP connections to the store at port, opened as fast as this thread can and
     held; every one the server closes is replaced at once, until stop(). Nothing is ever sent,
@@ -862,6 +903,61 @@ class MultiNode(ElasticTest):
         self.assertEqual(cycles, 4)
         self.assertEqual(b.wait(30), 1, b.err())
         self.assertRegex(b.err(), r"job ended by another node \(exit 1\): .*restart budget exhausted")
+
+    def ranks_per_round(self, agents):
+        """{round: sorted ranks the workers started with}, from the stub's start lines."""
+        out = {}
+        for x in agents:
+            for r, g in re.findall(r"start rank=(\d+) gen=(\d+) ", x.out()):
+                out.setdefault(int(g), []).append(int(r))
+        return {g: sorted(v) for g, v in out.items()}
+
+    def test_ghost_joiner_takes_a_placeholder_rank(self):
+        """A joiner that ADDs its number for round 1 and dies before writing its descriptor:
+        round 1 (a scale-up) closes with it as "?<k>" in the node ranks, A and B keep theirs
+        and the ghost gets the free rank 2; its heartbeats never come, so round 1 fails and
+        round 2 runs with A and B, who finish."""
+        port = free_port()
+        cmd = self.stub("--beats", "20", "--forever", "*:0")
+        ex = ["--max-restarts", "3"]
+        a = self.multi(port, "2:3", 1, cmd, ex, name="A")
+        a.wait_for(r"hosting the rendezvous store")
+        b = self.multi(port, "2:3", 1, cmd, ex, name="B")
+        a.wait_for(r"round 0: first progress")
+        b.wait_for(r"round 0: first progress")
+        st = RawStore(port)
+        self.assertEqual(st.add("rdzv/job/r/1/n"), 1)
+        st.close()
+        for x in (a, b):
+            self.assertEqual(x.wait(60), 0, x.err())
+        for x in (a, b):
+            self.assertRegex(x.err(), r"round 1: node \d of 3")
+            self.assertEqual(self.node_of(x, 1), self.node_of(x, 0), x.err())
+            self.assertRegex(x.err(), r"node 2 \(\(never registered\)\) of round 1 missed its "
+                             r"heartbeats")
+        rounds = self.ranks_per_round([a, b])
+        self.assertEqual(rounds[0], [0, 1])
+        self.assertEqual(rounds[1], [0, 1])  # rank 2 is the ghost's: nobody started it
+        self.assertEqual(rounds[max(rounds)], [0, 1])
+
+    def test_malformed_node_ranks_fail_with_one_line(self):
+        """r/0/ranks written by someone else before the round closes (one entry for two nodes):
+        both agents exit 1 naming the key, not "lost the rendezvous store"; no worker starts."""
+        port = free_port()
+        cmd = self.stub("--beats", "3")
+        a = self.multi(port, "2", 1, cmd, name="A")
+        a.wait_for(r"registered with the rendezvous store")
+        st = RawStore(port)
+        st.set("rdzv/job/r/0/ranks", "garbage")
+        st.close()
+        b = self.multi(port, "2", 1, cmd, name="B")
+        for x in (a, b):
+            self.assertEqual(x.wait(60), 1, x.err())
+            errors = re.findall(r"ERROR .*", x.err())
+            self.assertEqual(len(errors), 1, x.err())
+            self.assertRegex(errors[0], r"round 0: the node ranks in the store \(key "
+                             r"rdzv/job/r/0/ranks\) are malformed or do not name this agent")
+            self.assertNotIn("start rank=", x.out())
 
     def test_sixteen_rejoins_keep_the_host_alive(self):
         """Node B leaves (SIGKILL) and a new agent takes its place, 15 times (--nnodes 2): the
