@@ -108,7 +108,6 @@ struct elastic_rdzv {
     int watch_nnodes;         /* 0 = read r/<g>/closed */
     int watch_member;         /* 1 member, 0 outsider waiting for the next round */
     int watch_done;
-    int watch_self;           /* this agent's node rank in the watched round, -1 outsider */
     unsigned watch_serial;    /* bumped by every change of the above */
     unsigned events;
     int end_code;             /* -1 until the end is seen */
@@ -197,6 +196,25 @@ static void parse_desc(const char *v, char *aid, size_t alen, char *desc, size_t
     snprintf(desc, dlen, "%s", sp ? sp + 1 : v);
 }
 
+/* The descriptor of the k-th joiner of round g (r/<g>/a/<k>), waiting at most wait_s for it:
+ * 1 with aid and desc, 0 when missing (aid "?<k>", desc "(never registered)": a joiner that
+ * died between its ADD and its SET looks silent), <0 a store error. */
+static int read_joiner(const elastic_rdzv *r, elastic_store_client *c, int g, int64_t k,
+                       double wait_s, char aid[24], char desc[DESC_MAX])
+{
+    char key_[KEY_MAX], *v = NULL;
+    key(r, key_, "r/%d/a/%" PRId64, g, k);
+    int rc = get_opt(c, key_, &v, wait_s);
+    if (rc == 1) {
+        parse_desc(v, aid, 24, desc, DESC_MAX);
+        free(v);
+    } else if (rc == 0) {
+        snprintf(aid, 24, "?%" PRId64, k);
+        snprintf(desc, DESC_MAX, "(never registered)");
+    }
+    return rc;
+}
+
 /* Make room in the peer table for `more` new entries, so that the peer_find calls that follow
  * (at most `more` new aids) do not move it: callers keep the pointers peer_find returns. */
 static int peers_reserve(elastic_rdzv *r, int more)
@@ -253,7 +271,7 @@ static int peer_stale(elastic_rdzv *r, elastic_store_client *c, peer *p, double 
 /* ------------------------------------------------------------------ watcher thread */
 
 typedef struct watch_state {
-    int gen, nnodes, member, done, self;
+    int gen, nnodes, member, done;
     unsigned serial;
 } watch_state;
 
@@ -297,18 +315,9 @@ static int load_members(elastic_rdzv *r, const watch_state *ws, peer ***out)
     }
     for (int i = 0; i < r->npeers; i++) r->peers[i].node = -1;
     for (int i = 0; i < n; i++) {
-        key(r, k, "r/%d/a/%d", ws->gen, i + 1);
         char aid[24], desc[DESC_MAX];
-        rc = get_opt(r->wc, k, &v, r->tick); /* short: our own heartbeat waits */
-        if (rc < 0) goto out;
-        if (rc == 1) {
-            parse_desc(v, aid, sizeof aid, desc, sizeof desc);
-            free(v);
-            v = NULL;
-        } else {
-            snprintf(aid, sizeof aid, "?%d", i + 1);
-            snprintf(desc, sizeof desc, "(never registered)");
-        }
+        /* short: our own heartbeat waits */
+        if ((rc = read_joiner(r, r->wc, ws->gen, i + 1, r->tick, aid, desc)) < 0) goto out;
         if (!(joined[i] = peer_find(r, aid, desc))) {
             rc = -ENOMEM;
             goto out;
@@ -357,7 +366,7 @@ static void *watcher(void *arg)
     char hbkey[KEY_MAX], endkey[KEY_MAX], k[KEY_MAX];
     key(r, hbkey, "hb/%s", r->aid);
     key(r, endkey, "end");
-    watch_state ws = {-1, 0, 0, 0, -1, ~0u};
+    watch_state ws = {-1, 0, 0, 0, ~0u};
     peer **members = NULL;
     int nmembers = 0;
     int stop_seen = 0, end_seen = 0;
@@ -366,7 +375,7 @@ static void *watcher(void *arg)
         pthread_mutex_lock(&r->mu);
         int quit = r->quit;
         watch_state now = {r->watch_gen, r->watch_nnodes, r->watch_member, r->watch_done,
-                           r->watch_self, r->watch_serial};
+                           r->watch_serial};
         pthread_mutex_unlock(&r->mu);
         if (quit) break;
         if ((rc = elastic_store_add(r->wc, hbkey, 1, NULL)) < 0) break;
@@ -577,7 +586,6 @@ int elastic_rdzv_open(elastic_rdzv **out, const elastic_rdzv_opts *o)
     r->o = *o;
     r->notify[0] = r->notify[1] = -1;
     r->watch_gen = -1;
-    r->watch_self = -1;
     r->end_code = -1;
     pthread_mutex_init(&r->mu, NULL);
     r->host = strdup(o->host);
@@ -670,14 +678,13 @@ int elastic_rdzv_end_code(elastic_rdzv *r, char *why, size_t why_len)
     return code;
 }
 
-static void set_watch(elastic_rdzv *r, int gen, int nnodes, int member, int done, int self)
+static void set_watch(elastic_rdzv *r, int gen, int nnodes, int member, int done)
 {
     pthread_mutex_lock(&r->mu);
     r->watch_gen = gen;
     r->watch_nnodes = nnodes;
     r->watch_member = member;
     r->watch_done = done;
-    r->watch_self = self;
     r->watch_serial++;
     r->events &= ~ELASTIC_EV_STOP;
     pthread_mutex_unlock(&r->mu);
@@ -685,10 +692,10 @@ static void set_watch(elastic_rdzv *r, int gen, int nnodes, int member, int done
 
 void elastic_rdzv_watch(elastic_rdzv *r, const elastic_round *rd, int done)
 {
-    set_watch(r, rd->gen, rd->nnodes, 1, done, rd->node_rank);
+    set_watch(r, rd->gen, rd->nnodes, 1, done);
 }
 
-void elastic_rdzv_unwatch(elastic_rdzv *r) { set_watch(r, -1, 0, 0, 0, -1); }
+void elastic_rdzv_unwatch(elastic_rdzv *r) { set_watch(r, -1, 0, 0, 0); }
 
 /* A store error in the main thread: the store is lost. */
 static int main_lost(elastic_rdzv *r, int rc)
@@ -746,17 +753,9 @@ static int prev_pending(elastic_rdzv *r, int g)
         r->prev_done = calloc((size_t)n, 1);
         if (!r->prev || !r->prev_done) return -ENOMEM;
         for (int i = 0; i < n; i++) {
-            key(r, k, "r/%d/a/%d", g - 1, i + 1);
-            if ((rc = get_opt(r->c, k, &v, 0)) < 0) return rc;
-            char desc[DESC_MAX];
             peer *p = &r->prev[r->nprev++];
-            if (rc == 1) {
-                parse_desc(v, p->aid, sizeof p->aid, desc, sizeof desc);
-                free(v);
-                v = NULL;
-            } else {
-                snprintf(p->aid, sizeof p->aid, "?%d", i + 1); /* never registered: silent */
-            }
+            /* a "?" entry never registered: silent */
+            if ((rc = read_joiner(r, r->c, g - 1, i + 1, 0, p->aid, p->desc)) < 0) return rc;
             p->node = -1;
             p->changed = clock_now_s();
             r->prev_done[i] = !strcmp(p->aid, r->aid) || p->aid[0] == '?';
@@ -770,15 +769,9 @@ static int prev_pending(elastic_rdzv *r, int g)
         peer *p = &r->prev[i];
         if (r->prev_done[i]) continue;
         for (int64_t j = 1; j <= count && !r->prev_done[i]; j++) {
-            key(r, k, "r/%d/a/%" PRId64, g, j);
-            if ((rc = get_opt(r->c, k, &v, 0)) < 0) return rc;
-            if (rc == 1) {
-                char aid[24], desc[DESC_MAX];
-                parse_desc(v, aid, sizeof aid, desc, sizeof desc);
-                free(v);
-                v = NULL;
-                if (!strcmp(aid, p->aid)) r->prev_done[i] = 1;
-            }
+            char aid[24], desc[DESC_MAX];
+            if ((rc = read_joiner(r, r->c, g, j, 0, aid, desc)) < 0) return rc;
+            if (rc == 1 && !strcmp(aid, p->aid)) r->prev_done[i] = 1;
         }
         double silent = 0;
         if (!r->prev_done[i]) {
@@ -816,35 +809,20 @@ static int assign_ranks(elastic_rdzv *r, int g, int n, int64_t me, int *node_ran
     if (rc == 0) {
         for (int i = 0; i < n; i++) {
             char desc[DESC_MAX];
-            key(r, k, "r/%d/a/%d", g, i + 1);
             /* a joiner sets its descriptor right after its ADD: wait a little for it */
-            if ((rc = get_opt(r->c, k, &v, 1.0)) < 0) goto out;
-            if (rc == 1) {
-                parse_desc(v, aid[i], sizeof aid[i], desc, sizeof desc);
-                free(v);
-                v = NULL;
-            } else {
-                snprintf(aid[i], sizeof aid[i], "?%d", i + 1);
-            }
+            if ((rc = read_joiner(r, r->c, g, i + 1, 1.0, aid[i], desc)) < 0) goto out;
         }
-        /* the node ranks of round g-1 */
-        if (g > 0) {
-            key(r, k, "r/%d/closed", g - 1);
-            if ((rc = get_opt(r->c, k, &v, 0)) < 0) goto out;
-            if (rc == 1) np = atoi(v);
-            free(v);
-            v = NULL;
-            key(r, k, "r/%d/ranks", g - 1);
-            if (np > 0 && (rc = get_opt(r->c, k, &pv, 0)) < 0) goto out;
-            if (np > 0 && rc == 1) {
-                if (!(pent = calloc((size_t)np, sizeof *pent))) {
-                    rc = -ENOMEM;
-                    goto out;
-                }
-                if (split_ranks(pv, np, pent) < 0) np = 0; /* no stickiness, not an error */
-            } else {
-                np = 0;
+        /* the node ranks of round g-1 (none: no stickiness, not an error) */
+        key(r, k, "r/%d/ranks", g - 1);
+        if (g > 0 && (rc = get_opt(r->c, k, &pv, 0)) < 0) goto out;
+        if (g > 0 && rc == 1) {
+            np = 1;
+            for (const char *c = pv; *c; c++) np += *c == ' ';
+            if (!(pent = calloc((size_t)np, sizeof *pent))) {
+                rc = -ENOMEM;
+                goto out;
             }
+            if (split_ranks(pv, np, pent) < 0) np = 0;
         }
         for (int i = 0; i < n; i++) slot[i] = -1;
         for (int j = 0; j < n; j++) {
@@ -895,7 +873,6 @@ out:
 }
 
 int elastic_rdzv_join(elastic_rdzv *r, int from_gen, elastic_round *out,
-
                       int (*interrupted)(void *), void *arg)
 {
     char k[KEY_MAX], *v = NULL;
@@ -961,7 +938,7 @@ int elastic_rdzv_join(elastic_rdzv *r, int from_gen, elastic_round *out,
                 if (!watching_prev) {
                     LOG_I(EA_TAG, "round %d is running: waiting for it to end (this agent joins "
                           "round %d as number %" PRId64 ")", g - 1, g, me);
-                    set_watch(r, g - 1, 0, 0, 0, -1);
+                    set_watch(r, g - 1, 0, 0, 0);
                     watching_prev = 1;
                 }
                 t_min = -1;
@@ -1003,7 +980,6 @@ int elastic_rdzv_join(elastic_rdzv *r, int from_gen, elastic_round *out,
         if (me <= n) {
             int node = 0;
             if ((rc = assign_ranks(r, g, n, me, &node)) < 0) {
-                if (watching_prev) elastic_rdzv_unwatch(r);
                 if (rc == -EBADMSG)
                     LOG_E(EA_TAG, "round %d: the node ranks in the store (key %sr/%d/ranks) are "
                           "malformed or do not name this agent (%s, joined as number %" PRId64
@@ -1072,7 +1048,7 @@ int elastic_rdzv_finish(elastic_rdzv *r, const elastic_round *rd)
     key(r, k, "r/%d/done", rd->gen);
     int rc = elastic_store_add(r->c, k, 1, &done);
     if (rc < 0) return main_lost(r, rc);
-    set_watch(r, rd->gen, rd->nnodes, 1, 1, rd->node_rank);
+    set_watch(r, rd->gen, rd->nnodes, 1, 1);
     if (done >= rd->nnodes) {
         char why[128];
         snprintf(why, sizeof why, "every worker of the %d node(s) of round %d exited 0",

@@ -651,15 +651,22 @@ static void upload_aggregation(void)
     elastic_metrics_free(m);
 }
 
-/* Memory snapshots (train's memory tier): the stall histogram of every local rank, the
- * failures of any, the newest step of the first rank; the stall counts in the goodput. */
-static void mem_aggregation(void)
+/* Metrics of node 0 of a one-node job, round 0 at t = 1 s, local ranks 0 and 1 up. */
+static elastic_metrics *two_local_ranks(void)
 {
     elastic_metrics *m;
     T_REQUIRE(elastic_metrics_create(&m, 0) == 0, "create");
     elastic_metrics_round(m, 0, 0, 2, 0, 2, 1.0);
     elastic_metrics_rank_up(m, 0, 1);
     elastic_metrics_rank_up(m, 1, 1);
+    return m;
+}
+
+/* Memory snapshots (train's memory tier): the stall histogram of every local rank, the
+ * failures of any, the newest step of the first rank; the stall counts in the goodput. */
+static void mem_aggregation(void)
+{
+    elastic_metrics *m = two_local_ranks();
     char *t = render(m, 1.5);
     T_CHECK(value_of(t, "ckpt_mem_snapshot_stall_seconds_count") == 0, "none yet\n%s", t);
     T_CHECK(isnan(value_of(t, "ckpt_mem_snapshot_step{node=\"0\"}")), "no step yet");
@@ -688,11 +695,7 @@ static void mem_aggregation(void)
  * to the stage's stall (the step's seconds exclude it: nothing counts twice). */
 static void wait_aggregation(void)
 {
-    elastic_metrics *m;
-    T_REQUIRE(elastic_metrics_create(&m, 0) == 0, "create");
-    elastic_metrics_round(m, 0, 0, 2, 0, 2, 1.0);
-    elastic_metrics_rank_up(m, 0, 1);
-    elastic_metrics_rank_up(m, 1, 1);
+    elastic_metrics *m = two_local_ranks();
     char *t = render(m, 1.0);
     T_CHECK(value_of(t, "ckpt_snapshot_wait_seconds_count") == 0, "none yet\n%s", t);
     free(t);
