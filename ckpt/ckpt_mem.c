@@ -181,7 +181,7 @@ static int parse_header(const uint8_t *p, uint64_t payload_bytes, mhdr *h, char 
 
 static int check_write_args(const shmseg *seg, int avoid_slot, const char *run_id, const char *config_hash,
                             const char *tag, uint32_t world_size, uint32_t rank, const ckpt_buffer *bufs,
-                            size_t nbufs, uint64_t chunk_bytes)
+                            size_t nbufs, uint64_t chunk_bytes, int need_data)
 {
     if (!seg || avoid_slot < -1 || avoid_slot >= SHMSEG_NSLOTS || !ckpt_valid_name(run_id) ||
         !ckpt_valid_name(config_hash) || !ckpt_valid_name(tag) || world_size < 1 ||
@@ -193,7 +193,7 @@ static int check_write_args(const shmseg *seg, int avoid_slot, const char *run_i
         if (!ckpt_valid_name(b->name) || !ckpt_valid_name(b->dtype) || strlen(b->dtype) > 15 ||
             !(b->elem_bytes == 1 || b->elem_bytes == 2 || b->elem_bytes == 4 || b->elem_bytes == 8) ||
             b->total_bytes % b->elem_bytes || b->offset > b->total_bytes ||
-            b->bytes > b->total_bytes - b->offset || (b->bytes && !b->data))
+            b->bytes > b->total_bytes - b->offset || (need_data && b->bytes && !b->data))
             return -EINVAL;
         for (size_t j = 0; j < i; j++)
             if (!strcmp(bufs[j].name, b->name)) return -EINVAL;
@@ -211,25 +211,91 @@ static int valid_trainer(const char *text, size_t len)
     return ok;
 }
 
+/* Where a slot's parts go (layout()), for these shards and a record of tlen bytes. */
+typedef struct mem_layout {
+    uint64_t doff[CKPT_MEM_MAX_BUFFERS], toff, soff, ns, pb;
+} mem_layout;
+
+static int slot_layout(const shmseg *seg, const ckpt_buffer *bufs, size_t nbufs, size_t tlen,
+                       uint64_t chunk_bytes, mem_layout *l)
+{
+    uint64_t bytes[CKPT_MEM_MAX_BUFFERS];
+    for (size_t i = 0; i < nbufs; i++) bytes[i] = bufs[i].bytes;
+    if (layout(bytes, nbufs, tlen, chunk_bytes, l->doff, &l->toff, &l->soff, &l->ns, &l->pb) < 0)
+        return -EINVAL;
+    if (l->pb > shmseg_slot_bytes(seg)) return -ENOSPC;
+    return shmseg_writable(seg) ? 0 : -EBADF;
+}
+
+/* The trainer record, the header and the commit of slot `slot` (payload p), whose shards and
+ * checksums are in place. */
+static int finish_slot(shmseg *seg, int slot, uint8_t *p, const mem_layout *l, uint64_t step,
+                       const char *run_id, const char *config_hash, const char *tag,
+                       uint32_t world_size, uint32_t rank, const ckpt_buffer *bufs, size_t nbufs,
+                       const char *trainer_json, size_t tlen, uint64_t chunk_bytes)
+{
+    memcpy(p + l->toff, trainer_json, tlen);
+    memset(p, 0, CKPT_MEM_HEADER_BYTES);
+    memcpy(p + H_MAGIC, mem_magic, 8);
+    put32(p + H_VERSION, CKPT_MEM_VERSION);
+    put32(p + H_NBUFS, (uint32_t)nbufs);
+    put64(p + H_STEP, step);
+    put32(p + H_WORLD, world_size);
+    put32(p + H_RANK, rank);
+    put64(p + H_CREATED, (uint64_t)(int64_t)time(NULL));
+    put64(p + H_CHUNK, chunk_bytes);
+    memcpy(p + H_RUN, run_id, strlen(run_id));
+    memcpy(p + H_CFG, config_hash, strlen(config_hash));
+    memcpy(p + H_TAG, tag, strlen(tag));
+    put64(p + H_TRAINER_OFF, l->toff);
+    put64(p + H_TRAINER_LEN, tlen);
+    put64(p + H_SUMS_OFF, l->soff);
+    put64(p + H_NSUMS, l->ns);
+    put64(p + H_TRAINER_XXH, XXH3_64bits(trainer_json, tlen));
+    for (size_t i = 0; i < nbufs; i++) {
+        uint8_t *q = p + H_BUFS + i * B_SIZE;
+        memcpy(q + B_NAME, bufs[i].name, strlen(bufs[i].name));
+        memcpy(q + B_DTYPE, bufs[i].dtype, strlen(bufs[i].dtype));
+        put32(q + B_ELEM, bufs[i].elem_bytes);
+        put64(q + B_TOTAL, bufs[i].total_bytes);
+        put64(q + B_OFFSET, bufs[i].offset);
+        put64(q + B_BYTES, bufs[i].bytes);
+        put64(q + B_DATA_OFF, l->doff[i]);
+    }
+    put64(p + H_SUM, XXH3_64bits(p, H_SUM));
+    return shmseg_commit(seg, slot, l->pb, step);
+}
+
+/* staged_out of ckpt_mem_write and ckpt_mem_begin: bufs with data (and name, dtype) in the
+ * slot; names_in_slot 0 keeps the caller's name and dtype (the header is not written yet). */
+static void fill_staged(uint8_t *p, const mem_layout *l, const ckpt_buffer *bufs, size_t nbufs,
+                        int names_in_slot, ckpt_buffer *staged_out)
+{
+    for (size_t i = 0; staged_out && i < nbufs; i++) {
+        staged_out[i] = bufs[i];
+        if (names_in_slot) {
+            staged_out[i].name = (const char *)(p + H_BUFS + i * B_SIZE + B_NAME);
+            staged_out[i].dtype = (const char *)(p + H_BUFS + i * B_SIZE + B_DTYPE);
+        }
+        staged_out[i].data = bufs[i].bytes ? p + l->doff[i] : NULL;
+    }
+}
+
 int ckpt_mem_write(shmseg *seg, int avoid_slot, uint64_t step, const char *run_id,
                    const char *config_hash, const char *tag, uint32_t world_size, uint32_t rank,
                    const ckpt_buffer *bufs, size_t nbufs, const char *trainer_json,
                    uint64_t chunk_bytes, int *slot_out, ckpt_buffer *staged_out)
 {
     int rc = check_write_args(seg, avoid_slot, run_id, config_hash, tag, world_size, rank, bufs, nbufs,
-                              chunk_bytes);
+                              chunk_bytes, 1);
     if (rc < 0) return rc;
     if (!trainer_json) trainer_json = "{}";
     size_t tlen = strlen(trainer_json);
     if (!valid_trainer(trainer_json, tlen)) return -EINVAL;
-    uint64_t bytes[CKPT_MEM_MAX_BUFFERS], doff[CKPT_MEM_MAX_BUFFERS], toff, soff, ns, pb, total = 0;
-    for (size_t i = 0; i < nbufs; i++) {
-        bytes[i] = bufs[i].bytes;
-        total += bufs[i].bytes;
-    }
-    if (layout(bytes, nbufs, tlen, chunk_bytes, doff, &toff, &soff, &ns, &pb) < 0) return -EINVAL;
-    if (pb > shmseg_slot_bytes(seg)) return -ENOSPC;
-    if (!shmseg_writable(seg)) return -EBADF;
+    mem_layout l;
+    uint64_t total = 0;
+    for (size_t i = 0; i < nbufs; i++) total += bufs[i].bytes;
+    if ((rc = slot_layout(seg, bufs, nbufs, tlen, chunk_bytes, &l)) < 0) return rc;
     XXH3_state_t *hs = XXH3_createState();
     if (!hs) return -ENOMEM;
 
@@ -240,12 +306,12 @@ int ckpt_mem_write(shmseg *seg, int avoid_slot, uint64_t step, const char *run_i
     }
     uint8_t *p = shmseg_payload(seg, slot);
     memset(p, 0, CKPT_MEM_HEADER_BYTES);
-    uint64_t *sums = (uint64_t *)(void *)(p + soff); /* 8-aligned in a page-aligned payload */
+    uint64_t *sums = (uint64_t *)(void *)(p + l.soff); /* 8-aligned in a page-aligned payload */
     uint64_t copied = 0, k = 0;
     int fault_passed = 0;
     for (size_t i = 0; i < nbufs; i++) {
         const uint8_t *src = bufs[i].data;
-        uint8_t *dst = p + doff[i];
+        uint8_t *dst = p + l.doff[i];
         for (uint64_t c = 0; c < bufs[i].bytes; c += chunk_bytes) {
             uint64_t clen = bufs[i].bytes - c < chunk_bytes ? bufs[i].bytes - c : chunk_bytes;
             XXH3_64bits_reset(hs);
@@ -264,44 +330,74 @@ int ckpt_mem_write(shmseg *seg, int avoid_slot, uint64_t step, const char *run_i
     }
     XXH3_freeState(hs);
     if (!fault_passed) ckpt_fault_point("mid-mem-copy", step);
-    memcpy(p + toff, trainer_json, tlen);
-
-    memcpy(p + H_MAGIC, mem_magic, 8);
-    put32(p + H_VERSION, CKPT_MEM_VERSION);
-    put32(p + H_NBUFS, (uint32_t)nbufs);
-    put64(p + H_STEP, step);
-    put32(p + H_WORLD, world_size);
-    put32(p + H_RANK, rank);
-    put64(p + H_CREATED, (uint64_t)(int64_t)time(NULL));
-    put64(p + H_CHUNK, chunk_bytes);
-    memcpy(p + H_RUN, run_id, strlen(run_id));
-    memcpy(p + H_CFG, config_hash, strlen(config_hash));
-    memcpy(p + H_TAG, tag, strlen(tag));
-    put64(p + H_TRAINER_OFF, toff);
-    put64(p + H_TRAINER_LEN, tlen);
-    put64(p + H_SUMS_OFF, soff);
-    put64(p + H_NSUMS, ns);
-    put64(p + H_TRAINER_XXH, XXH3_64bits(trainer_json, tlen));
-    for (size_t i = 0; i < nbufs; i++) {
-        uint8_t *q = p + H_BUFS + i * B_SIZE;
-        memcpy(q + B_NAME, bufs[i].name, strlen(bufs[i].name));
-        memcpy(q + B_DTYPE, bufs[i].dtype, strlen(bufs[i].dtype));
-        put32(q + B_ELEM, bufs[i].elem_bytes);
-        put64(q + B_TOTAL, bufs[i].total_bytes);
-        put64(q + B_OFFSET, bufs[i].offset);
-        put64(q + B_BYTES, bufs[i].bytes);
-        put64(q + B_DATA_OFF, doff[i]);
-    }
-    put64(p + H_SUM, XXH3_64bits(p, H_SUM));
-    if ((rc = shmseg_commit(seg, slot, pb, step)) < 0) return rc;
+    if ((rc = finish_slot(seg, slot, p, &l, step, run_id, config_hash, tag, world_size, rank, bufs,
+                          nbufs, trainer_json, tlen, chunk_bytes)) < 0)
+        return rc;
     if (slot_out) *slot_out = slot;
-    for (size_t i = 0; staged_out && i < nbufs; i++) {
-        staged_out[i] = bufs[i];
-        staged_out[i].name = (const char *)(p + H_BUFS + i * B_SIZE + B_NAME);
-        staged_out[i].dtype = (const char *)(p + H_BUFS + i * B_SIZE + B_DTYPE);
-        staged_out[i].data = bufs[i].bytes ? p + doff[i] : NULL;
-    }
+    fill_staged(p, &l, bufs, nbufs, 1, staged_out);
     return 0;
+}
+
+int ckpt_mem_begin(shmseg *seg, int avoid_slot, const ckpt_buffer *bufs, size_t nbufs,
+                   uint64_t chunk_bytes, int *slot_out, ckpt_buffer *staged_out)
+{
+    if (!slot_out || !staged_out) return -EINVAL;
+    *slot_out = -1;
+    int rc = check_write_args(seg, avoid_slot, "x", "x", "x", 1, 0, bufs, nbufs, chunk_bytes, 0);
+    if (rc < 0) return rc;
+    mem_layout l;
+    if ((rc = slot_layout(seg, bufs, nbufs, 0, chunk_bytes, &l)) < 0) return rc;
+    int slot;
+    if ((rc = shmseg_begin(seg, avoid_slot, &slot)) < 0) return rc;
+    uint8_t *p = shmseg_payload(seg, slot);
+    memset(p, 0, CKPT_MEM_HEADER_BYTES);
+    *slot_out = slot;
+    fill_staged(p, &l, bufs, nbufs, 0, staged_out);
+    return 0;
+}
+
+int ckpt_mem_commit(shmseg *seg, int slot, uint64_t step, const char *run_id,
+                    const char *config_hash, const char *tag, uint32_t world_size, uint32_t rank,
+                    const ckpt_buffer *staged, size_t nbufs, const char *trainer_json,
+                    uint64_t chunk_bytes)
+{
+    if (slot < 0 || slot >= SHMSEG_NSLOTS) return -EINVAL;
+    int rc = check_write_args(seg, -1, run_id, config_hash, tag, world_size, rank, staged, nbufs,
+                              chunk_bytes, 1);
+    if (rc < 0) return rc;
+    if (!trainer_json) trainer_json = "{}";
+    size_t tlen = strlen(trainer_json);
+    if (!valid_trainer(trainer_json, tlen)) return -EINVAL;
+    mem_layout l;
+    if ((rc = slot_layout(seg, staged, nbufs, tlen, chunk_bytes, &l)) < 0) return rc;
+    shmseg_info info;
+    if ((rc = shmseg_slot_info(seg, slot, &info)) < 0) return rc;
+    if (info.state != SHMSEG_WRITING) return -EINVAL; /* not begun, or committed already */
+    uint8_t *p = shmseg_payload(seg, slot);
+    uint64_t total = 0;
+    for (size_t i = 0; i < nbufs; i++) {
+        if (staged[i].bytes && staged[i].data != p + l.doff[i]) return -EINVAL; /* not begin's */
+        total += staged[i].bytes;
+    }
+    /* the checksums of the bytes in place (the copies into the slot are done) */
+    uint64_t *sums = (uint64_t *)(void *)(p + l.soff);
+    uint64_t hashed = 0, k = 0;
+    int fault_passed = 0;
+    for (size_t i = 0; i < nbufs; i++) {
+        const uint8_t *src = p + l.doff[i];
+        for (uint64_t c = 0; c < staged[i].bytes; c += chunk_bytes) {
+            uint64_t clen = staged[i].bytes - c < chunk_bytes ? staged[i].bytes - c : chunk_bytes;
+            sums[k++] = XXH3_64bits(src + c, (size_t)clen);
+            hashed += clen;
+            if (!fault_passed && 2 * hashed >= total) {
+                fault_passed = 1;
+                ckpt_fault_point("mid-mem-copy", step);
+            }
+        }
+    }
+    if (!fault_passed) ckpt_fault_point("mid-mem-copy", step);
+    return finish_slot(seg, slot, p, &l, step, run_id, config_hash, tag, world_size, rank, staged,
+                       nbufs, trainer_json, tlen, chunk_bytes);
 }
 
 /* ------------------------------------------------------------------ scanning segments */

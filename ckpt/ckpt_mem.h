@@ -104,6 +104,42 @@ int ckpt_mem_write(shmseg *seg, int avoid_slot, uint64_t step, const char *run_i
                    const ckpt_buffer *bufs, size_t nbufs, const char *trainer_json,
                    uint64_t chunk_bytes, int *slot_out, ckpt_buffer *staged_out);
 
+/* ckpt_mem_write in two phases, for bytes that arrive asynchronously: the trainer's
+ * device-to-host copies go straight into the slot (train/train_snapshot.c) and the slot is
+ * committed once they are done and the trainer record (whose digests need the copied state)
+ * is known.
+ *
+ * ckpt_mem_begin checks bufs (names, dtypes, sizes as for ckpt_mem_write; data is not read
+ * and may be NULL) and chunk_bytes, marks a slot writing (shmseg_begin(seg, avoid_slot)) and
+ * fills staged_out (nbufs entries): bufs[i] with data pointing where shard i goes in the slot
+ * (NULL for a shard of 0 bytes); name and dtype stay the caller's pointers, which must stay
+ * valid until the commit. *slot_out gets the slot (-1 on failure). The caller then writes
+ * exactly staged_out[i].bytes bytes at each staged_out[i].data, nothing else of the slot,
+ * by any means (a DMA copy from the device too). Returns 0, or -EINVAL (bad argument,
+ * slot_out or staged_out NULL), -ENOSPC (the shards alone exceed the slot: nothing touched),
+ * -EBADF (read-only seg).
+ *
+ * ckpt_mem_commit, once every byte is in place: hashes the shards where they lie (XXH3-64
+ * per chunk_bytes chunk, as ckpt_mem_write), writes the trainer record, the checksums and
+ * the header, and commits (shmseg_commit). Arguments as ckpt_mem_write, with staged = what
+ * ckpt_mem_begin gave for this slot (same nbufs, chunk_bytes and shard sizes). The fault
+ * point "mid-mem-copy" is passed once after half of the shard bytes are hashed (the slot is
+ * still writing there, as in ckpt_mem_write's copy). Returns 0, or -EINVAL (bad argument,
+ * staged not this slot's layout, the slot not in state writing: never begun or already
+ * committed), -ENOSPC (the record makes the payload exceed the slot; the slot stays
+ * writing), -EBADF.
+ *
+ * A slot begun and never committed stays writing, as after a crash: never listed, the other
+ * slot stays the newest complete one, and a later ckpt_mem_begin or ckpt_mem_write may take
+ * it. Not thread-safe for one seg: between begin and commit the segment has no other writer
+ * call (the caller's copies are its own business). */
+int ckpt_mem_begin(shmseg *seg, int avoid_slot, const ckpt_buffer *bufs, size_t nbufs,
+                   uint64_t chunk_bytes, int *slot_out, ckpt_buffer *staged_out);
+int ckpt_mem_commit(shmseg *seg, int slot, uint64_t step, const char *run_id,
+                    const char *config_hash, const char *tag, uint32_t world_size, uint32_t rank,
+                    const ckpt_buffer *staged, size_t nbufs, const char *trainer_json,
+                    uint64_t chunk_bytes);
+
 /* Where a rank's slot was found. */
 enum ckpt_mem_source {
     CKPT_MEM_SRC_OWN = 0,    /* a "<prefix>.own-<L>" segment (this node's worker wrote it) */

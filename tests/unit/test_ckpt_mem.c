@@ -787,6 +787,133 @@ static void test_remote(void)
     free(a3);
 }
 
+/* The two-phase write (ckpt_mem_begin, the caller's copy, ckpt_mem_commit): W ranks' slots
+ * of a step read back re-sharded exactly as ckpt_mem_write's; a slot begun and not committed
+ * is never listed; commit refuses a slot not begun, a layout not begin's and a record that
+ * does not fit (the slot stays writing and commits once given one that fits). */
+static void test_two_phase(void)
+{
+    char prefix3[4200];
+    snprintf(prefix3, sizeof prefix3, "%s/ckptmem-twophase", dir);
+    shmseg *ts[W];
+    for (uint32_t r = 0; r < W; r++) {
+        char p[4200];
+        T_REQUIRE(shmseg_own_path(p, sizeof p, prefix3, r) == 0, "name");
+        T_REQUIRE(shmseg_create(p, slot_bytes, &ts[r]) == 0, "create %s", p);
+    }
+    make_whole(80);
+    const char *trainer = "{\"step\":80}";
+    ckpt_buffer staged[W][NB];
+    int slot[W];
+    for (uint32_t r = 0; r < W; r++) {
+        ckpt_buffer bufs[NB];
+        for (int b = 0; b < NB; b++) {
+            uint64_t off, bytes;
+            shard(b, r, W, &off, &bytes);
+            bufs[b] = (ckpt_buffer){names[b], dtypes[b], elems[b], totals[b], off, bytes, NULL};
+        }
+        T_REQUIRE(ckpt_mem_begin(ts[r], -1, bufs, NB, CB, &slot[r], staged[r]) == 0, "begin rank %u", r);
+        uint8_t *pay = shmseg_payload(ts[r], slot[r]);
+        shmseg_info in;
+        T_CHECK(shmseg_slot_info(ts[r], slot[r], &in) == 0 && in.state == SHMSEG_WRITING, "begun: writing");
+        for (int b = 0; b < NB; b++) {
+            T_CHECK(staged[r][b].name == names[b] && staged[r][b].bytes == bufs[b].bytes, "staged %d", b);
+            if (!bufs[b].bytes) {
+                T_CHECK(staged[r][b].data == NULL, "empty shard: no data");
+                continue;
+            }
+            uint8_t *d = (uint8_t *)(uintptr_t)staged[r][b].data;
+            T_CHECK(d >= pay && d + bufs[b].bytes <= pay + slot_bytes && (uintptr_t)d % 4096 == 0,
+                    "staged data in the slot, aligned");
+            memcpy(d, whole[b] + bufs[b].offset, bufs[b].bytes); /* the caller's copy */
+        }
+    }
+    /* begun, not committed: nothing listed */
+    ckpt_mem_entry *e;
+    size_t n;
+    T_REQUIRE(ckpt_mem_list(prefix3, &e, &n) == 0, "list");
+    T_CHECK(n == 0, "a begun slot is not listed (%zu entries)", n);
+    free(e);
+    for (uint32_t r = 0; r < W; r++) {
+        int rc = ckpt_mem_commit(ts[r], slot[r], 80, "run1", "cfg1", "tagA", W, r, staged[r], NB, trainer, CB);
+        T_CHECK(rc == 0, "commit rank %u: %d", r, rc);
+    }
+    T_REQUIRE(ckpt_mem_list(prefix3, &e, &n) == 0, "list");
+    T_CHECK(n == 1 && e[0].status == CKPT_MEM_COMPLETE && e[0].step == 80 && e[0].ranks_present == W,
+            "step 80 complete (%zu entries)", n);
+    free(e);
+    ckpt_snapshot *sn;
+    char why[512];
+    T_REQUIRE(ckpt_mem_snapshot_open(&sn, prefix3, "mem:run1/tagA/80/4", why, sizeof why) == 0, "open: %s", why);
+    T_CHECK(!strcmp(ckpt_snapshot_trainer_json(sn), trainer), "trainer record");
+    check_reshard(sn, 3);
+    check_reshard(sn, 2);
+    ckpt_snapshot_close(sn);
+    /* committed already: refused */
+    T_CHECK(ckpt_mem_commit(ts[0], slot[0], 80, "run1", "cfg1", "tagA", W, 0, staged[0], NB, trainer, CB) == -EINVAL,
+            "second commit");
+    /* rank 0 begins step 90 and copies half of it: step 80 stays the newest */
+    make_whole(90);
+    ckpt_buffer b90[NB];
+    int s90;
+    ckpt_buffer probe[NB];
+    for (int b = 0; b < NB; b++) {
+        uint64_t off, bytes;
+        shard(b, 0, W, &off, &bytes);
+        probe[b] = (ckpt_buffer){names[b], dtypes[b], elems[b], totals[b], off, bytes, NULL};
+    }
+    T_REQUIRE(ckpt_mem_begin(ts[0], slot[0], probe, NB, CB, &s90, b90) == 0 && s90 != slot[0], "begin 90");
+    memcpy((void *)(uintptr_t)b90[0].data, whole[0] + b90[0].offset, b90[0].bytes / 2);
+    T_REQUIRE(ckpt_mem_list(prefix3, &e, &n) == 0, "list");
+    T_CHECK(n == 1 && e[0].step == 80 && e[0].status == CKPT_MEM_COMPLETE, "80 still the newest");
+    free(e);
+    for (int b = 0; b < NB; b++)
+        if (b90[b].bytes) memcpy((void *)(uintptr_t)b90[b].data, whole[b] + b90[b].offset, b90[b].bytes);
+    /* a layout that is not begin's, a slot out of range, a record that does not fit */
+    ckpt_buffer moved[NB];
+    memcpy(moved, b90, sizeof moved);
+    moved[1].data = (const uint8_t *)moved[1].data + 4096;
+    T_CHECK(ckpt_mem_commit(ts[0], s90, 90, "run1", "cfg1", "tagA", W, 0, moved, NB, "{}", CB) == -EINVAL,
+            "moved shard");
+    T_CHECK(ckpt_mem_commit(ts[0], 2, 90, "run1", "cfg1", "tagA", W, 0, b90, NB, "{}", CB) == -EINVAL, "slot 2");
+    T_CHECK(ckpt_mem_commit(ts[0], s90, 90, "bad id!", "cfg1", "tagA", W, 0, b90, NB, "{}", CB) == -EINVAL,
+            "bad run id");
+    size_t big = (size_t)slot_bytes;
+    char *rec = malloc(big + 16);
+    memcpy(rec, "{\"k\":\"", 6);
+    memset(rec + 6, 'x', big - 6);
+    memcpy(rec + big, "\"}", 3);
+    T_CHECK(ckpt_mem_commit(ts[0], s90, 90, "run1", "cfg1", "tagA", W, 0, b90, NB, rec, CB) == -ENOSPC,
+            "record too large");
+    free(rec);
+    shmseg_info in;
+    T_CHECK(shmseg_slot_info(ts[0], s90, &in) == 0 && in.state == SHMSEG_WRITING, "still writing");
+    T_CHECK(ckpt_mem_commit(ts[0], s90, 90, "run1", "cfg1", "tagA", W, 0, b90, NB, "{\"step\":90}", CB) == 0,
+            "commit 90");
+    T_REQUIRE(ckpt_mem_list(prefix3, &e, &n) == 0, "list");
+    int partial90 = 0, complete80 = 0;
+    for (size_t i = 0; i < n; i++) {
+        partial90 |= e[i].step == 90 && e[i].status == CKPT_MEM_PARTIAL && e[i].ranks_present == 1;
+        complete80 |= e[i].step == 80 && e[i].status == CKPT_MEM_COMPLETE;
+    }
+    T_CHECK(partial90 && complete80, "90 partial (rank 0 only), 80 complete");
+    free(e);
+    /* begin's own checks */
+    int sl;
+    ckpt_buffer out[NB];
+    T_CHECK(ckpt_mem_begin(ts[1], -1, probe, NB, CB, &sl, NULL) == -EINVAL, "no staged_out");
+    T_CHECK(ckpt_mem_begin(ts[1], -1, probe, NB, 100, &sl, out) == -EINVAL && sl == -1, "bad chunk bytes");
+    char *p = seg_path("small2");
+    shmseg *sm;
+    T_REQUIRE(shmseg_create(p, 4096, &sm) == 0, "small");
+    T_CHECK(ckpt_mem_begin(sm, -1, probe, NB, CB, &sl, out) == -ENOSPC, "shards exceed the slot");
+    T_CHECK(shmseg_slot_info(sm, 0, &in) == 0 && in.state == SHMSEG_EMPTY, "nothing touched");
+    shmseg_close(sm);
+    unlink(p);
+    free(p);
+    for (uint32_t r = 0; r < W; r++) shmseg_close(ts[r]);
+}
+
 int main(void)
 {
     /* only the child of test_crash_mid_copy writes step 999 (the value is read once) */
@@ -805,6 +932,7 @@ int main(void)
     test_stale();
     test_hostile_headers();
     test_remote();
+    test_two_phase();
     for (int r = 0; r < W; r++) shmseg_close(segs[r]);
     for (int b = 0; b < NB; b++) free(whole[b]);
     free(lease);
