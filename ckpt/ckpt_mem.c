@@ -356,10 +356,33 @@ int ckpt_mem_begin(shmseg *seg, int avoid_slot, const ckpt_buffer *bufs, size_t 
     return 0;
 }
 
+uint64_t ckpt_mem_sum_count(const ckpt_buffer *bufs, size_t nbufs, uint64_t chunk_bytes)
+{
+    if ((nbufs && !bufs) || nbufs > CKPT_MEM_MAX_BUFFERS || !valid_chunk_bytes(chunk_bytes)) return 0;
+    uint64_t n = 0;
+    for (size_t i = 0; i < nbufs; i++) n += nchunks_of(bufs[i].bytes, chunk_bytes);
+    return n;
+}
+
+int ckpt_mem_sum_buffer(const ckpt_buffer *staged, size_t nbufs, size_t i, uint64_t chunk_bytes,
+                        uint64_t *sums)
+{
+    if (!staged || !sums || i >= nbufs || nbufs > CKPT_MEM_MAX_BUFFERS || !valid_chunk_bytes(chunk_bytes) ||
+        (staged[i].bytes && !staged[i].data))
+        return -EINVAL;
+    uint64_t k = ckpt_mem_sum_count(staged, i, chunk_bytes); /* the sums of the buffers before */
+    const uint8_t *src = staged[i].data;
+    for (uint64_t c = 0; c < staged[i].bytes; c += chunk_bytes) {
+        uint64_t clen = staged[i].bytes - c < chunk_bytes ? staged[i].bytes - c : chunk_bytes;
+        sums[k++] = XXH3_64bits(src + c, (size_t)clen);
+    }
+    return 0;
+}
+
 int ckpt_mem_commit(shmseg *seg, int slot, uint64_t step, const char *run_id,
                     const char *config_hash, const char *tag, uint32_t world_size, uint32_t rank,
                     const ckpt_buffer *staged, size_t nbufs, const char *trainer_json,
-                    uint64_t chunk_bytes)
+                    uint64_t chunk_bytes, const uint64_t *sums_given)
 {
     if (slot < 0 || slot >= SHMSEG_NSLOTS) return -EINVAL;
     int rc = check_write_args(seg, -1, run_id, config_hash, tag, world_size, rank, staged, nbufs,
@@ -379,11 +402,15 @@ int ckpt_mem_commit(shmseg *seg, int slot, uint64_t step, const char *run_id,
         if (staged[i].bytes && staged[i].data != p + l.doff[i]) return -EINVAL; /* not begin's */
         total += staged[i].bytes;
     }
-    /* the checksums of the bytes in place (the copies into the slot are done) */
+    /* the checksums of the bytes in place (the copies into the slot are done), or the
+     * caller's (ckpt_mem_sum_buffer, e.g. on the copy stream as each shard landed) */
     uint64_t *sums = (uint64_t *)(void *)(p + l.soff);
     uint64_t hashed = 0, k = 0;
     int fault_passed = 0;
-    for (size_t i = 0; i < nbufs; i++) {
+    if (sums_given) {
+        memcpy(sums, sums_given, (size_t)l.ns * sizeof *sums);
+    }
+    for (size_t i = 0; !sums_given && i < nbufs; i++) {
         const uint8_t *src = p + l.doff[i];
         for (uint64_t c = 0; c < staged[i].bytes; c += chunk_bytes) {
             uint64_t clen = staged[i].bytes - c < chunk_bytes ? staged[i].bytes - c : chunk_bytes;

@@ -120,11 +120,14 @@ int ckpt_mem_write(shmseg *seg, int avoid_slot, uint64_t step, const char *run_i
  * -EBADF (read-only seg).
  *
  * ckpt_mem_commit, once every byte is in place: hashes the shards where they lie (XXH3-64
- * per chunk_bytes chunk, as ckpt_mem_write), writes the trainer record, the checksums and
- * the header, and commits (shmseg_commit). Arguments as ckpt_mem_write, with staged = what
- * ckpt_mem_begin gave for this slot (same nbufs, chunk_bytes and shard sizes). The fault
- * point "mid-mem-copy" is passed once after half of the shard bytes are hashed (the slot is
- * still writing there, as in ckpt_mem_write's copy). Returns 0, or -EINVAL (bad argument,
+ * per chunk_bytes chunk, as ckpt_mem_write) unless sums (ckpt_mem_sum_count entries, NULL =
+ * hash here) gives them, writes the trainer record, the checksums and the header, and
+ * commits (shmseg_commit). Arguments as ckpt_mem_write, with staged = what ckpt_mem_begin
+ * gave for this slot (same nbufs, chunk_bytes and shard sizes). Given sums are stored as
+ * they are: a wrong one makes the slot's reads fail their checksum (-EBADMSG), never pass a
+ * wrong byte. The fault point "mid-mem-copy" is passed once after half of the shard bytes
+ * are hashed, or before the header when sums are given (the slot is still writing there, as
+ * in ckpt_mem_write's copy). Returns 0, or -EINVAL (bad argument,
  * staged not this slot's layout, the slot not in state writing: never begun or already
  * committed), -ENOSPC (the record makes the payload exceed the slot; the slot stays
  * writing), -EBADF.
@@ -138,7 +141,19 @@ int ckpt_mem_begin(shmseg *seg, int avoid_slot, const ckpt_buffer *bufs, size_t 
 int ckpt_mem_commit(shmseg *seg, int slot, uint64_t step, const char *run_id,
                     const char *config_hash, const char *tag, uint32_t world_size, uint32_t rank,
                     const ckpt_buffer *staged, size_t nbufs, const char *trainer_json,
-                    uint64_t chunk_bytes);
+                    uint64_t chunk_bytes, const uint64_t *sums);
+
+/* The slot checksums ahead of ckpt_mem_commit, where the bytes land (a copy stream's host
+ * callback after each shard's copy, off the training thread). ckpt_mem_sum_count: the number
+ * of checksums of these shards (every shard's chunk_bytes pieces, buffer order; only
+ * bufs[i].bytes is read), 0 on a bad argument (chunk_bytes as ckpt_mem_write's).
+ * ckpt_mem_sum_buffer: writes shard i's checksums (XXH3-64 of each chunk_bytes piece of
+ * staged[i].data, staged[i].bytes bytes) at their place in sums (ckpt_mem_sum_count(staged,
+ * nbufs) entries: after those of shards 0..i-1). Thread-safe for different i into one sums
+ * array (disjoint entries). Returns 0 or -EINVAL (NULL, i >= nbufs, bad chunk_bytes). */
+uint64_t ckpt_mem_sum_count(const ckpt_buffer *bufs, size_t nbufs, uint64_t chunk_bytes);
+int ckpt_mem_sum_buffer(const ckpt_buffer *staged, size_t nbufs, size_t i, uint64_t chunk_bytes,
+                        uint64_t *sums);
 
 /* Where a rank's slot was found. */
 enum ckpt_mem_source {

@@ -834,10 +834,21 @@ static void test_two_phase(void)
     T_REQUIRE(ckpt_mem_list(prefix3, &e, &n) == 0, "list");
     T_CHECK(n == 0, "a begun slot is not listed (%zu entries)", n);
     free(e);
+    /* ranks 0 and 1 give the checksums computed ahead (shard by shard, as a copy stream's
+     * callback does), ranks 2 and 3 let the commit hash: every chunk read below checks them */
     for (uint32_t r = 0; r < W; r++) {
-        int rc = ckpt_mem_commit(ts[r], slot[r], 80, "run1", "cfg1", "tagA", W, r, staged[r], NB, trainer, CB);
+        uint64_t ns = ckpt_mem_sum_count(staged[r], NB, CB), *sums = calloc(ns + 1, sizeof *sums);
+        T_REQUIRE(ns > NB && sums, "sum count %llu", (unsigned long long)ns);
+        for (size_t b = 0; r < 2 && b < NB; b++)
+            T_CHECK(ckpt_mem_sum_buffer(staged[r], NB, b, CB, sums) == 0, "sums of shard %zu", b);
+        int rc = ckpt_mem_commit(ts[r], slot[r], 80, "run1", "cfg1", "tagA", W, r, staged[r], NB, trainer, CB,
+                                 r < 2 ? sums : NULL);
         T_CHECK(rc == 0, "commit rank %u: %d", r, rc);
+        free(sums);
     }
+    T_CHECK(ckpt_mem_sum_count(staged[0], NB, 100) == 0, "sum count: bad chunk bytes");
+    uint64_t one[4];
+    T_CHECK(ckpt_mem_sum_buffer(staged[0], NB, NB, CB, one) == -EINVAL, "sum_buffer: no such shard");
     T_REQUIRE(ckpt_mem_list(prefix3, &e, &n) == 0, "list");
     T_CHECK(n == 1 && e[0].status == CKPT_MEM_COMPLETE && e[0].step == 80 && e[0].ranks_present == W,
             "step 80 complete (%zu entries)", n);
@@ -850,7 +861,7 @@ static void test_two_phase(void)
     check_reshard(sn, 2);
     ckpt_snapshot_close(sn);
     /* committed already: refused */
-    T_CHECK(ckpt_mem_commit(ts[0], slot[0], 80, "run1", "cfg1", "tagA", W, 0, staged[0], NB, trainer, CB) == -EINVAL,
+    T_CHECK(ckpt_mem_commit(ts[0], slot[0], 80, "run1", "cfg1", "tagA", W, 0, staged[0], NB, trainer, CB, NULL) == -EINVAL,
             "second commit");
     /* rank 0 begins step 90 and copies half of it: step 80 stays the newest */
     make_whole(90);
@@ -873,22 +884,22 @@ static void test_two_phase(void)
     ckpt_buffer moved[NB];
     memcpy(moved, b90, sizeof moved);
     moved[1].data = (const uint8_t *)moved[1].data + 4096;
-    T_CHECK(ckpt_mem_commit(ts[0], s90, 90, "run1", "cfg1", "tagA", W, 0, moved, NB, "{}", CB) == -EINVAL,
+    T_CHECK(ckpt_mem_commit(ts[0], s90, 90, "run1", "cfg1", "tagA", W, 0, moved, NB, "{}", CB, NULL) == -EINVAL,
             "moved shard");
-    T_CHECK(ckpt_mem_commit(ts[0], 2, 90, "run1", "cfg1", "tagA", W, 0, b90, NB, "{}", CB) == -EINVAL, "slot 2");
-    T_CHECK(ckpt_mem_commit(ts[0], s90, 90, "bad id!", "cfg1", "tagA", W, 0, b90, NB, "{}", CB) == -EINVAL,
+    T_CHECK(ckpt_mem_commit(ts[0], 2, 90, "run1", "cfg1", "tagA", W, 0, b90, NB, "{}", CB, NULL) == -EINVAL, "slot 2");
+    T_CHECK(ckpt_mem_commit(ts[0], s90, 90, "bad id!", "cfg1", "tagA", W, 0, b90, NB, "{}", CB, NULL) == -EINVAL,
             "bad run id");
     size_t big = (size_t)slot_bytes;
     char *rec = malloc(big + 16);
     memcpy(rec, "{\"k\":\"", 6);
     memset(rec + 6, 'x', big - 6);
     memcpy(rec + big, "\"}", 3);
-    T_CHECK(ckpt_mem_commit(ts[0], s90, 90, "run1", "cfg1", "tagA", W, 0, b90, NB, rec, CB) == -ENOSPC,
+    T_CHECK(ckpt_mem_commit(ts[0], s90, 90, "run1", "cfg1", "tagA", W, 0, b90, NB, rec, CB, NULL) == -ENOSPC,
             "record too large");
     free(rec);
     shmseg_info in;
     T_CHECK(shmseg_slot_info(ts[0], s90, &in) == 0 && in.state == SHMSEG_WRITING, "still writing");
-    T_CHECK(ckpt_mem_commit(ts[0], s90, 90, "run1", "cfg1", "tagA", W, 0, b90, NB, "{\"step\":90}", CB) == 0,
+    T_CHECK(ckpt_mem_commit(ts[0], s90, 90, "run1", "cfg1", "tagA", W, 0, b90, NB, "{\"step\":90}", CB, NULL) == 0,
             "commit 90");
     T_REQUIRE(ckpt_mem_list(prefix3, &e, &n) == 0, "list");
     int partial90 = 0, complete80 = 0;
