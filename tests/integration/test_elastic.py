@@ -620,10 +620,12 @@ class WithTrain(ElasticTest):
         step, digest = self.final(a.out())
         self.assertEqual(step, 30)
         self.assertEqual(digest, ref)
-        # from memory (the memory tier, on under elastic: at most a step behind) or from the
-        # newest disk snapshot
+        # from memory (the memory tier, on under elastic) or from the newest disk snapshot.
+        # Memory may hold no newer step than disk's 10: while step 10 persists from its slot
+        # (longer than a step on a busy machine) every later step rewrites the other slot,
+        # so a rank killed between two of those writes shares no newer slot with the others
         self.assertRegex(a.err(), r"\[rank 0\] .*resumed from (?:\S*step-0000000(05|10) at step (5|10)|"
-                                  r"memory \(own\) at step 1[1-2])\b")
+                                  r"memory \(own\) at step 1[0-2])\b")
         lt = time.gmtime(t_kill)
         noticed = (int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3))) - \
             (lt.tm_hour * 3600 + lt.tm_min * 60 + lt.tm_sec + (t_kill % 1))
