@@ -71,11 +71,24 @@ typedef struct options {
                                  -1 (not given) = 1 when the budget allows, else off */
     uint64_t mem_budget;      /* --mem-budget, bytes per node; 0 (not given) = half the free
                                  space of the segment folder's file system */
+    int mem_async;            /* --mem-snapshot-mode: 1 async, 0 sync, -1 (not given) = async
+                                 on a device other than the CPU */
     /* the backend (train_device.c) */
     const char *device;       /* --device: NULL = "cpu"; "cuda" (ordinal LOCAL_RANK), "cuda:N" */
     int bf16;                 /* --dtype bf16 (or the config's bf16.enabled): 1; fp32: 0 */
     int reduce_ring;          /* --reduce ring: 1; tree (default): 0 */
 } options;
+
+/* One shard's checksums, computed on the copy stream by a host callback after its copy into
+ * a memory slot (train_mem_begin): ckpt_mem_sum_buffer(bufs, 3, index, chunk_bytes, sums);
+ * rc is -EINPROGRESS until the callback ran, then its result. */
+typedef struct train_mem_sum_job {
+    const ckpt_buffer *bufs;
+    size_t index;
+    uint64_t chunk_bytes;
+    uint64_t *sums;
+    int rc;
+} train_mem_sum_job;
 
 /* The state of one rank. main() (train_main.c) owns it: it allocates the buffers, and frees
  * them and closes the handles at its `out:` path; the other files fill in and use the fields
@@ -169,6 +182,17 @@ typedef struct state {
     shmseg *mem_seg;          /* the own segment; NULL when off or not creatable here */
     char mem_tag[40];         /* tag of this launch's memory snapshots */
     int mem_persist_slot;     /* the slot a disk persist in flight reads, -1 none */
+    int mem_async;            /* memory snapshots are asynchronous (--mem-snapshot-mode; agreed
+                                 by every rank): copied on the stager's copy stream into a
+                                 slot begun at the stage (ckpt_mem_begin) and committed by
+                                 train_wait_stage_copies (ckpt_mem_commit) */
+    int mem_pinned;           /* the own segment's slots are registered as pinned memory */
+    int stage_mem_slot;       /* the slot the pending stage copies into, -1 none */
+    ckpt_buffer stage_mem_bufs[3]; /* where its shards go in that slot (ckpt_mem_begin) */
+    train_mem_sum_job stage_mem_jobs[3]; /* their checksums, computed on the copy stream */
+    uint64_t *mem_sums;       /* those checksums (ckpt_mem_sum_count entries), NULL before
+                                 the first asynchronous memory snapshot */
+    double stage_mem_stall;   /* the seconds its stage took (queueing), for its report */
     int mem_failing;          /* the last memory snapshot failed (logged once) */
     uint64_t mem_count, mem_failed;
     double mem_stall_sum, mem_stall_max;
@@ -241,8 +265,12 @@ void train_make_config_hash(const state *s, char out[17]);
 /* The shortest decimal that reads back as the same float f. */
 double train_f2d(float f);
 
-/* Create s->engine for o->ckpt_dir from the options. Returns 0 or ckpt_engine_create's
- * negative errno (logged). */
+/* Create s->stager (the snapshot copy stream on s->dev) unless there is one. Returns 0 or
+ * train_stager_create's negative errno (logged). */
+int train_make_stager(state *s);
+
+/* Create s->engine for o->ckpt_dir from the options (and s->stager first). Returns 0 or
+ * ckpt_engine_create's or train_make_stager's negative errno (logged). */
 int train_make_engine(state *s);
 
 /* Complete the snapshot staged from the device (if one is pending), before the optimizer
@@ -265,6 +293,16 @@ int train_wait_engine(state *s, double timeout_s);
 /* Report every persist that finished since the last call (train_report_snapshot_done);
  * cheap, call after each step. No-op without an engine. */
 void train_poll_persists(state *s);
+
+/* The snapshot of the current step taken through the stager (train_snapshot.c): disk != 0
+ * stages it for the engine (policy as ckpt_engine_stage_device), and with s->mem_async a
+ * memory snapshot too: a slot of the own segment is begun, the shards are copied into it on
+ * the copy stream (the engine's copies, when it takes the disk snapshot, so one copy feeds
+ * both and the persist reads the slot), and train_wait_stage_copies commits it once the
+ * record's digests are known. Every rank marks the snapshot pending (the digests are a
+ * collective). Collective. Returns 0 (also when a stage failed: logged and reported), or a
+ * collective's negative errno (fatal). */
+int train_stage_snapshot(state *s, int disk);
 
 /* What a snapshot of the current step holds, for the engine and the memory tier: at ZeRO-3
  * the parameters are gathered (the record's digest), the moments digest is computed, bufs
@@ -308,6 +346,24 @@ void train_mem_close(state *s);
  * segment on this rank), or ckpt_mem_write's negative errno. */
 int train_mem_write(state *s, const ckpt_buffer bufs[3], const char *trainer_json, double t0,
                     ckpt_buffer staged[3], int *slot_out);
+
+/* Begin an asynchronous memory snapshot of this rank's shards dbufs (device memory, as
+ * train_stage_snapshot stages them): ckpt_mem_begin on the own segment (its older slot: no
+ * persist reads a slot in this mode) into s->stage_mem_bufs, then on the stager's copy stream
+ * (after the work queued on it so far) each shard's copy into the slot and a host callback
+ * that computes its checksums into s->mem_sums (s->stage_mem_jobs), off the training thread.
+ * The caller waits for the copy stream before train_mem_commit. A failure is accounted as
+ * train_mem_write's. Local. Returns the slot, or -ENODEV (no segment on this rank),
+ * -ENOMEM, or ckpt_mem_begin's or the copy stream's negative errno. */
+int train_mem_begin(state *s, const ckpt_buffer dbufs[3]);
+
+/* Commit the slot begun by train_mem_begin once its copies are done (rc 0) with
+ * trainer_json and the checksums from the copy stream (hashed here if one of those failed),
+ * or account its failure (rc < 0: the copies or the digests failed; the slot stays writing,
+ * never used). stall: the seconds reported as the memory snapshot's stall, the commit's own
+ * added. Logged and reported as train_mem_write. Local. Returns 0 or the negative errno of
+ * the snapshot (rc, or ckpt_mem_commit's). */
+int train_mem_commit(state *s, int slot, const char *trainer_json, int rc, double stall);
 
 /* A memory snapshot of the current step (not a disk one: see train_take_snapshot). Call on
  * every rank at the steps where s->step % s->mem_every == 0. Collective. Returns 0 (also when

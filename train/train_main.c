@@ -96,6 +96,7 @@ int main(int argc, char **argv)
     o.s3_lag_warn = 1800.0;
     o.s3_drain_timeout = 600.0;
     o.mem_every = -1;
+    o.mem_async = -1;
     static train_ds_config dc;
     signal(SIGPIPE, SIG_IGN); /* a gone launcher pipe is an EPIPE, not a death */
     if (train_read_config(argc, argv, &o, &dc) < 0) return 2;
@@ -200,6 +201,8 @@ int main(int argc, char **argv)
     }
     if (o.s3 && train_s3_start(&s) < 0) goto out;
     if (o.ckpt_every > 0 && train_make_engine(&s) < 0) goto out;
+    /* asynchronous memory snapshots without disk ones need the copy stream too */
+    if (s.mem_every > 0 && s.mem_async && train_make_stager(&s) < 0) goto out;
     install_stop_handlers();
     if (s.step >= o.steps && s.rank == 0)
         LOG_I(TAG, "already at step %" PRId64 " of %d: nothing to train", s.step, o.steps);
@@ -258,6 +261,9 @@ int main(int argc, char **argv)
          * earlier run's (a second value at one step would show twice in TensorBoard) */
         if (s.rank == 0 && s.step > start_step) train_report_val(s.report, s.step, s.last_val);
     }
+    /* the last asynchronous memory snapshot is committed before the end (with an engine,
+     * its wait below does it) */
+    if (!s.engine && train_wait_stage_copies(&s) < 0) goto out;
     int final_status = stopped_by ? 128 + stopped_by : 0;
     if (s.engine) {
         /* the last snapshot must be durable before we report success */

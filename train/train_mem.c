@@ -15,6 +15,7 @@
 #include "clock.h"
 #include "log.h"
 #include "shmseg.h"
+#include "stage.h"
 #include "train_internal.h"
 
 #include <jansson.h>
@@ -238,6 +239,15 @@ int train_mem_plan(state *s)
     }
     if (status) return status;
     if (want) s->mem_every = o->mem_every > 0 ? o->mem_every : 1;
+    /* the same on every rank (the two modes run the digests' collective at different
+     * points): the option and the device kind are among the settings every rank agrees on at
+     * start */
+    s->mem_async = o->mem_async >= 0 ? o->mem_async : train_device_kind_of(s->dev) != TRAIN_DEVICE_CPU;
+    s->stage_mem_slot = -1;
+    if (want && s->rank == 0)
+        LOG_I(TAG, "memory snapshots are %s", s->mem_async ?
+              "asynchronous (copied while the next step computes, committed at its optimizer update)" :
+              "synchronous (copied and committed before the next step)");
     return 0;
 }
 
@@ -265,6 +275,22 @@ int train_mem_open(state *s)
         s->mem_seg = NULL;
         return rc;
     }
+    /* asynchronous memory snapshots are copied from the device straight into the slots: pin
+     * them once (the CPU device only checks the arguments); unpinned, the copies still work,
+     * as staged pageable copies */
+    if (s->mem_async) {
+        int pr = 0, i;
+        for (i = 0; i < SHMSEG_NSLOTS && pr == 0; i++)
+            pr = train_host_register(s->dev, shmseg_payload(s->mem_seg, i), shmseg_slot_bytes(s->mem_seg));
+        if (pr < 0) {
+            while (--i > 0) (void)train_host_unregister(s->dev, shmseg_payload(s->mem_seg, i - 1));
+            LOG_W(TAG, "registering the memory segment %s as pinned memory on %s failed: %s; its "
+                  "copies from the device are not DMA", s->mem_own, train_device_describe(s->dev),
+                  strerror(-pr));
+        } else {
+            s->mem_pinned = 1;
+        }
+    }
     /* the tag of this launch's memory snapshots: slots of one snapshot share it (ckpt_mem.h) */
     if (s->job_tag[0]) snprintf(s->mem_tag, sizeof s->mem_tag, "%s", s->job_tag);
     else snprintf(s->mem_tag, sizeof s->mem_tag, "j%016" PRIx64 "%08x",
@@ -278,8 +304,44 @@ void train_mem_close(state *s)
         LOG_I(TAG, "memory snapshots: %" PRIu64 " taken, stall %.2f ms mean, %.2f ms max; %" PRIu64
               " failed", s->mem_count, s->mem_stall_sum / (double)s->mem_count * 1e3,
               s->mem_stall_max * 1e3, s->mem_failed);
+    if (s->mem_pinned)
+        for (int i = 0; i < SHMSEG_NSLOTS; i++)
+            (void)train_host_unregister(s->dev, shmseg_payload(s->mem_seg, i));
+    s->mem_pinned = 0;
+    free(s->mem_sums);
+    s->mem_sums = NULL;
     shmseg_close(s->mem_seg);
     s->mem_seg = NULL;
+}
+
+/* The outcome of one memory snapshot (rc 0: slot committed): counted, logged (a failure
+ * once until it recovers) and reported. Returns rc. */
+static int mem_account(state *s, int rc, int slot, uint64_t bytes, double stall)
+{
+    if (rc < 0) {
+        s->mem_failed++;
+        if (!s->mem_failing)
+            LOG_W(TAG, "step %" PRId64 ": memory snapshot into %s failed: %s; training "
+                  "goes on (the previous complete slot stays; logged again when it recovers)",
+                  s->step, s->mem_own, strerror(-rc));
+        s->mem_failing = 1;
+        train_report_mem_snapshot_failed(s->report, s->step, rc);
+        return rc;
+    }
+    if (s->mem_failing)
+        LOG_I(TAG, "step %" PRId64 ": memory snapshots work again", s->step);
+    s->mem_failing = 0;
+    s->mem_count++;
+    s->mem_stall_sum += stall;
+    if (stall > s->mem_stall_max) s->mem_stall_max = stall;
+    if (s->mem_count == 1 && s->rank == 0)
+        LOG_I(TAG, "memory snapshot step %" PRId64 " in slot %d of %s: stall %.2f ms for %.2f MiB",
+              s->step, slot, s->mem_own, stall * 1e3, (double)bytes / 1048576.0);
+    else
+        LOG_D(TAG, "memory snapshot step %" PRId64 " in slot %d: stall %.2f ms", s->step, slot,
+              stall * 1e3);
+    train_report_mem_snapshot(s->report, s->step, stall, bytes, slot);
+    return 0;
 }
 
 int train_mem_write(state *s, const ckpt_buffer bufs[3], const char *trainer_json, double t0,
@@ -294,37 +356,62 @@ int train_mem_write(state *s, const ckpt_buffer bufs[3], const char *trainer_jso
     int rc = ckpt_mem_write(s->mem_seg, s->mem_persist_slot, (uint64_t)s->step, s->run_id,
                             s->config_hash, s->mem_tag, (uint32_t)s->world, (uint32_t)s->rank, bufs,
                             3, trainer_json, s->mem_chunk, &slot, staged);
-    double stall = clock_now_s() - t0;
-    if (rc < 0) {
-        s->mem_failed++;
-        if (!s->mem_failing)
-            LOG_W(TAG, "step %" PRId64 ": memory snapshot into %s failed: %s; training "
-                  "goes on (the previous complete slot stays; logged again when it recovers)",
-                  s->step, s->mem_own, strerror(-rc));
-        s->mem_failing = 1;
-        train_report_mem_snapshot_failed(s->report, s->step, rc);
-        return rc;
+    rc = mem_account(s, rc, slot, bufs[0].bytes + bufs[1].bytes + bufs[2].bytes, clock_now_s() - t0);
+    if (rc == 0) *slot_out = slot;
+    return rc;
+}
+
+/* train_stream_host_fn: one shard's checksums, on the copy stream right after its copy. */
+static void sum_shard(void *ctx)
+{
+    train_mem_sum_job *j = ctx;
+    j->rc = ckpt_mem_sum_buffer(j->bufs, 3, j->index, j->chunk_bytes, j->sums);
+}
+
+int train_mem_begin(state *s, const ckpt_buffer dbufs[3])
+{
+    if (!s->mem_seg) return -ENODEV;
+    if (!s->mem_sums) { /* the shard sizes, hence the count, are the run's */
+        uint64_t n = ckpt_mem_sum_count(dbufs, 3, s->mem_chunk);
+        if (n == 0 || !(s->mem_sums = calloc((size_t)n, sizeof *s->mem_sums)))
+            return mem_account(s, n ? -ENOMEM : -EINVAL, -1, 0, 0);
     }
-    if (s->mem_failing)
-        LOG_I(TAG, "step %" PRId64 ": memory snapshots work again", s->step);
-    s->mem_failing = 0;
-    uint64_t bytes = bufs[0].bytes + bufs[1].bytes + bufs[2].bytes;
-    s->mem_count++;
-    s->mem_stall_sum += stall;
-    if (stall > s->mem_stall_max) s->mem_stall_max = stall;
-    if (s->mem_count == 1 && s->rank == 0)
-        LOG_I(TAG, "memory snapshot step %" PRId64 " in slot %d of %s: stall %.2f ms for %.2f MiB",
-              s->step, slot, s->mem_own, stall * 1e3, (double)bytes / 1048576.0);
-    else
-        LOG_D(TAG, "memory snapshot step %" PRId64 " in slot %d: stall %.2f ms", s->step, slot,
-              stall * 1e3);
-    train_report_mem_snapshot(s->report, s->step, stall, bytes, slot);
-    *slot_out = slot;
-    return 0;
+    /* no persist reads a slot in this mode (train_stage_snapshot): the older slot is taken */
+    int slot = -1;
+    ckpt_buffer *staged = s->stage_mem_bufs;
+    int rc = ckpt_mem_begin(s->mem_seg, -1, dbufs, 3, s->mem_chunk, &slot, staged);
+    if (rc < 0) return mem_account(s, rc, -1, 0, 0);
+    train_stream *st = train_stager_stream(s->stager);
+    for (size_t i = 0; i < 3 && rc == 0; i++) {
+        uint64_t t; /* where the shard goes in the slot (writable: a ckpt_buffer's data is const) */
+        rc = train_stager_copy(s->stager, (void *)(uintptr_t)staged[i].data, dbufs[i].data,
+                               (size_t)staged[i].bytes, &t);
+        s->stage_mem_jobs[i] = (train_mem_sum_job){staged, i, s->mem_chunk, s->mem_sums, -EINPROGRESS};
+        if (rc == 0) rc = train_stream_host_fn(st, sum_shard, &s->stage_mem_jobs[i]);
+    }
+    if (rc < 0) /* no copy into the slot still runs: a failed queue waits for its stream */
+        return train_mem_commit(s, slot, NULL, rc, 0);
+    return slot;
+}
+
+int train_mem_commit(state *s, int slot, const char *trainer_json, int rc, double stall)
+{
+    double t0 = clock_now_s();
+    const ckpt_buffer *staged = s->stage_mem_bufs;
+    /* the checksums from the copy stream, unless one of them failed (then hashed here) */
+    int sums_ok = 1;
+    for (int i = 0; i < 3; i++) sums_ok &= s->stage_mem_jobs[i].rc == 0;
+    if (rc == 0)
+        rc = ckpt_mem_commit(s->mem_seg, slot, (uint64_t)s->step, s->run_id, s->config_hash,
+                             s->mem_tag, (uint32_t)s->world, (uint32_t)s->rank, staged, 3,
+                             trainer_json, s->mem_chunk, sums_ok ? s->mem_sums : NULL);
+    return mem_account(s, rc, slot, staged[0].bytes + staged[1].bytes + staged[2].bytes,
+                       stall + (clock_now_s() - t0));
 }
 
 int train_mem_take(state *s)
 {
+    if (s->mem_async && s->stager) return train_stage_snapshot(s, 0);
     double t0 = clock_now_s();
     ckpt_buffer bufs[3];
     char *text = NULL;

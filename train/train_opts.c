@@ -143,6 +143,13 @@ static const char usage_text_mem[] =
     "                        local rank (x 2 on several nodes: the peer's replicas live here\n"
     "                        too); too small: exit 2. Default: half the free space of the\n"
     "                        segment folder's file system (too small: the tier is off)\n"
+    "  --mem-snapshot-mode M  sync: the copy into the segment, its checksums and its commit\n"
+    "                        happen before the next step starts (the newest step finished is\n"
+    "                        in memory); async: the copy runs on the snapshot copy stream\n"
+    "                        while the next step computes, and the slot is committed at that\n"
+    "                        step's optimizer update (a smaller stall; a crash before it loses\n"
+    "                        that slot: the memory tier is then up to one step older).\n"
+    "                        Default: async on --device cuda, sync on the CPU\n"
     ;
 static const char usage_text3[] =
     "Ranks (one process per rank; launched by elastic, torchrun-style or by hand):\n"
@@ -231,7 +238,7 @@ int train_parse_args(int argc, char **argv, options *o)
         O_RESUME, O_RUNID, O_ZLEVEL, O_SHUFFLE, O_NOSHUFFLE, O_CHUNK, O_NODIRECT, O_NOCOMP, O_SNTHREADS,
         O_POLICY, O_KEEPLAST, O_KEEPEVERY, O_OVERLAP, O_GB, O_ZERO, O_CONFIG, O_CTIMEOUT, O_SLOG,
         O_JTIMEOUT, O_FRESH, O_TBDIR, O_S3, O_S3SIG, O_S3KEEP, O_S3PART, O_S3BACKLOG, O_S3TIMEOUT,
-        O_S3SNAPTIMEOUT, O_S3LAG, O_S3DRAIN, O_S3ATTEMPTS, O_MEMEVERY, O_MEMBUDGET, O_DEVICE,
+        O_S3SNAPTIMEOUT, O_S3LAG, O_S3DRAIN, O_S3ATTEMPTS, O_MEMEVERY, O_MEMBUDGET, O_MEMMODE, O_DEVICE,
         O_DTYPE, O_REDUCE
     };
     static const struct option lo[] = {
@@ -269,6 +276,7 @@ int train_parse_args(int argc, char **argv, options *o)
         {"s3-attempts", required_argument, 0, O_S3ATTEMPTS},
         {"mem-snapshot-every", required_argument, 0, O_MEMEVERY},
         {"mem-budget", required_argument, 0, O_MEMBUDGET},
+        {"mem-snapshot-mode", required_argument, 0, O_MEMMODE},
         {"device", required_argument, 0, O_DEVICE}, {"dtype", required_argument, 0, O_DTYPE},
         {"reduce", required_argument, 0, O_REDUCE},
         {0, 0, 0, 0}};
@@ -434,6 +442,14 @@ int train_parse_args(int argc, char **argv, options *o)
             bad = parse_int("--mem-snapshot-every", optarg, 0, INT_MAX, &o->mem_every);
             break;
         case O_MEMBUDGET: bad = parse_bytes("--mem-budget", optarg, &o->mem_budget); break;
+        case O_MEMMODE:
+            if (!strcmp(optarg, "sync")) o->mem_async = 0;
+            else if (!strcmp(optarg, "async")) o->mem_async = 1;
+            else {
+                fprintf(stderr, "train: --mem-snapshot-mode: '%s' is not sync or async\n", optarg);
+                bad = 1;
+            }
+            break;
         case 'h':
             fputs(usage_text, stdout);
             fputs(usage_text_dev, stdout);

@@ -236,15 +236,18 @@ int train_snapshot_prepare(state *s, ckpt_buffer bufs[3], char **text)
     return *text ? 0 : -ENOMEM;
 }
 
-/* The snapshot straight from the device (no memory tier): the copies of the shards into the
- * engine's staging area (and, on CUDA, of the state into the host view for the digests) are
- * queued on the stager's copy stream after the optimizer update, the engine persists behind
- * them, and the trainer record, whose digests need the copied state, follows at the next
- * optimizer update (train_wait_stage_copies). The stall is the time to queue. Every rank
- * marks the snapshot pending whatever its stage returned, so that the digests' collective
- * runs on every rank alike. Returns 0 or a negative errno (a failed collective is fatal; a
- * failed stage is logged). */
-static int stage_from_device(state *s)
+/* The snapshot straight from the device (train_internal.h): the copies of the shards into the
+ * engine's staging area and, with an asynchronous memory snapshot, into the slot begun for it
+ * (and, on CUDA, of the state into the host view for the digests) are queued on the stager's
+ * copy stream after the optimizer update, the engine persists behind them, and the trainer
+ * record, whose digests need the copied state, follows at the next optimizer update
+ * (train_wait_stage_copies), which also commits the slot. The stall is the time to queue.
+ * The disk persist does not read the slot (as the synchronous mode's does): a slot held by
+ * a persist for several steps would leave the other slot, overwritten each step, uncommitted
+ * until the next update, so that no complete slot newer than the persisted step existed
+ * meanwhile. One more device-to-host copy per disk snapshot keeps the memory tier at most one
+ * step behind. */
+int train_stage_snapshot(state *s, int disk)
 {
     if (s->o->zero_stage == 3 && s->world > 1) {
         int rc = train_gather_range_hook(s, 0, s->np); /* the record's params digest */
@@ -258,27 +261,40 @@ static int stage_from_device(state *s)
         {"adam_v", "f32", 4, bytes, off, sb, s->dv + (s->lo - s->olo)}};
     json_t *rec = trainer_record(s, 0);
     if (!rec) return -ENOMEM;
-    ckpt_copier cp;
-    train_stager_copier(s->stager, &cp);
     double stall = 0, t0 = clock_now_s();
     int rc = train_stager_after_compute(s->stager);
     if (rc == 0) rc = train_state_to_host_async(s, train_stager_stream(s->stager));
-    if (rc == 0)
-        rc = ckpt_engine_stage_device(s->engine, (uint64_t)s->step, s->run_id, s->config_hash, dbufs,
-                                      3, NULL, &cp, NULL, &stall);
+    /* the memory snapshot: a slot begun, the three shards copied into it and checksummed on
+     * the copy stream (a failure is accounted there) */
+    const int mem = s->mem_async && s->mem_every > 0 && s->mem_seg;
+    int slot = mem && rc == 0 ? train_mem_begin(s, dbufs) : -1;
+    if (mem && rc < 0) (void)train_mem_commit(s, -1, NULL, rc, 0); /* only accounts the failure */
+    double t1 = clock_now_s();
+    int drc = 1; /* the disk snapshot: 0 staged, 1 not taken (policy, or a memory-only step) */
+    if (rc == 0 && disk) {
+        ckpt_copier cp;
+        train_stager_copier(s->stager, &cp);
+        drc = ckpt_engine_stage_device(s->engine, (uint64_t)s->step, s->run_id, s->config_hash,
+                                       dbufs, 3, NULL, &cp, NULL, &stall);
+    }
     s->stage_pending = 1;
-    s->stage_staged = rc == 0;
+    s->stage_staged = drc == 0;
     s->stage_t0 = clock_now_s();
     s->stage_rec = rec;
-    if (rc < 0) {
+    s->stage_mem_slot = slot;
+    s->stage_mem_stall = t1 - t0;
+    if (!disk) return 0; /* a memory snapshot's failure is accounted (logged) */
+    if (rc < 0 || drc < 0) {
         LOG_E(TAG, "snapshot of step %" PRId64 " to %s not taken: %s", s->step, s->o->ckpt_dir,
-              strerror(-rc));
-        train_report_snapshot_failed(s->report, s->step, rc);
-    } else if (rc == 0) {
-        stall = clock_now_s() - t0;
+              strerror(rc < 0 ? -rc : -drc));
+        train_report_snapshot_failed(s->report, s->step, rc < 0 ? rc : drc);
+    } else if (drc == 0) {
+        stall = s->stage_t0 - t0;
+        char also[48] = "";
+        if (slot >= 0) snprintf(also, sizeof also, ", and into memory slot %d", slot);
         LOG_I(TAG, "snapshot step %" PRId64 " staged: stall %.1f ms for %.2f MiB (copies from %s "
-              "queued); rss %.1f MiB", s->step, stall * 1e3, 3.0 * (double)sb / 1048576.0,
-              train_device_describe(s->dev), (double)rss_kib() / 1024.0);
+              "queued%s); rss %.1f MiB", s->step, stall * 1e3, 3.0 * (double)sb / 1048576.0,
+              train_device_describe(s->dev), also, (double)rss_kib() / 1024.0);
         train_report_snapshot_staged(s->report, s->step, stall, 3 * (uint64_t)sb);
     } else {
         train_report_snapshot_skipped(s->report, s->step); /* refused by the engine's policy */
@@ -292,7 +308,8 @@ static int stage_from_device(state *s)
  * agree whether a persist is still running anywhere, so that all of them skip or wait alike.
  * With the memory tier the stage is the memory snapshot: the state is copied once, into a slot
  * of the own segment, and the persist reads it from there (ckpt_engine_persist_staged); when
- * that copy fails, the engine's own staging copy is used as without the tier.
+ * that copy fails, the engine's own staging copy is used as without the tier. With
+ * asynchronous memory snapshots (and without the tier) it is train_stage_snapshot.
  * Returns 0, or a negative errno (a failed collective is fatal; a failed stage is logged). */
 int train_take_snapshot(state *s, int last)
 {
@@ -320,7 +337,7 @@ int train_take_snapshot(state *s, int last)
         }
         if (any && (rc = train_wait_engine(s, 3600.0)) == -ECONNRESET) return rc;
     }
-    if (s->stager && s->mem_every <= 0) return stage_from_device(s);
+    if (s->stager && (s->mem_every <= 0 || s->mem_async)) return train_stage_snapshot(s, 1);
     ckpt_buffer bufs[3], staged[3];
     char *text = NULL;
     int rc = train_snapshot_prepare(s, bufs, &text);
@@ -378,6 +395,17 @@ int train_take_snapshot(state *s, int last)
     return 0;
 }
 
+int train_make_stager(state *s)
+{
+    if (s->stager) return 0;
+    double st_timeout = s->o->comm_timeout * 10 > 600 ? s->o->comm_timeout * 10 : 600;
+    int rc = train_stager_create(&s->stager, s->dev, st_timeout);
+    if (rc < 0)
+        LOG_E(TAG, "cannot create the snapshot copy stream on %s: %s", train_device_describe(s->dev),
+              strerror(-rc));
+    return rc;
+}
+
 int train_make_engine(state *s)
 {
     const options *o = s->o;
@@ -407,9 +435,9 @@ int train_make_engine(state *s)
     eo.policy = o->policy;
     eo.keep_last = s->rank == 0 ? o->keep_last : 0; /* only rank 0 applies retention */
     eo.keep_every = s->rank == 0 ? (uint64_t)o->keep_every : 0;
-    /* with a memory segment the persists read the slots: the staging area is only the
-     * fallback for a failed memory copy, allocated when first needed */
-    eo.reserve_bytes = s->mem_seg ? 0 : 3 * (s->hi - s->lo) * sizeof(float);
+    /* with synchronous memory snapshots the persists read the slots: the staging area is
+     * only the fallback for a failed memory copy, allocated when first needed */
+    eo.reserve_bytes = s->mem_seg && !s->mem_async ? 0 : 3 * (s->hi - s->lo) * sizeof(float);
     eo.overlap = o->overlap;
     eo.group = s->world > 1 ? &s->group : NULL;
     if (s->uploader) {
@@ -418,13 +446,8 @@ int train_make_engine(state *s)
     }
     /* the stager first: the engine pins its staging area through it, and unpins it when it
      * is destroyed, so the stager goes after the engine (train_main's out: path) */
-    double st_timeout = o->comm_timeout * 10 > 600 ? o->comm_timeout * 10 : 600;
-    int rc = train_stager_create(&s->stager, s->dev, st_timeout);
-    if (rc < 0) {
-        LOG_E(TAG, "cannot create the snapshot copy stream on %s: %s", train_device_describe(s->dev),
-              strerror(-rc));
-        return rc;
-    }
+    int rc = train_make_stager(s);
+    if (rc < 0) return rc;
     rc = ckpt_engine_create(&s->engine, &eo);
     if (rc < 0) LOG_E(TAG, "cannot start the snapshot engine for %s: %s", o->ckpt_dir, strerror(-rc));
     return rc;
@@ -459,7 +482,14 @@ int train_wait_stage_copies(state *s)
         text = json_dumps(rec, JSON_COMPACT | JSON_REAL_PRECISION(17));
     json_decref(rec);
     if (rc == 0 && !text) rc = -ENOMEM;
-    /* the copies' wait and the digests: the second part of the snapshot's stall */
+    /* the memory snapshot's slot, before the disk snapshot gets its record: the disk
+     * snapshot of a step never commits before its memory snapshot (the memory tier is never
+     * older than disk) */
+    if (s->stage_mem_slot >= 0) {
+        (void)train_mem_commit(s, s->stage_mem_slot, text, rc, s->stage_mem_stall); /* logged */
+        s->stage_mem_slot = -1;
+    }
+    /* the copies' wait, the digests and the commit: the second part of the snapshot's stall */
     const double waited = clock_now_s() - t0;
     s->stage_wait_s += waited;
     if (rc == 0) train_report_snapshot_wait(s->report, step, waited);

@@ -133,9 +133,26 @@ class MemTest(TempDirTest):
         step: the restart restores from memory, at most 1 step behind the step rank 0 had
         logged; the flush wrote a disk snapshot newer than step 14; same digest; no segment
         left after the job."""
+        self.kill_rank_restores_from_memory([])
+
+    def test_async_kill_rank_restores_from_memory(self):
+        """The same with --mem-snapshot-mode async (the default on CUDA): the memory snapshots
+        are copied on the copy stream while the next step computes and committed at its
+        optimizer update (a disk snapshot from the engine's own copy). A kill before that commit
+        loses the slot, but rank 0 finishes no step without rank 1 past its commit of the step
+        before (the parameter all-gather follows the update), so the restore is still at most 1
+        step behind the step rank 0 had logged; same digest."""
+        err = self.kill_rank_restores_from_memory(["--mem-snapshot-mode", "async"])
+        self.assertRegex(err, r"\[rank 0\] .*memory snapshots are asynchronous")
+        self.assertRegex(err, r"\[rank 0\] .*snapshot step 7 staged: .*copies from cpu queued, and "
+                              r"into memory slot \d")
+
+    def kill_rank_restores_from_memory(self, mode):
+        """The kill test under the memory snapshot mode flags `mode`. Returns the first job's
+        log."""
         ref = self.reference()
         a = self.agent(["--nproc-per-node", "2", "--max-restarts", "2"],
-                       self.train_cmd(["--ckpt-every", "7", "--mem-snapshot-every", "1"]))
+                       self.train_cmd(["--ckpt-every", "7", "--mem-snapshot-every", "1"] + mode))
         a.wait_for(r"\[rank 0\] .*step 16/", timeout=120)
         pids = a.pids(0)
         self.assertEqual(len(pids), 2, a.err())
@@ -163,10 +180,11 @@ class MemTest(TempDirTest):
         self.assertIsNotNone(d, b.err()[-3000:])
         stalls = [float(x) for x in re.findall(r"memory snapshot step \d+ in slot \d of \S+: stall (\S+) ms",
                                                err)]
-        print(f"\n  killed at step {killed_at}, resumed from memory at {resumed} ({m.group(1)}) in "
-              f"{m.group(3)} ms; a disk restore of step 30 took {d.group(3)} ms; first memory "
-              f"snapshot stall {stalls[0] if stalls else '?'} ms; flushed steps {flushed}",
-              file=sys.stderr)
+        print(f"\n  {' '.join(mode) or 'sync'}: killed at step {killed_at}, resumed from memory at "
+              f"{resumed} ({m.group(1)}) in {m.group(3)} ms; a disk restore of step 30 took "
+              f"{d.group(3)} ms; first memory snapshot stall {stalls[0] if stalls else '?'} ms; "
+              f"flushed steps {flushed}", file=sys.stderr)
+        return err
 
     def test_flipped_byte_in_newest_slot_is_detected(self):
         """Stop both ranks, flip one payload byte (in rank 0's params shard) of the newest
@@ -218,9 +236,19 @@ class MemTest(TempDirTest):
         stays 'writing' and is never used: neither the agent's flush (no disk snapshot of step
         12: the disk interval is 25) nor the restore, which takes step 11 from memory (the other
         slot); same digest."""
+        self.kill_during_memory_copy([])
+
+    def test_c35_async_kill_before_the_commit_uses_the_other_slot(self):
+        """C35 with --mem-snapshot-mode async: rank 1 dies committing step 12's slot at step
+        13's optimizer update, the copies and checksums done on the copy stream, the header not
+        written: the slot stays 'writing' and is never used; step 11 from memory; same
+        digest."""
+        self.kill_during_memory_copy(["--mem-snapshot-mode", "async"])
+
+    def kill_during_memory_copy(self, mode):
         ref = self.reference()
         a = self.agent(["--nproc-per-node", "2", "--max-restarts", "2"],
-                       self.train_cmd(["--ckpt-every", "25", "--mem-snapshot-every", "1"],
+                       self.train_cmd(["--ckpt-every", "25", "--mem-snapshot-every", "1"] + mode,
                                       wrap_env={"CKPT_FAULT_POINT": "mid-mem-copy@12"}))
         self.assertEqual(a.wait(180), 0, a.err()[-4000:])
         err = a.err()
@@ -445,6 +473,32 @@ for i in range(2):
         self.assertEqual(p.stderr.count("no memory tier: CKPT_MEM_PATH is not set"), 1, p.stderr)
         self.assertIsNotNone(harness.FINAL_RE.search(p.stdout))
 
+
+    def test_async_memory_only_commits_the_last_step(self):
+        """--mem-snapshot-mode async without disk snapshots (--ckpt-every 0, train by hand with
+        CKPT_MEM_PATH): every step's slot is committed, the last one before the exit; a second
+        run resumes from memory at the last step with the uninterrupted run's digest; a bad
+        mode is a usage error (2, one line)."""
+        base = [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS + [
+            "--steps", "6", "--ckpt-dir", self.ckpt, "--ckpt-every", "0"]
+        env = {"CKPT_MEM_PATH": os.path.join(self.mem, "ckptmem-byhand")}
+        p = harness.run(base + ["--mem-snapshot-mode", "fast"], extra_env=env)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertEqual(p.stderr.strip().splitlines(), [
+            "train: --mem-snapshot-mode: 'fast' is not sync or async"])
+        p = harness.run(base + ["--mem-snapshot-mode", "async"], extra_env=env, check=True)
+        self.assertIn("memory snapshots are asynchronous", p.stderr)
+        self.assertIn("memory snapshots: 6 taken", p.stderr)
+        first = harness.final(p)["digest"]
+        complete = sorted(x[4] for x in slots_of(os.path.join(self.mem, "ckptmem-byhand.own-0"))
+                          if x[1] == 2)
+        self.assertEqual(complete, [5, 6])
+        p = harness.run(base + ["--resume", "auto"], extra_env=env, check=True)
+        self.assertRegex(p.stderr, r"resumed from memory \(own\) at step 6 ")
+        self.assertEqual(harness.final(p)["digest"], first)
+        ref = harness.run([harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS + ["--steps", "6"],
+                          check=True)
+        self.assertEqual(first, harness.final(ref)["digest"])
 
     def test_default_budget_too_small_turns_the_tier_off(self):
         """No --mem-budget and a node whose need exceeds half the free space of the segment
