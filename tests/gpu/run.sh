@@ -10,6 +10,9 @@
 #                 only where `nvidia-smi -L` lists two or more GPUs, else "skip"
 #   resume        the demo model on the GPU: uninterrupted vs SIGKILLed + --resume auto:
 #                 the same params_digest
+#   memtier       the same with the memory tier (CKPT_MEM_PATH, --mem-snapshot-mode async:
+#                 copies from the GPU into the pinned shared-memory slots): resumed from
+#                 memory, the same digest
 #   gpu->cpu      the GPU run's last snapshot restored by --device cpu: the same digest
 #   cpu->gpu      a CPU run's snapshot restored by --device cuda: the same digest
 #   tokens/s      GPT-2 124M (12 x 768, 12 heads, vocab 50257) bf16, micro-batch 16 x 1024,
@@ -143,6 +146,33 @@ if [ -n "$ref" ] && [ "$ref" = "$res" ]; then
     row resume ok "killed at step ${killed_at:-?}, resumed at ${from:-?}; digest ${ref:0:16} equal"
 else
     row resume FAIL "uninterrupted ${ref:-none} vs resumed ${res:-none} (see $OUT/kill2.log)"
+fi
+
+# ---- the memory tier, asynchronous (the default on CUDA): copies from the GPU straight into
+# the pinned shared-memory slots; killed at step 70, resumed from memory, same digest
+MEMP="/dev/shm/ckptmem-gpurun-$$"
+rm -rf "$OUT/mem"
+( CKPT_MEM_PATH="$MEMP" "$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$OUT/mem" --ckpt-every 40 \
+    --mem-snapshot-mode async --log-every 1 >"$OUT/mem1.log" 2>&1 ) &
+kpid=$!
+for _ in $(seq 1 600); do
+    grep -q 'step 70/' "$OUT/mem1.log" 2>/dev/null && break
+    kill -0 $kpid 2>/dev/null || break
+    sleep 0.1
+done
+kill -KILL $kpid 2>/dev/null
+wait $kpid 2>/dev/null
+mkilled=$(grep -o 'step [0-9]*/' "$OUT/mem1.log" | tail -1 | tr -dc 0-9)
+CKPT_MEM_PATH="$MEMP" "$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$OUT/mem" --ckpt-every 40 \
+    --mem-snapshot-mode async --resume auto >"$OUT/mem2.log" 2>&1
+mres=$(digest "$OUT/mem2.log")
+mfrom=$(grep -o 'resumed from memory ([a-z]*) at step [0-9]*' "$OUT/mem2.log" | head -1 | sed 's/.* at //')
+mstall=$(grep -o 'memory snapshots: [0-9]* taken, stall [0-9.]* ms mean, [0-9.]* ms max' "$OUT/mem2.log" | tail -1)
+rm -f "$MEMP".*
+if [ -n "$ref" ] && [ "$ref" = "$mres" ] && [ -n "$mfrom" ]; then
+    row memtier ok "async: killed at step ${mkilled:-?}, resumed from memory at $mfrom; digest equal; ${mstall:-no summary}"
+else
+    row memtier FAIL "resumed from memory at ${mfrom:-none}; uninterrupted ${ref:-none} vs ${mres:-none} (see $OUT/mem2.log)"
 fi
 
 # ---- a GPU snapshot restored on the CPU backend (same weights), and the other way
