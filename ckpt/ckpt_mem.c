@@ -266,6 +266,24 @@ static int finish_slot(shmseg *seg, int slot, uint8_t *p, const mem_layout *l, u
     return shmseg_commit(seg, slot, l->pb, step);
 }
 
+/* The checks of a write or a commit of these shards with this record (NULL = "{}"), and
+ * where the slot's parts go: 0 or a negative errno (check_write_args, the record, the
+ * layout). *tlen gets the record's length. */
+static int check_slot_write(const shmseg *seg, int avoid_slot, const char *run_id,
+                            const char *config_hash, const char *tag, uint32_t world_size,
+                            uint32_t rank, const ckpt_buffer *bufs, size_t nbufs,
+                            const char **trainer_json, uint64_t chunk_bytes, size_t *tlen,
+                            mem_layout *l)
+{
+    int rc = check_write_args(seg, avoid_slot, run_id, config_hash, tag, world_size, rank, bufs, nbufs,
+                              chunk_bytes, 1);
+    if (rc < 0) return rc;
+    if (!*trainer_json) *trainer_json = "{}";
+    *tlen = strlen(*trainer_json);
+    if (!valid_trainer(*trainer_json, *tlen)) return -EINVAL;
+    return slot_layout(seg, bufs, nbufs, *tlen, chunk_bytes, l);
+}
+
 /* staged_out of ckpt_mem_write and ckpt_mem_begin: bufs with data (and name, dtype) in the
  * slot; names_in_slot 0 keeps the caller's name and dtype (the header is not written yet). */
 static void fill_staged(uint8_t *p, const mem_layout *l, const ckpt_buffer *bufs, size_t nbufs,
@@ -286,16 +304,13 @@ int ckpt_mem_write(shmseg *seg, int avoid_slot, uint64_t step, const char *run_i
                    const ckpt_buffer *bufs, size_t nbufs, const char *trainer_json,
                    uint64_t chunk_bytes, int *slot_out, ckpt_buffer *staged_out)
 {
-    int rc = check_write_args(seg, avoid_slot, run_id, config_hash, tag, world_size, rank, bufs, nbufs,
-                              chunk_bytes, 1);
-    if (rc < 0) return rc;
-    if (!trainer_json) trainer_json = "{}";
-    size_t tlen = strlen(trainer_json);
-    if (!valid_trainer(trainer_json, tlen)) return -EINVAL;
     mem_layout l;
+    size_t tlen;
+    int rc = check_slot_write(seg, avoid_slot, run_id, config_hash, tag, world_size, rank, bufs,
+                              nbufs, &trainer_json, chunk_bytes, &tlen, &l);
+    if (rc < 0) return rc;
     uint64_t total = 0;
     for (size_t i = 0; i < nbufs; i++) total += bufs[i].bytes;
-    if ((rc = slot_layout(seg, bufs, nbufs, tlen, chunk_bytes, &l)) < 0) return rc;
     XXH3_state_t *hs = XXH3_createState();
     if (!hs) return -ENOMEM;
 
@@ -385,14 +400,11 @@ int ckpt_mem_commit(shmseg *seg, int slot, uint64_t step, const char *run_id,
                     uint64_t chunk_bytes, const uint64_t *sums_given)
 {
     if (slot < 0 || slot >= SHMSEG_NSLOTS) return -EINVAL;
-    int rc = check_write_args(seg, -1, run_id, config_hash, tag, world_size, rank, staged, nbufs,
-                              chunk_bytes, 1);
-    if (rc < 0) return rc;
-    if (!trainer_json) trainer_json = "{}";
-    size_t tlen = strlen(trainer_json);
-    if (!valid_trainer(trainer_json, tlen)) return -EINVAL;
     mem_layout l;
-    if ((rc = slot_layout(seg, staged, nbufs, tlen, chunk_bytes, &l)) < 0) return rc;
+    size_t tlen;
+    int rc = check_slot_write(seg, -1, run_id, config_hash, tag, world_size, rank, staged, nbufs,
+                              &trainer_json, chunk_bytes, &tlen, &l);
+    if (rc < 0) return rc;
     shmseg_info info;
     if ((rc = shmseg_slot_info(seg, slot, &info)) < 0) return rc;
     if (info.state != SHMSEG_WRITING) return -EINVAL; /* not begun, or committed already */

@@ -127,17 +127,22 @@ SMALL=(--data "$DATA/train_*.bin" --n-layer 4 --n-embd 128 --n-head 4 --seq-len 
 rm -rf "$OUT/ref" "$OUT/kill" "$OUT/cpu"
 "$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$OUT/ref" --ckpt-every 40 >"$OUT/ref.log" 2>&1
 ref=$(digest "$OUT/ref.log")
-( "$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$OUT/kill" --ckpt-every 20 --log-every 1 \
-    >"$OUT/kill1.log" 2>&1 ) &
-kpid=$!
-for _ in $(seq 1 600); do
-    grep -q 'step 70/' "$OUT/kill1.log" 2>/dev/null && break
-    kill -0 $kpid 2>/dev/null || break
-    sleep 0.1
-done
-kill -KILL $kpid 2>/dev/null
-wait $kpid 2>/dev/null
-killed_at=$(grep -o 'step [0-9]*/' "$OUT/kill1.log" | tail -1 | tr -dc 0-9)
+kill_at_70() { # kill_at_70 LOG COMMAND...: run it, SIGKILL it once LOG shows step 70; the last step
+    local log="$1"
+    shift
+    ( "$@" >"$log" 2>&1 ) &
+    local kpid=$!
+    for _ in $(seq 1 600); do
+        grep -q 'step 70/' "$log" 2>/dev/null && break
+        kill -0 $kpid 2>/dev/null || break
+        sleep 0.1
+    done
+    kill -KILL $kpid 2>/dev/null
+    wait $kpid 2>/dev/null
+    grep -o 'step [0-9]*/' "$log" | tail -1 | tr -dc 0-9
+}
+killed_at=$(kill_at_70 "$OUT/kill1.log" "$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$OUT/kill" \
+    --ckpt-every 20 --log-every 1)
 "$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$OUT/kill" --ckpt-every 20 --resume auto \
     >"$OUT/kill2.log" 2>&1
 res=$(digest "$OUT/kill2.log")
@@ -152,17 +157,8 @@ fi
 # the pinned shared-memory slots; killed at step 70, resumed from memory, same digest
 MEMP="/dev/shm/ckptmem-gpurun-$$"
 rm -rf "$OUT/mem"
-( CKPT_MEM_PATH="$MEMP" "$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$OUT/mem" --ckpt-every 40 \
-    --mem-snapshot-mode async --log-every 1 >"$OUT/mem1.log" 2>&1 ) &
-kpid=$!
-for _ in $(seq 1 600); do
-    grep -q 'step 70/' "$OUT/mem1.log" 2>/dev/null && break
-    kill -0 $kpid 2>/dev/null || break
-    sleep 0.1
-done
-kill -KILL $kpid 2>/dev/null
-wait $kpid 2>/dev/null
-mkilled=$(grep -o 'step [0-9]*/' "$OUT/mem1.log" | tail -1 | tr -dc 0-9)
+mkilled=$(kill_at_70 "$OUT/mem1.log" env CKPT_MEM_PATH="$MEMP" "$TR" "${SMALL[@]}" --device "$DEV" \
+    --ckpt-dir "$OUT/mem" --ckpt-every 40 --mem-snapshot-mode async --log-every 1)
 CKPT_MEM_PATH="$MEMP" "$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$OUT/mem" --ckpt-every 40 \
     --mem-snapshot-mode async --resume auto >"$OUT/mem2.log" 2>&1
 mres=$(digest "$OUT/mem2.log")
