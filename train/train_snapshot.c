@@ -252,6 +252,20 @@ int train_stage_snapshot(state *s, int disk)
     if (s->o->zero_stage == 3 && s->world > 1) {
         int rc = train_gather_range_hook(s, 0, s->np); /* the record's params digest */
         if (rc < 0) return rc;
+    } else if (!disk && s->world > 1 && s->o->zero_stage == 0 && s->mem_every > 0) {
+        /* A memory-only step at ZeRO-0 has no collective between this step's optimizer update,
+         * where every rank committed the previous slot, and the begin below, which overwrites
+         * this rank's older slot: a peer that died between the moments digest and its own
+         * commit would keep only that older step, this rank only the newer one, and no
+         * snapshot would be complete in memory. Every rank has committed (or died) when the
+         * barrier returns. (ZeRO-1/2 all-gather the parameters after the update, ZeRO-3
+         * gathers them above; a disk snapshot's agreement in train_take_snapshot is one too.)
+         * Every rank runs it: mem_every is agreed, with or without a segment. */
+        int rc = train_comm_barrier(s->comm);
+        if (rc < 0) {
+            train_comm_failed(s, "barrier before a memory snapshot", rc);
+            return rc;
+        }
     }
     const size_t bytes = s->np * sizeof(float), off = s->lo * sizeof(float);
     const size_t sb = (s->hi - s->lo) * sizeof(float);

@@ -245,6 +245,15 @@ class MemTest(TempDirTest):
         digest."""
         self.kill_during_memory_copy(["--mem-snapshot-mode", "async"])
 
+    def test_c35_async_zero0_kill_before_the_commit_uses_the_other_slot(self):
+        """C35 async at ZeRO-0, whose steps have no collective after the optimizer update: rank
+        1 dies committing step 12's slot, after the moments digest; rank 0 has committed step
+        12 and would begin step 13's slot over its step-11 slot at once, leaving step 12 on
+        rank 0 only and step 11 on rank 1 only (no complete memory snapshot: a fresh start).
+        The barrier before a memory-only snapshot keeps rank 0's step 11: step 11 from
+        memory; same digest."""
+        self.kill_during_memory_copy(["--mem-snapshot-mode", "async", "--zero-stage", "0"])
+
     def kill_during_memory_copy(self, mode):
         ref = self.reference()
         a = self.agent(["--nproc-per-node", "2", "--max-restarts", "2"],
