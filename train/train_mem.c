@@ -230,7 +230,8 @@ int train_mem_plan(state *s)
             if (all[2 * r + 1] > status) status = all[2 * r + 1];
             if (!all[2 * r]) {
                 if (want && s->rank == 0 && !off)
-                    LOG_W(TAG, "memory tier off: rank %d cannot hold it (see its line)", r);
+                    LOG_W(TAG, "memory tier off: rank %d cannot hold it (no CKPT_MEM_PATH there, "
+                          "or see its line)", r);
                 off |= !all[2 * r];
             }
         }

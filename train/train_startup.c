@@ -180,7 +180,7 @@ static void settings_text(const state *s, char *buf, size_t len)
              "ckpt-every=%d;resume=%s;run-id=%s;keep-last=%u;keep-every=%d;compress=%d;"
              "zstd-level=%d;shuffle=%d;chunk=%" PRIu64 ";policy=%d;comm-timeout=%g;s3=%.1000s;"
              "s3-part=%" PRIu64 ";s3-signature=%d;s3-keep-last=%u;mem-every=%d;mem-budget=%" PRIu64
-             ";mem-mode=%d;dtype=%s;device=%s;reduce=%s;ckpt-dir=%.3000s;",
+             ";mem-mode=%s;dtype=%s;device=%s;reduce=%s;ckpt-dir=%.3000s;",
              s->train ? train_dataset_hash(s->train) : 0, s->val ? train_dataset_hash(s->val) : 0,
              o->model.vocab, o->model.seq_len, o->model.n_layer, o->model.n_embd, o->model.n_head,
              o->micro_batch, o->grad_accum, o->grad_accum_set ? "(given)" : "", o->global_batch,
@@ -191,11 +191,11 @@ static void settings_text(const state *s, char *buf, size_t len)
              o->run_id ? o->run_id : "-", o->keep_last, o->keep_every, o->compress, o->zstd_level,
              o->filter, o->chunk_bytes, o->policy, o->comm_timeout, o->s3 ? o->s3 : "-",
              o->s3_part_bytes, o->s3_signature, o->s3_keep_last, o->mem_every, o->mem_budget,
-             o->mem_async, o->bf16 ? "bf16" : "fp32", device_kind_text(o), o->reduce_ring ? "ring" : "tree", dir);
+             o->mem_async < 0 ? "default" : o->mem_async ? "async" : "sync", o->bf16 ? "bf16" : "fp32", device_kind_text(o), o->reduce_ring ? "ring" : "tree", dir);
 }
 
 /* The first setting in which a and b differ, as "key (a vs b)". */
-static void first_difference(const char *a, const char *b, char *out, size_t len)
+static void first_difference(const char *a, const char *b, int rank_b, char *out, size_t len)
 {
     snprintf(out, len, "?");
     while (*a && *b) {
@@ -206,8 +206,8 @@ static void first_difference(const char *a, const char *b, char *out, size_t len
             const char *eq = memchr(a, '=', la);
             int kl = eq ? (int)(eq - a) : (int)la;
             const char *vb = memchr(b, '=', lb);
-            snprintf(out, len, "%.*s (rank 0: %.*s, this rank: %.*s)", kl, a,
-                     eq ? (int)(ea - eq - 1) : 0, eq ? eq + 1 : "",
+            snprintf(out, len, "%.*s (rank 0: %.*s, rank %d: %.*s)", kl, a,
+                     eq ? (int)(ea - eq - 1) : 0, eq ? eq + 1 : "", rank_b,
                      vb ? (int)(eb - vb - 1) : 0, vb ? vb + 1 : "");
             return;
         }
@@ -360,7 +360,7 @@ int train_startup_agree(state *s, int local)
                 bad++;
                 if (r == s->rank || (s->rank == 0 && bad == 1)) {
                     char diff[600];
-                    first_difference(all[0].text, all[r].text, diff, sizeof diff);
+                    first_difference(all[0].text, all[r].text, r, diff, sizeof diff);
                     LOG_E(TAG, "rank %d was started with other settings than rank 0: %s; every "
                           "rank must get the same flags, config and data", r, diff);
                 }

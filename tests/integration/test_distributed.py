@@ -380,16 +380,17 @@ class Distributed(TempDirTest):
         self.assertIn("optimizer.params.lr", p.stderr)
 
     def test_ranks_must_share_settings(self):
-        """A rank started with another learning rate, seed, data, snapshot folder, dtype or
-        reduction would train something else and save shards that do not fit: every rank exits
+        """A rank started with another learning rate, seed, data, snapshot folder, dtype,
+        reduction or memory snapshot mode would train something else and save shards that do not fit: every rank exits
         2 at start, the line names the setting, nothing is saved."""
         d = self.ckpt()
-        for extra, key in [(["--lr", "0.01"], "lr (rank 0: 0.003, this rank: 0.01)"),
-                           (["--seed", "99"], "seed (rank 0: 7, this rank: 99)"),
+        for extra, key in [(["--lr", "0.01"], "lr (rank 0: 0.003, rank 2: 0.01)"),
+                           (["--seed", "99"], "seed (rank 0: 7, rank 2: 99)"),
                            (["--data", os.path.join(harness.DATA, "val_*.bin")], "data"),
                            (["--ckpt-dir", self.ckpt("other")], "ckpt-dir"),
-                           (["--dtype", "bf16"], "dtype (rank 0: fp32, this rank: bf16)"),
-                           (["--reduce", "ring"], "reduce (rank 0: tree, this rank: ring)")]:
+                           (["--dtype", "bf16"], "dtype (rank 0: fp32, rank 2: bf16)"),
+                           (["--reduce", "ring"], "reduce (rank 0: tree, rank 2: ring)"),
+                           (["--mem-snapshot-mode", "async"], "mem-mode (rank 0: default, rank 2: async)")]:
             t0 = time.time()
             ranks = Ranks(4, MB3 + ["--ckpt-dir", d, "--ckpt-every", "3"], self.tmp, base=DIST,
                           rank_args={2: extra})
