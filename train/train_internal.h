@@ -123,6 +123,12 @@ typedef struct state {
                                 record waits for its digests: the next optimizer update (or
                                 the next wait for the engine) completes it first
                                 (train_wait_stage_copies); the same on every rank */
+    int restore_staged;      /* CKPT_RESTORE_STAGED=1: restore through the stager also on the
+                                CPU device (train_resume.c read_ranges) */
+    size_t restore_slice;    /* bytes per restore slice (CKPT_RESTORE_SLICE_BYTES) */
+    int state_on_device;     /* the resume restored the state into the device memory (and
+                                copied it to the host view): main skips train_state_to_device;
+                                0 after a fresh start, whose state is in the host view */
     int stage_staged;        /* the engine took that snapshot (it waits for the record) */
     double stage_t0;         /* when the copies were queued (for the log line of the wait) */
     double stage_wait_s;     /* seconds train_wait_stage_copies took (the wait and the
@@ -530,6 +536,11 @@ int train_state_to_host(state *s);
  * nothing on the CPU device. 0 or the device layer's negative errno (logged). */
 int train_state_to_host_async(state *s, train_stream *st);
 int train_state_to_device(state *s);
+
+/* CKPT_RESTORE_STAGED and CKPT_RESTORE_SLICE_BYTES into s->restore_staged and
+ * s->restore_slice (train_resume.c; docs/OPERATIONS.md, environment). A bad value: one line on
+ * stderr, -EINVAL. Local. */
+int train_restore_env(state *s);
 
 /* ------------------------------------------------------------------ train_main.c */
 

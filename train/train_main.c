@@ -116,6 +116,7 @@ int main(int argc, char **argv)
     state s = {.o = &o, .last_loss = NAN, .last_val = NAN, .sample_fd = -1, .world = 1,
                .s3_newest = -1};
     int rc, status = 1;
+    if (train_restore_env(&s) < 0) return 2; /* CKPT_RESTORE_*: one line */
     /* join the group first, so that a rank that cannot start tells the others at once
      * (train_startup_agree) instead of leaving them waiting for it */
     if ((status = train_dist_init(&s)) != 0) goto out;
@@ -148,7 +149,8 @@ int main(int argc, char **argv)
         status = r;
         goto out;
     }
-    if (train_state_to_device(&s) < 0) goto out; /* the resumed or fresh state (logged) */
+    /* a fresh start's state is in the host view; a resumed one is on the device already */
+    if (!s.state_on_device && train_state_to_device(&s) < 0) goto out; /* logged */
     if (s.rank == 0) {
         double restore_s = clock_now_s() - t_resume;
         if (o.tensorboard_dir) train_report_tensorboard(s.report, o.tensorboard_dir); /* logged */

@@ -19,6 +19,8 @@
 #                 next to llm.c's train_gpt2cu (../shared/peers/llm.c, `-e d12`, same shards)
 #   stall         the 124M run's snapshot stall (ms) next to a bare pinned D2H copy of the
 #                 same bytes (tests/gpu/copy_bench), and the persist throughput (MiB/s)
+#   restore       that snapshot resumed: MiB restored through the pinned bounce buffers and
+#                 the copy stream (decompression overlapped with the H2D copies), ms, MiB/s
 # Usage: tests/gpu/run.sh [--quick] [--cpu-dry-run]
 #   --quick        skip llm.c and the 124M runs
 #   --cpu-dry-run  on a machine without a GPU: the same steps with --device cpu, a small model
@@ -235,6 +237,20 @@ if [ $QUICK = 0 ]; then
         row stall ok "$st, ${wt:-no wait logged}; bare copy: $(echo "$bare" | grep -o 'd2h_ms=[0-9.]* d2h_gbps=[0-9.]*'); $pers"
     else
         row stall FAIL "no stall line in $OUT/big.log"
+    fi
+    # the restore of that snapshot (--steps 12: loads, checks, trains nothing): slices read and
+    # decompressed into pinned bounce buffers while the previous slice is copied to the device
+    # (the CPU dry run forces that path with CKPT_RESTORE_STAGED=1)
+    CKPT_RESTORE_STAGED=1 timeout 120 "$TR" "${BIG[@]}" --ckpt-dir "$OUT/big" --resume auto \
+        >"$OUT/big-resume.log" 2>&1
+    rs=$(grep -o 'restore into [^:]*: [0-9.]* MiB' "$OUT/big-resume.log" | tail -1)
+    rms=$(grep -o 'loaded and checked in [0-9.]* ms' "$OUT/big-resume.log" | tail -1 | grep -o '[0-9.]* ms')
+    rmib=$(echo "$rs" | awk '{print $(NF - 1)}')
+    if [ -n "$rs" ] && [ -n "$rms" ]; then
+        rate=$(awk -v m="$rmib" -v t="${rms% ms}" 'BEGIN {if (t > 0) printf "%.0f", m / (t / 1000); else print "n/a"}')
+        row restore ok "$rs in $rms (${rate} MiB/s, read + decompress + H2D + gather + digests)"
+    else
+        row restore FAIL "no staged restore in $OUT/big-resume.log: $(grep -m1 -iE 'error|fail|skipping' "$OUT/big-resume.log")"
     fi
 else
     row tokens/s skip "--quick"

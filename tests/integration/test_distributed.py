@@ -135,6 +135,76 @@ class Distributed(TempDirTest):
         worst = max(abs(x - y) for n in ta for x, y in zip(ta[n], tb[n]))
         self.assertLess(worst, 1e-4)
 
+    def test_staged_restore_reshards_and_finds_corruption(self):
+        """CKPT_RESTORE_STAGED=1 runs the resume's GPU path on the CPU device (issue 11,
+        section 4): each slice is read and decompressed into a pinned bounce buffer while the
+        copy of the previous one runs on the copy stream into the device state, which is then
+        gathered and checked against the record. A ZeRO-3 snapshot of 4 ranks restores at 2
+        and 1 to the bits of the uninterrupted run; a flipped byte is found through that path
+        and the older snapshot used."""
+        # slices of an odd size: many per buffer, none on a chunk or element boundary
+        staged = {"CKPT_RESTORE_STAGED": "1", "CKPT_RESTORE_SLICE_BYTES": "40009"}
+        ref = ok(self, 1, MB3)
+        four = self.ckpt("four")
+        ok(self, 4, MB3 + ["--zero-stage", "3", "--ckpt-dir", four, "--ckpt-every", "3"])
+        shutil.rmtree(os.path.join(four, "step-000000006"))
+        for world in (2, 1):
+            d = self.ckpt(f"w{world}")
+            shutil.copytree(four, d)
+            ranks, codes = launch(self, world, MB3 + ["--zero-stage", "3", "--ckpt-dir", d,
+                                                      "--ckpt-every", "3", "--resume", "auto"],
+                                  extra_env=staged)
+            err = ranks.stderr(0)
+            self.assertEqual(codes, [0] * world, err[-2000:])
+            self.assertRegex(err, r"resumed from \S+step-000000003 at step 3")
+            self.assertRegex(err, r"restore into cpu\S*: [0-9.]+ MiB through pinned bounce "
+                                  r"buffers and the copy stream \(slices of 40009 bytes\)")
+            self.assertEqual(ranks.final()["digest"], ref["digest"], f"staged resume at W={world}")
+        # a read error in the middle of a staged restore (the 3rd read of snapshot data) says
+        # nothing about the bytes: the resume stops, nothing is set aside
+        d = self.ckpt("direct")
+        shutil.copytree(four, d)
+        ranks, codes = launch(self, 1, MB3 + ["--zero-stage", "3", "--ckpt-dir", d, "--ckpt-every",
+                                              "3", "--resume", "auto"],
+                              extra_env=dict(staged, CKPT_FAULT_STORE="eio-read:3"))
+        self.assertEqual(codes, [1], ranks.stderr(0)[-2000:])
+        self.assertRegex(ranks.stderr(0), r"cannot read \S+step-000000003: .*Input/output error")
+        self.assertEqual(snapshot_dirs(d), ["step-000000003"])
+        self.assertEqual([x for x in os.listdir(d) if "corrupt" in x], [])
+        # the default on the CPU device decodes in place (here in windows of the odd size):
+        # no such line
+        ranks, codes = launch(self, 2, MB3 + ["--zero-stage", "3", "--ckpt-dir", d, "--ckpt-every",
+                                              "3", "--resume", "auto"],
+                              extra_env={"CKPT_RESTORE_SLICE_BYTES": "40009"})
+        self.assertEqual(codes, [0, 0], ranks.stderr(0)[-2000:])
+        self.assertNotIn("bounce buffers", ranks.stderr(0))
+        self.assertEqual(ranks.final()["digest"], ref["digest"])
+        # a flipped byte in the newest snapshot: found by the staged reads, the snapshot set
+        # aside, the older one restored
+        d = self.ckpt("flip")
+        ok(self, 2, MB3 + ["--zero-stage", "3", "--ckpt-dir", d, "--ckpt-every", "3"])
+        shard = os.path.join(d, "step-000000006", "rank-00001.bin")
+        with open(shard, "r+b") as f:
+            f.seek(os.path.getsize(shard) // 2)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0x10]))
+        ranks, codes = launch(self, 2, MB3 + ["--zero-stage", "3", "--ckpt-dir", d, "--ckpt-every",
+                                              "3", "--resume", "auto"], extra_env=staged)
+        err = ranks.stderr(0)
+        self.assertEqual(codes, [0, 0], err[-2000:])
+        self.assertRegex(err, r"skipping corrupt snapshot \S+step-000000006")
+        self.assertRegex(err, r"resumed from \S+step-000000003 at step 3")
+        self.assertEqual(ranks.final()["digest"], ref["digest"])
+        # bad values are refused before anything starts
+        for var, val, line in (("CKPT_RESTORE_STAGED", "yes", "is not 0 or 1"),
+                               ("CKPT_RESTORE_SLICE_BYTES", "4095", "is not a number of bytes"),
+                               ("CKPT_RESTORE_SLICE_BYTES", "64M", "is not a number of bytes"),
+                               ("CKPT_RESTORE_SLICE_BYTES", "-8192", "is not a number of bytes")):
+            p = run([harness.TRAIN] + harness.data_args() + ["--steps", "1"], extra_env={var: val})
+            self.assertEqual(p.returncode, 2, p.stderr)
+            self.assertIn(f"{var}='{val}' {line}", p.stderr)
+
     def test_moments_at_the_wrong_place_are_caught(self):
         """Two equal-sized shards of adam_m swapped in a resealed manifest pass every chunk
         checksum; the moments digest in the trainer record catches it, the snapshot is set
