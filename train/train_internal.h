@@ -135,6 +135,8 @@ typedef struct state {
                                 digests), summed since the training loop last zeroed it: what
                                 the loop takes off a step's seconds in its report (the wait is
                                 reported as a stall, snapshot_wait) */
+    struct train_digester *digester; /* the digest thread (train_digest.c); NULL until used */
+    int stage_digest;        /* the pending snapshot's digests run on it */
     void *stage_rec;         /* (json_t *) its trainer record, digests still to be filled */
     float *dm, *dv;          /* (dev, ohi - olo) Adam moments */
     float *m, *v;            /* host view of dm, dv: the same pointers on the CPU device, pinned
@@ -259,6 +261,12 @@ void train_digest_hex(const float *p, size_t n, char out[33]);
  * (each rank adds its part of [lo, hi)); out[0] adam_m, out[1] adam_v. Collective when W > 1.
  * Returns 0, -ENOMEM, or the collective's negative errno (logged). */
 int train_moments_digest(state *s, uint64_t out[2]);
+/* train_moments_digest in two parts: this rank's parts of the two digests over its shard
+ * [lo, hi) of m and v (which hold [olo, ...)), local and thread-safe; and their sum over the
+ * ranks (collective when W > 1; 0 or the collective's error). */
+void train_moments_digest_local(const float *m, const float *v, size_t lo, size_t hi, size_t olo,
+                                uint64_t out[2]);
+int train_moments_digest_sum(state *s, const uint64_t mine[2], uint64_t out[2]);
 
 /* The same digests as train_moments_digest over whole buffers m and v of np elements (np a
  * multiple of TRAIN_BLOCK, as s->np is), in one process: what the ranks' parts sum to. */
@@ -541,6 +549,31 @@ int train_state_to_device(state *s);
  * s->restore_slice (train_resume.c; docs/OPERATIONS.md, environment). A bad value: one line on
  * stderr, -EINVAL. Local. */
 int train_restore_env(state *s);
+
+/* ------------------------------------------------------------------ train_digest.c */
+
+/* The record's digests of a staged snapshot on a helper thread, overlapped with the next
+ * step (see train_digest.c). Training thread only. */
+typedef struct train_digester train_digester;
+/* Whether the host view stays unchanged until the next optimizer update (not on the CPU
+ * device at ZeRO-3 with W > 1, where the layer all-gathers write into it). */
+int train_digest_usable(const state *s);
+/* Hash the host view (params_host over np; m, v over [lo, hi)) on the digest thread once the
+ * work queued on st so far is done (a host function on st). The host view must stay unchanged
+ * until train_digest_finish or train_digest_cancel returns. Errors: -EOPNOTSUPP (not
+ * usable), -EBUSY (a job not finished), -ENOMEM, -EAGAIN (no thread), the host function's
+ * errors (the job is then dropped). */
+int train_digest_start(state *s, train_stream *st);
+/* Wait (at most timeout_s) for the job: params_hex gets the params digest (32 hex digits),
+ * mine this rank's moments parts, *hash_s (may be NULL) the seconds hashed. Errors: -EINVAL
+ * (no job), -ETIMEDOUT (the job stays, and train_digest_start refuses another). */
+int train_digest_finish(state *s, double timeout_s, char params_hex[33], uint64_t mine[2],
+                        double *hash_s);
+/* Drop the job (its copies failed): waits (at most timeout_s) for hashing already running.
+ * 0 or -ETIMEDOUT. */
+int train_digest_cancel(state *s, double timeout_s);
+/* Join the thread and free it (after the stager is destroyed). Accepts a state without. */
+void train_digest_stop(state *s);
 
 /* ------------------------------------------------------------------ train_main.c */
 

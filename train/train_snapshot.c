@@ -46,10 +46,22 @@ void train_moments_digest_whole(const float *m, const float *v, size_t np, uint6
     out[1] = block_digest(v, 0, np);
 }
 
+void train_moments_digest_local(const float *m, const float *v, size_t lo, size_t hi, size_t olo,
+                                uint64_t out[2])
+{
+    out[0] = block_digest(m + (lo - olo), lo, hi);
+    out[1] = block_digest(v + (lo - olo), lo, hi);
+}
+
 int train_moments_digest(state *s, uint64_t out[2])
 {
-    uint64_t mine[2] = {block_digest(s->m + (s->lo - s->olo), s->lo, s->hi),
-                        block_digest(s->v + (s->lo - s->olo), s->lo, s->hi)};
+    uint64_t mine[2];
+    train_moments_digest_local(s->m, s->v, s->lo, s->hi, s->olo, mine);
+    return train_moments_digest_sum(s, mine, out);
+}
+
+int train_moments_digest_sum(state *s, const uint64_t mine[2], uint64_t out[2])
+{
     if (s->world == 1) {
         out[0] = mine[0];
         out[1] = mine[1];
@@ -57,8 +69,8 @@ int train_moments_digest(state *s, uint64_t out[2])
     }
     uint64_t *all = calloc((size_t)s->world * 2, sizeof(uint64_t));
     if (!all) return -ENOMEM;
-    memcpy(all + 2 * (size_t)s->rank, mine, sizeof mine);
-    int rc = train_gather_records(s, all, sizeof mine);
+    memcpy(all + 2 * (size_t)s->rank, mine, 2 * sizeof(uint64_t));
+    int rc = train_gather_records(s, all, 2 * sizeof(uint64_t));
     if (rc < 0) train_comm_failed(s, "all-gather of the moments digest", rc);
     out[0] = out[1] = 0;
     for (int r = 0; r < s->world && rc == 0; r++) {
@@ -97,11 +109,10 @@ double train_f2d(float f)
     return strtod(buf, NULL);
 }
 
-/* The record's digests of the current host view (params_host) and of s->moments_digest. */
-static int record_set_digests(state *s, json_t *rec)
+/* The record's digests: params_digest (hex, 32 digits) and s->moments_digest. */
+static int record_set_digests(state *s, json_t *rec, const char *digest)
 {
-    char digest[33], mdig[17], vdig[17];
-    train_digest_hex(s->params_host, train_model_num_params(s->model), digest);
+    char mdig[17], vdig[17];
     snprintf(mdig, sizeof mdig, "%016" PRIx64, s->moments_digest[0]);
     snprintf(vdig, sizeof vdig, "%016" PRIx64, s->moments_digest[1]);
     if (json_object_set_new(rec, "params_digest", json_string(digest)) < 0 ||
@@ -278,6 +289,15 @@ int train_stage_snapshot(state *s, int disk)
     double stall = 0, t0 = clock_now_s();
     int rc = train_stager_after_compute(s->stager);
     if (rc == 0) rc = train_state_to_host_async(s, train_stager_stream(s->stager));
+    /* the record's digests of the host view, on the digest thread once those copies are done
+     * (train_digest.c); without it, train_wait_stage_copies hashes on this thread */
+    s->stage_digest = 0;
+    if (rc == 0 && train_digest_usable(s)) {
+        int dg = train_digest_start(s, train_stager_stream(s->stager));
+        if (dg == 0) s->stage_digest = 1;
+        else LOG_D(TAG, "snapshot step %" PRId64 ": digests on the training thread (%s)", s->step,
+                   strerror(-dg));
+    }
     /* the memory snapshot: a slot begun, the three shards copied into it and checksummed on
      * the copy stream (a failure is accounted there) */
     const int mem = s->mem_async && s->mem_every > 0 && s->mem_seg;
@@ -487,12 +507,38 @@ int train_wait_stage_copies(state *s)
         LOG_I(TAG, "snapshot step %" PRId64 ": waited %.1f ms for its copies (queued %.1f ms "
               "earlier)", s->step, (t1 - t0) * 1e3, (t1 - s->stage_t0) * 1e3);
     }
-    /* the digests (the moments digest is a collective: every rank has this snapshot pending;
-     * a rank whose copies failed fails its step instead, and its peers see it leave) */
-    int dr = rc < 0 ? 0 : train_moments_digest(s, s->moments_digest);
+    /* the digests: hashed on the digest thread while this step computed (train_digest.c), or
+     * here when that thread was not used; then the moments digest's sum over the ranks (a
+     * collective: every rank has this snapshot pending; a rank whose copies failed fails its
+     * step instead, and its peers see it leave) */
+    char hex[33] = "";
+    uint64_t mine[2] = {0, 0};
+    double hash_s = 0;
+    int hashed = 0;
+    if (s->stage_digest) {
+        int fr = rc < 0 ? train_digest_cancel(s, timeout)
+                        : train_digest_finish(s, timeout, hex, mine, &hash_s);
+        if (fr == 0 && rc == 0) hashed = 1;
+        else if (fr < 0 && rc == 0) {
+            LOG_E(TAG, "rank %d, step %" PRId64 ": the snapshot's digests did not finish: %s",
+                  s->rank, s->step, strerror(-fr));
+            rc = fr;
+        }
+        s->stage_digest = 0;
+    }
+    double t2 = clock_now_s();
+    if (rc == 0 && !hashed) {
+        train_digest_hex(s->params_host, s->np, hex);
+        train_moments_digest_local(s->m, s->v, s->lo, s->hi, s->olo, mine);
+    }
+    if (rc == 0)
+        LOG_D(TAG, "snapshot step %" PRId64 ": digests %s (%.1f ms of hashing)", step,
+              hashed ? "hashed on the digest thread" : "hashed on the training thread",
+              (hashed ? hash_s : clock_now_s() - t2) * 1e3);
+    int dr = rc < 0 ? 0 : train_moments_digest_sum(s, mine, s->moments_digest);
     if (rc == 0 && dr < 0) rc = dr;
     char *text = NULL;
-    if (rc == 0 && rec && record_set_digests(s, rec) == 0)
+    if (rc == 0 && rec && record_set_digests(s, rec, hex) == 0)
         text = json_dumps(rec, JSON_COMPACT | JSON_REAL_PRECISION(17));
     json_decref(rec);
     if (rc == 0 && !text) rc = -ENOMEM;

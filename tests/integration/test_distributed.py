@@ -205,6 +205,34 @@ class Distributed(TempDirTest):
             self.assertEqual(p.returncode, 2, p.stderr)
             self.assertIn(f"{var}='{val}' {line}", p.stderr)
 
+    def test_record_digests_on_the_digest_thread(self):
+        """The trainer record's digests of a staged snapshot are hashed on the digest thread
+        while the next step computes (train/train_digest.c), except on the CPU device at ZeRO-3
+        with W > 1, where the next forward pass's all-gathers write into the hashed memory;
+        either way the records are right: resuming from each snapshot checks its digests and
+        ends with the uninterrupted run's bits."""
+        ref = ok(self, 1, MB3)
+        for stage, where in (("2", "digest thread"), ("3", "training thread")):
+            d = self.ckpt(f"z{stage}")
+            ranks, codes = launch(self, 2, MB3 + ["--zero-stage", stage, "--ckpt-dir", d,
+                                                  "--ckpt-every", "3"],
+                                  extra_env={"CKPT_LOG_LEVEL": "debug"})
+            err = ranks.stderr(0)
+            self.assertEqual(codes, [0, 0], err[-2000:])
+            hashed = re.findall(r"snapshot step (\d+): digests hashed on the (digest|training) "
+                                r"thread \([0-9.]+ ms of hashing\)", err)
+            self.assertEqual(hashed, [("3", where.split()[0]), ("6", where.split()[0])], err[-3000:])
+            self.assertEqual(ranks.final()["digest"], ref["digest"])
+            shutil.rmtree(os.path.join(d, "step-000000006"))
+            ranks, codes = launch(self, 2, MB3 + ["--zero-stage", stage, "--ckpt-dir", d,
+                                                  "--ckpt-every", "3", "--resume", "auto"])
+            err = ranks.stderr(0)
+            self.assertEqual(codes, [0, 0], err[-2000:])
+            # a wrong record digest would set the snapshot aside and start fresh
+            self.assertRegex(err, r"resumed from \S+step-000000003 at step 3")
+            self.assertNotIn("differs from the recorded", err)
+            self.assertEqual(ranks.final()["digest"], ref["digest"], f"resumed at ZeRO-{stage}")
+
     def test_moments_at_the_wrong_place_are_caught(self):
         """Two equal-sized shards of adam_m swapped in a resealed manifest pass every chunk
         checksum; the moments digest in the trainer record catches it, the snapshot is set
