@@ -228,19 +228,16 @@ void train_digest_stop(state *s)
     train_digester *d = s->digester;
     if (!d) return;
     pthread_mutex_lock(&d->mu);
-    if (d->armed && !d->ready) {
-        /* a host function may still come from a copy stream left running (the stager's
-         * destroy timed out): leave the thread and its memory to the exit */
-        pthread_mutex_unlock(&d->mu);
-        s->digester = NULL;
-        return;
-    }
+    /* a host function may still come from a copy stream left running (the stager's destroy
+     * timed out): the thread ends all the same (it never hashes after quit), d stays */
+    const int fn_may_come = d->armed && !d->ready;
     d->quit = 1;
     pthread_cond_broadcast(&d->cv);
     pthread_mutex_unlock(&d->mu);
-    pthread_join(d->th, NULL);
+    pthread_join(d->th, NULL); /* bounded: a hash under way is a finite pass over the host view */
+    s->digester = NULL;
+    if (fn_may_come) return; /* leaked rather than freed under that host function */
     pthread_cond_destroy(&d->cv);
     pthread_mutex_destroy(&d->mu);
     free(d);
-    s->digester = NULL;
 }

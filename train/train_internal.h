@@ -125,7 +125,8 @@ typedef struct state {
                                 (train_wait_stage_copies); the same on every rank */
     int restore_staged;      /* CKPT_RESTORE_STAGED=1: restore through the stager also on the
                                 CPU device (train_resume.c read_ranges) */
-    size_t restore_slice;    /* bytes per restore slice (CKPT_RESTORE_SLICE_BYTES) */
+    size_t restore_slice;    /* bytes per staged restore slice (CKPT_RESTORE_SLICE_BYTES) */
+    int restore_slice_warned; /* rank 0 said the slices are smaller than the chunks */
     int state_on_device;     /* the resume restored the state into the device memory (and
                                 copied it to the host view): main skips train_state_to_device;
                                 0 after a fresh start, whose state is in the host view */
@@ -546,8 +547,8 @@ int train_state_to_host_async(state *s, train_stream *st);
 int train_state_to_device(state *s);
 
 /* CKPT_RESTORE_STAGED and CKPT_RESTORE_SLICE_BYTES into s->restore_staged and
- * s->restore_slice (train_resume.c; docs/OPERATIONS.md, environment). A bad value: one line on
- * stderr, -EINVAL. Local. */
+ * s->restore_slice (train_resume.c; docs/OPERATIONS.md, environment), in train_startup_local.
+ * A bad value: one line on stderr, -EINVAL. Local. */
 int train_restore_env(state *s);
 
 /* ------------------------------------------------------------------ train_digest.c */

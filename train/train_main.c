@@ -116,7 +116,6 @@ int main(int argc, char **argv)
     state s = {.o = &o, .last_loss = NAN, .last_val = NAN, .sample_fd = -1, .world = 1,
                .s3_newest = -1};
     int rc, status = 1;
-    if (train_restore_env(&s) < 0) return 2; /* CKPT_RESTORE_*: one line */
     /* join the group first, so that a rank that cannot start tells the others at once
      * (train_startup_agree) instead of leaving them waiting for it */
     if ((status = train_dist_init(&s)) != 0) goto out;

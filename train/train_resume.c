@@ -146,10 +146,11 @@ static int read_slice(void *ctx, uint64_t offset, uint64_t len, void *host_dst)
     return rc;
 }
 
-/* Bytes per restore slice by default: each of the stager's two bounce buffers, and the window
- * of a direct read. Large enough that the chunks cut by a slice's ends (decoded once per slice
- * they overlap) cost little, and that the snapshot's reading threads have chunks to share: 16
- * chunks of the default 4 MiB. CKPT_RESTORE_SLICE_BYTES overrides it. */
+/* Bytes per restore slice by default: each of the stager's two bounce buffers (and always the
+ * window of an in-place read). Large enough that the chunks cut by a slice's ends (decoded
+ * once per slice they overlap) cost little, and that the snapshot's reading threads have
+ * chunks to share: 16 chunks of the default 4 MiB. CKPT_RESTORE_SLICE_BYTES overrides it for
+ * the staged path. */
 #define RESTORE_SLICE_BYTES ((size_t)64 << 20)
 #define RESTORE_SLICE_MIN ((size_t)4096)
 #define RESTORE_SLICE_MAX ((size_t)1 << 30)
@@ -169,8 +170,10 @@ int train_restore_env(state *s)
     if (v && *v) {
         char *end;
         errno = 0;
-        unsigned long long n = strtoull(v, &end, 10);
-        if (errno || *end || v[0] == '-' || n < RESTORE_SLICE_MIN || n > RESTORE_SLICE_MAX) {
+        /* digits only: strtoull alone would take leading blanks and a sign */
+        int digits = strspn(v, "0123456789") == strlen(v);
+        unsigned long long n = digits ? strtoull(v, &end, 10) : 0;
+        if (!digits || errno || n < RESTORE_SLICE_MIN || n > RESTORE_SLICE_MAX) {
             fprintf(stderr, "train: CKPT_RESTORE_SLICE_BYTES='%.40s' is not a number of bytes in "
                     "[%zu, %zu] (bytes per restore slice; default %zu)\n", v, RESTORE_SLICE_MIN,
                     RESTORE_SLICE_MAX, RESTORE_SLICE_BYTES);
@@ -195,7 +198,22 @@ static int read_ranges(state *s, ckpt_snapshot *snap, size_t plo, size_t phi, ch
 {
     why[0] = '\0';
     int staged = s->restore_staged || train_device_kind_of(s->dev) != TRAIN_DEVICE_CPU, rc = 0;
-    size_t slice = s->restore_slice ? s->restore_slice : RESTORE_SLICE_BYTES;
+    size_t slice = staged && s->restore_slice ? s->restore_slice : RESTORE_SLICE_BYTES;
+    if (staged && s->rank == 0) {
+        /* a slice smaller than a chunk decodes that chunk once per slice: say so (once) */
+        for (size_t i = 0; i < ckpt_snapshot_nbuffers(snap); i++) {
+            ckpt_buffer_info bi;
+            if (ckpt_snapshot_buffer_info(snap, i, &bi) < 0 || bi.nchunks == 0) continue;
+            uint64_t chunk = bi.total_bytes / bi.nchunks;
+            if (slice < chunk && !s->restore_slice_warned) {
+                LOG_W(TAG, "restore slices of %zu bytes (CKPT_RESTORE_SLICE_BYTES) are smaller "
+                      "than the snapshot's chunks (about %" PRIu64 " bytes in %s): each chunk is "
+                      "decoded once per slice it overlaps, so the restore is up to %" PRIu64
+                      "x slower", slice, chunk, bi.name, (chunk + slice - 1) / slice);
+                s->restore_slice_warned = 1;
+            }
+        }
+    }
     if (staged && (rc = train_make_stager(s)) < 0) { /* logged; the engine uses it later */
         snprintf(why, why_len, "cannot create the copy stream for the restore: %s", strerror(-rc));
         return rc;

@@ -62,6 +62,9 @@ int train_startup_local(state *s)
 {
     const options *o = s->o;
     char why[512] = "";
+    /* CKPT_RESTORE_* (train_resume.c): a bad value is a configuration error, told to the
+     * other ranks by the agreement like the rest below */
+    if (train_restore_env(s) < 0) return 2; /* one line */
     /* the device first: a missing GPU is a configuration error (one line, exit 2) */
     int rc = train_device_setup(s);
     if (rc != 0) return rc;

@@ -18,7 +18,8 @@
 #   tokens/s      GPT-2 124M (12 x 768, 12 heads, vocab 50257) bf16, micro-batch 16 x 1024,
 #                 next to llm.c's train_gpt2cu (../shared/peers/llm.c, `-e d12`, same shards)
 #   stall         the 124M run's snapshot stall (ms) next to a bare pinned D2H copy of the
-#                 same bytes (tests/gpu/copy_bench), and the persist throughput (MiB/s)
+#                 same bytes (tests/gpu/copy_bench), the persist throughput (MiB/s) and
+#                 where and how long the record's digests were hashed
 #   restore       that snapshot resumed: MiB restored through the pinned bounce buffers and
 #                 the copy stream (decompression overlapped with the H2D copies), ms, MiB/s
 # Usage: tests/gpu/run.sh [--quick] [--cpu-dry-run]
@@ -204,8 +205,8 @@ if [ $QUICK = 0 ]; then
          --n-head 4 --seq-len 256 --micro-batch 4 --grad-accum 1 --steps 12 --log-every 1
          --device cpu --dtype bf16)
     rm -rf "$OUT/big"
-    timeout 240 "$TR" "${BIG[@]}" --ckpt-dir "$OUT/big" --ckpt-every 6 --keep-last 1 \
-        >"$OUT/big.log" 2>&1
+    CKPT_LOG_LEVEL=debug timeout 240 "$TR" "${BIG[@]}" --ckpt-dir "$OUT/big" --ckpt-every 6 \
+        --keep-last 1 >"$OUT/big.log" 2>&1
     ours=$(med_toks "$OUT/big.log")
     rm -rf "$OUT/llmc" && cp -r "$ROOT/../shared/peers/llm.c" "$OUT/llmc"
     if (cd "$OUT/llmc" && make train_gpt2cu NO_MULTI_GPU=1 NO_USE_MPI=1 GPU_COMPUTE_CAPABILITY=90 \
@@ -234,7 +235,9 @@ if [ $QUICK = 0 ]; then
         pers=$(grep -o 'persist [0-9]* ms[^,]*, [0-9.]* MiB/s' "$OUT/big.log" | tail -1)
         # the second part of the stall: the next update's wait for the copies (and digests)
         wt=$(grep -o 'waited [0-9.]* ms for its copies' "$OUT/big.log" | tail -1)
-        row stall ok "$st, ${wt:-no wait logged}; bare copy: $(echo "$bare" | grep -o 'd2h_ms=[0-9.]* d2h_gbps=[0-9.]*'); $pers"
+        # the record's digests, hashed on the digest thread while the next step computes
+        dg=$(grep -o 'digests hashed on the [a-z]* thread ([0-9.]* ms of hashing)' "$OUT/big.log" | tail -1)
+        row stall ok "$st, ${wt:-no wait logged}; bare copy: $(echo "$bare" | grep -o 'd2h_ms=[0-9.]* d2h_gbps=[0-9.]*'); $pers; ${dg:-no digests line}"
     else
         row stall FAIL "no stall line in $OUT/big.log"
     fi

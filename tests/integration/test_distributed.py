@@ -159,6 +159,9 @@ class Distributed(TempDirTest):
             self.assertRegex(err, r"resumed from \S+step-000000003 at step 3")
             self.assertRegex(err, r"restore into cpu\S*: [0-9.]+ MiB through pinned bounce "
                                   r"buffers and the copy stream \(slices of 40009 bytes\)")
+            # 40009 bytes is less than a chunk of this model's shards: said once, by rank 0
+            self.assertEqual(err.count("restore slices of 40009 bytes (CKPT_RESTORE_SLICE_BYTES) "
+                                       "are smaller than the snapshot's chunks"), 1, err[-2000:])
             self.assertEqual(ranks.final()["digest"], ref["digest"], f"staged resume at W={world}")
         # a read error in the middle of a staged restore (the 3rd read of snapshot data) says
         # nothing about the bytes: the resume stops, nothing is set aside
@@ -171,13 +174,14 @@ class Distributed(TempDirTest):
         self.assertRegex(ranks.stderr(0), r"cannot read \S+step-000000003: .*Input/output error")
         self.assertEqual(snapshot_dirs(d), ["step-000000003"])
         self.assertEqual([x for x in os.listdir(d) if "corrupt" in x], [])
-        # the default on the CPU device decodes in place (here in windows of the odd size):
-        # no such line
+        # the default on the CPU device decodes in place, in 64 MiB windows whatever the
+        # slice: neither line
         ranks, codes = launch(self, 2, MB3 + ["--zero-stage", "3", "--ckpt-dir", d, "--ckpt-every",
                                               "3", "--resume", "auto"],
                               extra_env={"CKPT_RESTORE_SLICE_BYTES": "40009"})
         self.assertEqual(codes, [0, 0], ranks.stderr(0)[-2000:])
         self.assertNotIn("bounce buffers", ranks.stderr(0))
+        self.assertNotIn("restore slices of", ranks.stderr(0))
         self.assertEqual(ranks.final()["digest"], ref["digest"])
         # a flipped byte in the newest snapshot: found by the staged reads, the snapshot set
         # aside, the older one restored
@@ -200,10 +204,20 @@ class Distributed(TempDirTest):
         for var, val, line in (("CKPT_RESTORE_STAGED", "yes", "is not 0 or 1"),
                                ("CKPT_RESTORE_SLICE_BYTES", "4095", "is not a number of bytes"),
                                ("CKPT_RESTORE_SLICE_BYTES", "64M", "is not a number of bytes"),
-                               ("CKPT_RESTORE_SLICE_BYTES", "-8192", "is not a number of bytes")):
+                               ("CKPT_RESTORE_SLICE_BYTES", "-8192", "is not a number of bytes"),
+                               ("CKPT_RESTORE_SLICE_BYTES", " 8192", "is not a number of bytes"),
+                               ("CKPT_RESTORE_SLICE_BYTES", "+8192", "is not a number of bytes")):
             p = run([harness.TRAIN] + harness.data_args() + ["--steps", "1"], extra_env={var: val})
             self.assertEqual(p.returncode, 2, p.stderr)
             self.assertIn(f"{var}='{val}' {line}", p.stderr)
+        # on one rank only: the start-up agreement stops both at once (not after the join
+        # timeout)
+        t0 = time.time()
+        ranks, codes = launch(self, 2, MB3 + ["--steps", "1"],
+                              rank_env={1: {"CKPT_RESTORE_STAGED": "yes"}})
+        self.assertEqual(codes, [2, 2], ranks.stderr(0)[-2000:])
+        self.assertLess(time.time() - t0, 60)
+        self.assertIn("CKPT_RESTORE_STAGED='yes' is not 0 or 1", ranks.stderr(1))
 
     def test_record_digests_on_the_digest_thread(self):
         """The trainer record's digests of a staged snapshot are hashed on the digest thread
