@@ -1,5 +1,6 @@
 #include "ckpt.h"
 #include "ckpt_internal.h"
+#include "clock.h"
 
 #include "log.h"
 #include "storage.h"
@@ -273,12 +274,5 @@ void ckpt_fault_point(const char *name, uint64_t step)
 
 void ckpt_deadline(struct timespec *ts, double seconds)
 {
-    clock_gettime(CLOCK_REALTIME, ts);
-    time_t whole = (time_t)seconds;
-    ts->tv_sec += whole;
-    ts->tv_nsec += (long)((seconds - (double)whole) * 1e9);
-    if (ts->tv_nsec >= 1000000000L) {
-        ts->tv_sec++;
-        ts->tv_nsec -= 1000000000L;
-    }
+    clock_deadline_in(CLOCK_REALTIME, ts, seconds);
 }

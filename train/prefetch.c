@@ -1,4 +1,5 @@
 /* One rank's read-ahead thread over a token dataset. */
+#include "clock.h"
 #include "log.h"
 #include "prefetch.h"
 #include "thread.h"
@@ -210,14 +211,7 @@ int train_prefetch_get(train_prefetch *p, uint64_t first, int32_t *inputs, int32
     if (!p || !inputs || !targets || !(timeout_s >= 0)) return -EINVAL;
     if (timeout_s > 1e9) timeout_s = 1e9;
     struct timespec dl;
-    clock_gettime(CLOCK_MONOTONIC, &dl);
-    double whole = floor(timeout_s);
-    dl.tv_sec += (time_t)whole;
-    dl.tv_nsec += (long)((timeout_s - whole) * 1e9);
-    if (dl.tv_nsec >= 1000000000L) {
-        dl.tv_sec++;
-        dl.tv_nsec -= 1000000000L;
-    }
+    clock_deadline_in(CLOCK_MONOTONIC, &dl, timeout_s);
 
     pthread_mutex_lock(&p->mu);
     if (!p->active || first != p->expect) restart(p, 1, first);

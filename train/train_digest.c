@@ -43,7 +43,10 @@ struct train_digester {
     int running;  /* the thread is hashing it */
     int done;     /* its results are in */
     int quit;
-    uint64_t gen; /* the job's number: a host function of an older, dropped job is ignored */
+    int fn_pending; /* a host function was queued and has not run yet: set by start, cleared
+                       only by that function; no job starts while it is set (so the function
+                       always belongs to the current job, or to a dropped one when !armed),
+                       and stop leaks d rather than free it under that function */
     /* the job: read by the thread between ready and done */
     const float *params, *m, *v;
     size_t np, lo, hi, olo;
@@ -51,18 +54,6 @@ struct train_digester {
     uint64_t mine[2];
     double hash_s; /* seconds the thread hashed */
 };
-
-static void deadline_in(struct timespec *until, double seconds)
-{
-    clock_gettime(CLOCK_REALTIME, until);
-    double whole = (double)(time_t)seconds;
-    until->tv_sec += (time_t)seconds;
-    until->tv_nsec += (long)((seconds - whole) * 1e9);
-    if (until->tv_nsec >= 1000000000L) {
-        until->tv_sec++;
-        until->tv_nsec -= 1000000000L;
-    }
-}
 
 static void *digest_thread(void *arg)
 {
@@ -91,24 +82,18 @@ static void *digest_thread(void *arg)
     return NULL;
 }
 
-typedef struct digest_token {
-    train_digester *d;
-    uint64_t gen;
-} digest_token;
-
 /* The host function on the copy stream: the state's copies before it are done. It only
  * signals (a CUDA host function must not call CUDA, and should return soon). */
 static void copies_done(void *ctx)
 {
-    digest_token *tok = ctx;
-    train_digester *d = tok->d;
+    train_digester *d = ctx;
     pthread_mutex_lock(&d->mu);
-    if (tok->gen == d->gen && d->armed) {
+    d->fn_pending = 0;
+    if (d->armed) {
         d->ready = 1;
         pthread_cond_broadcast(&d->cv);
     }
     pthread_mutex_unlock(&d->mu);
-    free(tok);
 }
 
 int train_digest_usable(const state *s)
@@ -123,7 +108,11 @@ static int digester_make(state *s)
     train_digester *d = calloc(1, sizeof *d);
     if (!d) return -ENOMEM;
     pthread_mutex_init(&d->mu, NULL);
-    pthread_cond_init(&d->cv, NULL);
+    pthread_condattr_t ca; /* its timed waits on the monotonic clock (clock.h) */
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&d->cv, &ca);
+    pthread_condattr_destroy(&ca);
     int rc = pthread_create(&d->th, NULL, digest_thread, d);
     if (rc != 0) {
         pthread_cond_destroy(&d->cv);
@@ -142,7 +131,8 @@ int train_digest_start(state *s, train_stream *st)
     if (rc < 0) return rc;
     train_digester *d = s->digester;
     pthread_mutex_lock(&d->mu);
-    if (d->armed) { /* a job not finished: never two at once */
+    if (d->armed || d->fn_pending) { /* a job not finished, or a dropped job's host function
+                                         still to come: never two at once */
         pthread_mutex_unlock(&d->mu);
         return -EBUSY;
     }
@@ -153,21 +143,15 @@ int train_digest_start(state *s, train_stream *st)
     d->lo = s->lo;
     d->hi = s->hi;
     d->olo = s->olo;
-    digest_token *tok = malloc(sizeof *tok);
-    if (!tok) {
-        pthread_mutex_unlock(&d->mu);
-        return -ENOMEM;
-    }
-    tok->d = d;
-    tok->gen = ++d->gen;
     d->armed = 1;
+    d->fn_pending = 1;
     d->ready = d->done = 0;
     pthread_mutex_unlock(&d->mu);
-    rc = train_stream_host_fn(st, copies_done, tok);
-    if (rc < 0) {
-        free(tok);
+    rc = train_stream_host_fn(st, copies_done, d);
+    if (rc < 0) { /* not queued: it will not run */
         pthread_mutex_lock(&d->mu);
         d->armed = 0;
+        d->fn_pending = 0;
         pthread_mutex_unlock(&d->mu);
     }
     return rc;
@@ -179,7 +163,7 @@ int train_digest_finish(state *s, double timeout_s, char params_hex[33], uint64_
     train_digester *d = s->digester;
     if (!d) return -EINVAL;
     struct timespec until;
-    deadline_in(&until, timeout_s);
+    clock_deadline_in(CLOCK_MONOTONIC, &until, timeout_s);
     pthread_mutex_lock(&d->mu);
     if (!d->armed) {
         pthread_mutex_unlock(&d->mu);
@@ -205,16 +189,15 @@ int train_digest_cancel(state *s, double timeout_s)
     train_digester *d = s->digester;
     if (!d) return 0;
     struct timespec until;
-    deadline_in(&until, timeout_s);
+    clock_deadline_in(CLOCK_MONOTONIC, &until, timeout_s);
     pthread_mutex_lock(&d->mu);
     /* a job whose copies never signalled (the copy stream failed) is dropped (its host
-     * function, should it still run, is ignored: gen); one being hashed is waited for, so
+     * function, should it still run, finds it not armed); one being hashed is waited for, so
      * that its reads of the host view end before the caller goes on */
     int rc = 0;
     while (d->running && rc == 0) rc = pthread_cond_timedwait(&d->cv, &d->mu, &until);
     if (!d->running) {
         d->armed = d->ready = d->done = 0;
-        d->gen++;
         rc = 0;
     } else {
         rc = -ETIMEDOUT;
@@ -230,7 +213,7 @@ void train_digest_stop(state *s)
     pthread_mutex_lock(&d->mu);
     /* a host function may still come from a copy stream left running (the stager's destroy
      * timed out): the thread ends all the same (it never hashes after quit), d stays */
-    const int fn_may_come = d->armed && !d->ready;
+    const int fn_may_come = d->fn_pending;
     d->quit = 1;
     pthread_cond_broadcast(&d->cv);
     pthread_mutex_unlock(&d->mu);

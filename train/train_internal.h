@@ -288,6 +288,10 @@ int train_make_stager(state *s);
  * ckpt_engine_create's or train_make_stager's negative errno (logged). */
 int train_make_engine(state *s);
 
+/* An error exit's end of a pending stage that will not be waited for: frees its trainer
+ * record (after the engine and the stager are gone). */
+void train_stage_discard(state *s);
+
 /* Complete the snapshot staged from the device (if one is pending), before the optimizer
  * update overwrites params, adam_m and adam_v, and before any wait for the engine: wait for
  * its copies (bounded by --comm-timeout x 10, at least 600 s), compute the digests of its
@@ -562,8 +566,8 @@ int train_digest_usable(const state *s);
 /* Hash the host view (params_host over np; m, v over [lo, hi)) on the digest thread once the
  * work queued on st so far is done (a host function on st). The host view must stay unchanged
  * until train_digest_finish or train_digest_cancel returns. Errors: -EOPNOTSUPP (not
- * usable), -EBUSY (a job not finished), -ENOMEM, -EAGAIN (no thread), the host function's
- * errors (the job is then dropped). */
+ * usable), -EBUSY (a job not finished, or the host function of a dropped one not run yet),
+ * -ENOMEM, -EAGAIN (no thread), the host function's errors (the job is then dropped). */
 int train_digest_start(state *s, train_stream *st);
 /* Wait (at most timeout_s) for the job: params_hex gets the params digest (32 hex digits),
  * mine this rank's moments parts, *hash_s (may be NULL) the seconds hashed. Errors: -EINVAL

@@ -309,6 +309,7 @@ out:
     ckpt_engine_destroy(s.engine); /* before the segment goes: a persist may read a slot */
     train_stager_destroy(s.stager); /* after the engine, which unpins its staging through it */
     train_digest_stop(&s); /* after the stager: no host function of its stream can come */
+    train_stage_discard(&s); /* a pending stage's record, on an error exit */
     train_mem_close(&s);
     train_s3_finish(&s, 0);
     train_report_close(s.report);

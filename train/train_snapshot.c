@@ -487,6 +487,13 @@ int train_make_engine(state *s)
     return rc;
 }
 
+void train_stage_discard(state *s)
+{
+    json_decref(s->stage_rec);
+    s->stage_rec = NULL;
+    s->stage_pending = 0;
+}
+
 int train_wait_stage_copies(state *s)
 {
     if (!s->stage_pending) return 0;
@@ -523,15 +530,20 @@ int train_wait_stage_copies(state *s)
             LOG_E(TAG, "rank %d, step %" PRId64 ": the snapshot's digests did not finish: %s",
                   s->rank, s->step, strerror(-fr));
             rc = fr;
+            /* drop the job, waiting once more for a hash still running, so that later writes
+             * of the host view (the final digest's copy) do not race it */
+            (void)train_digest_cancel(s, timeout);
         }
         s->stage_digest = 0;
     }
     double t2 = clock_now_s();
     if (rc == 0 && !hashed) {
-        train_digest_hex(s->params_host, s->np, hex);
+        /* the params digest only for a record (the fallback of a failed memory write has
+         * none); the moments parts always: their sum is a collective of every rank */
+        if (rec) train_digest_hex(s->params_host, s->np, hex);
         train_moments_digest_local(s->m, s->v, s->lo, s->hi, s->olo, mine);
     }
-    if (rc == 0)
+    if (rc == 0 && rec)
         LOG_D(TAG, "snapshot step %" PRId64 ": digests %s (%.1f ms of hashing)", step,
               hashed ? "hashed on the digest thread" : "hashed on the training thread",
               (hashed ? hash_s : clock_now_s() - t2) * 1e3);
