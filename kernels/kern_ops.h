@@ -21,12 +21,25 @@
  * of tests/gpu (fp32 1e-5 relative, bf16 1e-2). GEMMs: CPU CBLAS sgemm; CUDA cuBLAS with the
  * default (non-atomic) mode and a fixed workspace, so that the same algorithm runs each time.
  *
- * bf16 (ops->bf16 = 1): GEMM operands (parameters and activations) are rounded to bf16
- * (round to nearest even) and the products summed in fp32; everything else (LayerNorm,
- * softmax, GELU, residuals, gradients, the optimizer) stays fp32. CPU: the operands are
- * rounded into scratch before sgemm (an emulation, for tests); CUDA: cuBLAS with bf16 inputs
- * and fp32 compute. Master weights, Adam moments and gradient accumulation are fp32 in either
- * case, so snapshots hold fp32 state.
+ * bf16 (ops->bf16 = 1, `--dtype bf16`): the model keeps bf16 working parameters and stores
+ * the activations that feed GEMMs in bf16 (uint16_t arrays of bf16 bit patterns, the top 16
+ * bits of an IEEE fp32, rounded by kern_round_bf16's rule: round to nearest even, NaN kept a
+ * quiet NaN). It uses the *_bf16 entries below:
+ *   round_bf16                  the working parameters, from the fp32 master parameters;
+ *   layernorm_forward_bf16,     LayerNorm, attention and GELU compute in fp32 and store their
+ *   attention_forward_bf16,     output rounded to bf16 (those outputs are read only by the
+ *   gelu_forward_bf16           next GEMM);
+ *   matmul_forward_bf16,        GEMMs with bf16 operands (inp, weight, and dout rounded here)
+ *   matmul_backward_bf16        and fp32 products, sums, bias, dinp, dweight, dbias.
+ * Everything else stays fp32: the residual stream, qkv, the attention probabilities, the
+ * GELU input (the backward passes read them at full precision), gradients, the optimizer.
+ * Master weights, Adam moments and gradient accumulation are fp32, so snapshots hold fp32
+ * state. Because every rounded tensor is one that the GEMM used to round on input, a bf16
+ * model gives the bits of "fp32 kernels whose GEMM operands are rounded to bf16" (the CPU's
+ * emulation before bf16 storage existed; tests/unit/test_kern_grad checks it).
+ * CPU: the bf16 arrays are widened into scratch (exactly) and sgemm runs on them (an
+ * emulation, for tests); CUDA: cublasGemmEx with CUDA_R_16BF inputs and CUBLAS_COMPUTE_32F.
+ * In a table with bf16 = 0 the *_bf16 entries are NULL.
  *
  * Thread-safety: one table and its context are used by one thread at a time.
  */
@@ -77,6 +90,27 @@ typedef struct kern_ops {
     void (*softmax_crossentropy_backward)(void *ctx, float *dlogits, const float *probs,
                                           const int32_t *targets, float dloss, int N, int V);
 
+    /* ---- bf16 (see the top; NULL when bf16 = 0). uint16_t arrays hold bf16 bit patterns.
+     * dst[i] = bf16(src[i]) for n elements. */
+    void (*round_bf16)(void *ctx, uint16_t *dst, const float *src, size_t n);
+    /* layernorm_forward, attention_forward, gelu_forward with out rounded to bf16 (mean, rstd,
+     * att stay fp32); the same fp32 arithmetic as the fp32 entries before the rounding. */
+    void (*layernorm_forward_bf16)(void *ctx, uint16_t *out, float *mean, float *rstd,
+                                   const float *inp, const float *weight, const float *bias,
+                                   int N, int C);
+    void (*attention_forward_bf16)(void *ctx, uint16_t *out, float *att, float *scratch,
+                                   const float *qkv, int B, int T, int C, int NH);
+    void (*gelu_forward_bf16)(void *ctx, uint16_t *out, const float *inp, size_t n);
+    /* matmul_forward / matmul_backward on bf16 operands: out (N,OC) = inp (N,C) @ weight
+     * (OC,C)^T + bias with products summed in fp32; backward rounds dout (fp32) to bf16 and
+     * accumulates dinp (may be NULL), dweight and dbias (may be NULL: the column sums of the
+     * rounded dout) in fp32. Scratch: CPU the widened operands, CUDA the rounded dout. */
+    void (*matmul_forward_bf16)(void *ctx, float *out, const uint16_t *inp,
+                                const uint16_t *weight, const float *bias, int N, int C, int OC);
+    void (*matmul_backward_bf16)(void *ctx, float *dinp, float *dweight, float *dbias,
+                                 const float *dout, const uint16_t *inp, const uint16_t *weight,
+                                 int N, int C, int OC);
+
     /* ---- optimizer, accumulation, norms (flat fp32 vectors of n elements) */
     void (*zero)(void *ctx, float *x, size_t n);                   /* x = 0 */
     void (*copy)(void *ctx, float *dst, const float *src, size_t n); /* dst = src (no overlap) */
@@ -104,7 +138,8 @@ typedef struct kern_ops {
 } kern_ops;
 
 /* The CPU table (kernels/cpu/kern_ops_cpu.c). ctx is NULL for fp32; with bf16 = 1 the table
- * holds a scratch context for the rounded operands. *out is filled in (no allocation for
+ * holds a scratch context for the widened bf16 operands (grown to the largest GEMM, kept
+ * until kern_cpu_ops_free; a failed allocation makes the call a no-op and status -ENOMEM). *out is filled in (no allocation for
  * fp32). Errors: -ENOMEM. Free with kern_cpu_ops_free. */
 int kern_cpu_ops_init(kern_ops *out, int bf16);
 void kern_cpu_ops_free(kern_ops *ops);

@@ -19,8 +19,12 @@ enum {
     T_LN2W, T_LN2B, T_FCW, T_FCB, T_FCPW, T_FCPB, T_PER_LAYER
 };
 
+/* With bf16 (kern_ops.h) the GEMM inputs of the forward set (ln1, atty, ln2, fch_gelu, lnf)
+ * are bf16 (the *16 pointers) and their float pointers NULL; in the gradient set and in fp32
+ * they are float and the *16 pointers NULL. */
 typedef struct layer_acts {
     float *ln1, *ln1_mean, *ln1_rstd; /* (B,T,C) (B,T) (B,T) */
+    uint16_t *ln1_16, *atty16, *ln2_16, *fch_gelu16;
     float *qkv;                       /* (B,T,3C) */
     float *atty;                      /* (B,T,C) */
     float *att;                       /* (B,NH,T,T) */
@@ -34,10 +38,13 @@ typedef struct acts {
     float *encoded;                   /* (B,T,C) */
     layer_acts *layers;               /* (L) */
     float *lnf, *lnf_mean, *lnf_rstd;
+    uint16_t *lnf16;
     float *logits, *probs;            /* (B,T,V) */
     float *losses;                    /* (B,T) */
     float *base;                      /* one allocation for all of the above */
     size_t count;                     /* floats in base */
+    uint16_t *base16;                 /* the bf16 activations (bf16 forward set only) */
+    size_t count16;                   /* uint16_t in base16 */
 } acts;
 
 struct train_model {
@@ -47,6 +54,9 @@ struct train_model {
     train_tensor *tensors;
     size_t num_params, num_real;
     float *params, *grads;
+    uint16_t *params16;  /* bf16: the working parameters (num_params), rounded from params by
+                            forward as each layer group is used; NULL in fp32 */
+    int bf16;            /* ops->bf16 */
     acts a, da;          /* activations and their gradients */
     float *scratch;      /* 2*T*T work space for attention */
     int32_t *inputs, *targets; /* copies of the last forward's tokens (max_b, T) */
@@ -95,25 +105,44 @@ void train_model_set_param_hook(train_model *m, train_param_hook fn, void *ctx)
 
 int train_model_hook_status(const train_model *m) { return m->hook_status; }
 
-/* Layer groups for the hook: 0 = wte + wpe, 1 + l = block l, L + 1 = ln_f and the padding. */
+/* Layer groups for the hook: 0 = wte + wpe, 1 + l = block l, L + 1 = ln_f and the padding.
+ * The group's range [lo, hi) of the flat space. */
+static void group_range(const train_model *m, int group, size_t *lo, size_t *hi)
+{
+    const int L = m->cfg.n_layer;
+    if (group == 0) {
+        *lo = 0;
+        *hi = m->tensors[2].offset;
+    } else if (group <= L) {
+        size_t k = 2 + (size_t)(group - 1) * T_PER_LAYER;
+        *lo = m->tensors[k].offset;
+        *hi = m->tensors[k + T_PER_LAYER].offset;
+    } else {
+        *lo = m->tensors[2 + (size_t)L * T_PER_LAYER].offset;
+        *hi = m->num_params;
+    }
+}
+
 static void call_hook(train_model *m, int group)
 {
     if (!m->hook || m->hook_status) return;
-    const int L = m->cfg.n_layer;
     size_t lo, hi;
-    if (group == 0) {
-        lo = 0;
-        hi = m->tensors[2].offset;
-    } else if (group <= L) {
-        size_t k = 2 + (size_t)(group - 1) * T_PER_LAYER;
-        lo = m->tensors[k].offset;
-        hi = m->tensors[k + T_PER_LAYER].offset;
-    } else {
-        lo = m->tensors[2 + (size_t)L * T_PER_LAYER].offset;
-        hi = m->num_params;
-    }
+    group_range(m, group, &lo, &hi);
     int rc = m->hook(m->hook_ctx, lo, hi);
     if (rc < 0) m->hook_status = rc;
+}
+
+/* Forward's use of a group: the hook (ZeRO-3 gathers the group's parameters), then, in bf16,
+ * the group's working parameters rounded from the fp32 ones just gathered or updated. The
+ * backward pass of the same micro-batch reuses them: the parameters do not change between a
+ * forward and its backward. */
+static void use_group(train_model *m, int group)
+{
+    call_hook(m, group);
+    if (!m->bf16 || m->hook_status) return;
+    size_t lo, hi;
+    group_range(m, group, &lo, &hi);
+    m->ops->round_bf16(m->ops->ctx, m->params16 + lo, m->params + lo, hi - lo);
 }
 
 int train_model_config_check(const train_model_config *c, char *why, size_t why_len)
@@ -187,11 +216,13 @@ static void build_table(train_model *m)
  * LayerNorm means/rstds, no probs, no losses (their pointers stay NULL). At GPT-2 124M with a
  * micro-batch of 16 x 1024 those are about 13 GB that were allocated and zeroed before every
  * backward pass for nothing. */
-static size_t layout_acts(acts *a, float *base, const train_model_config *c, int B, int grads)
+static size_t layout_acts(acts *a, float *base, uint16_t *base16, size_t *count16,
+                          const train_model_config *c, int B, int grads, int bf16)
 {
     const size_t BT = (size_t)B * (size_t)c->seq_len, C = (size_t)c->n_embd;
     const size_t TT = (size_t)c->seq_len * (size_t)c->seq_len;
-    size_t off = 0;
+    size_t off = 0, off16 = 0;
+    const int half = bf16 && !grads; /* the GEMM inputs of this set are bf16 */
 #define TAKE(ptr, n)                                                                               \
     do {                                                                                           \
         if (base) (ptr) = base + off;                                                              \
@@ -205,44 +236,63 @@ static size_t layout_acts(acts *a, float *base, const train_model_config *c, int
             (ptr) = NULL;                                                                          \
         }                                                                                          \
     } while (0)
+    /* a GEMM input: bf16 in base16 (the float pointer NULL), or float in base */
+#define TAKE_IN(ptr, ptr16, n)                                                                     \
+    do {                                                                                           \
+        if (half) {                                                                                \
+            if (base) {                                                                            \
+                (ptr) = NULL;                                                                      \
+                (ptr16) = base16 + off16;                                                          \
+            }                                                                                      \
+            off16 += round_up((n), 128);                                                           \
+        } else {                                                                                   \
+            TAKE(ptr, n);                                                                          \
+            if (base) (ptr16) = NULL;                                                              \
+        }                                                                                          \
+    } while (0)
     TAKE(a->encoded, BT * C);
     for (int l = 0; l < c->n_layer; l++) {
         layer_acts dummy, *la = base ? &a->layers[l] : &dummy;
-        TAKE(la->ln1, BT * C);
+        TAKE_IN(la->ln1, la->ln1_16, BT * C);
         TAKE_FWD(la->ln1_mean, BT);
         TAKE_FWD(la->ln1_rstd, BT);
         TAKE(la->qkv, BT * 3 * C);
-        TAKE(la->atty, BT * C);
+        TAKE_IN(la->atty, la->atty16, BT * C);
         TAKE_FWD(la->att, (size_t)B * (size_t)c->n_head * TT);
         TAKE(la->attproj, BT * C);
         TAKE(la->res2, BT * C);
-        TAKE(la->ln2, BT * C);
+        TAKE_IN(la->ln2, la->ln2_16, BT * C);
         TAKE_FWD(la->ln2_mean, BT);
         TAKE_FWD(la->ln2_rstd, BT);
         TAKE(la->fch, BT * 4 * C);
-        TAKE(la->fch_gelu, BT * 4 * C);
+        TAKE_IN(la->fch_gelu, la->fch_gelu16, BT * 4 * C);
         TAKE(la->fcproj, BT * C);
         TAKE(la->res3, BT * C);
     }
-    TAKE(a->lnf, BT * C);
+    TAKE_IN(a->lnf, a->lnf16, BT * C);
     TAKE_FWD(a->lnf_mean, BT);
     TAKE_FWD(a->lnf_rstd, BT);
     TAKE(a->logits, BT * (size_t)c->vocab);
     TAKE_FWD(a->probs, BT * (size_t)c->vocab);
     TAKE_FWD(a->losses, BT);
+#undef TAKE_IN
 #undef TAKE_FWD
 #undef TAKE
+    *count16 = off16;
     return off;
 }
 
 static int alloc_acts(train_model *m, acts *a, const train_model_config *c, int B, int grads)
 {
-    size_t n = layout_acts(a, NULL, c, B, grads);
+    size_t n16 = 0;
+    size_t n = layout_acts(a, NULL, NULL, &n16, c, B, grads, m->bf16);
     a->layers = calloc((size_t)c->n_layer, sizeof *a->layers);
     a->base = dalloc(m, n * sizeof(float));
     if (!a->layers || !a->base) return -ENOMEM;
-    layout_acts(a, a->base, c, B, grads);
+    if (n16 && !(a->base16 = dalloc(m, n16 * sizeof(uint16_t)))) return -ENOMEM;
+    layout_acts(a, a->base, a->base16, &n16, c, B, grads, m->bf16);
     a->count = n;
+    a->count16 = n16;
     return 0;
 }
 
@@ -262,12 +312,20 @@ int train_model_create_on(train_model **out, const train_model_config *config, i
     m->max_b = micro_batch;
     m->dev = dev;
     m->ops = ops ? ops : kern_cpu_ops_fp32();
+    m->bf16 = m->ops->bf16;
+    if (m->bf16 && (!m->ops->round_bf16 || !m->ops->layernorm_forward_bf16 ||
+                    !m->ops->attention_forward_bf16 || !m->ops->gelu_forward_bf16 ||
+                    !m->ops->matmul_forward_bf16 || !m->ops->matmul_backward_bf16)) {
+        free(m);
+        return -EINVAL;
+    }
     m->host_mem = !dev || train_device_kind_of(dev) == TRAIN_DEVICE_CPU;
     m->tensors = calloc(2 + (size_t)T_PER_LAYER * (size_t)config->n_layer + 2, sizeof *m->tensors);
     if (!m->tensors) goto fail;
     build_table(m);
     m->params = dalloc(m, m->num_params * sizeof(float));
     m->grads = dalloc(m, m->num_params * sizeof(float));
+    if (m->bf16 && !(m->params16 = dalloc(m, m->num_params * sizeof(uint16_t)))) goto fail;
     size_t T = (size_t)config->seq_len;
     m->scratch = dalloc(m, 2 * T * T * sizeof(float));
     m->inputs = dalloc(m, (size_t)micro_batch * T * sizeof(int32_t));
@@ -293,11 +351,13 @@ void train_model_free(train_model *m)
     free(m->tensors);
     dfree(m, m->params);
     dfree(m, m->grads);
+    if (m->params16) dfree(m, m->params16);
     dfree(m, m->scratch);
     dfree(m, m->inputs);
     dfree(m, m->targets);
     free(m->a.layers);
     dfree(m, m->a.base);
+    if (m->a.base16) dfree(m, m->a.base16);
     free(m->da.layers);
     dfree(m, m->da.base);
     if (m->host_losses) train_host_free_pinned(m->dev, m->host_losses);
@@ -358,6 +418,39 @@ void train_model_init_params_into(const train_model *m, uint64_t seed, float *ds
 /* Parameter pointer of a tensor. */
 static float *P(float *base, const train_model *m, size_t ti) { return base + m->tensors[ti].offset; }
 
+/* The working bf16 parameters of a tensor. */
+static const uint16_t *W16(const train_model *m, size_t ti) { return m->params16 + m->tensors[ti].offset; }
+
+/* The ops whose output feeds a GEMM, and the GEMMs: fp32, or in bf16 the *_bf16 entries on
+ * the activations' bf16 storage and the working parameters (kern_ops.h). wk: the tensor
+ * index of the weight. */
+static void ln_fwd(train_model *m, float *out, uint16_t *out16, float *mean, float *rstd,
+                   const float *inp, size_t wk, int N, int C)
+{
+    const kern_ops *K = m->ops;
+    const float *w = P(m->params, m, wk), *b = P(m->params, m, wk + 1);
+    if (m->bf16) K->layernorm_forward_bf16(K->ctx, out16, mean, rstd, inp, w, b, N, C);
+    else K->layernorm_forward(K->ctx, out, mean, rstd, inp, w, b, N, C);
+}
+
+static void mm_fwd(train_model *m, float *out, const float *inp, const uint16_t *inp16, size_t wk,
+                   const float *bias, int N, int C, int OC)
+{
+    const kern_ops *K = m->ops;
+    if (m->bf16) K->matmul_forward_bf16(K->ctx, out, inp16, W16(m, wk), bias, N, C, OC);
+    else K->matmul_forward(K->ctx, out, inp, P(m->params, m, wk), bias, N, C, OC);
+}
+
+static void mm_bwd(train_model *m, float *dinp, float *dweight, float *dbias, const float *dout,
+                   const float *inp, const uint16_t *inp16, size_t wk, int N, int C, int OC)
+{
+    const kern_ops *K = m->ops;
+    if (m->bf16)
+        K->matmul_backward_bf16(K->ctx, dinp, dweight, dbias, dout, inp16, W16(m, wk), N, C, OC);
+    else
+        K->matmul_backward(K->ctx, dinp, dweight, dbias, dout, inp, P(m->params, m, wk), N, C, OC);
+}
+
 double train_model_forward(train_model *m, const int32_t *inputs, const int32_t *targets, int B)
 {
     const int T = m->cfg.seq_len, C = m->cfg.n_embd, NH = m->cfg.n_head, V = m->cfg.vocab;
@@ -371,33 +464,32 @@ double train_model_forward(train_model *m, const int32_t *inputs, const int32_t 
     if (targets) dcopy(m, m->targets, targets, (size_t)BT * sizeof(int32_t), TRAIN_COPY_H2D);
     m->last_b = B;
 
-    call_hook(m, 0);
+    use_group(m, 0);
     K->encoder_forward(X, a->encoded, m->inputs, P(w, m, 0), P(w, m, 1), B, T, C);
     const float *residual = a->encoded;
     for (int l = 0; l < L; l++) {
         size_t k = 2 + (size_t)l * T_PER_LAYER;
         layer_acts *la = &a->layers[l];
-        call_hook(m, 1 + l);
-        K->layernorm_forward(X, la->ln1, la->ln1_mean, la->ln1_rstd, residual, P(w, m, k + T_LN1W),
-                               P(w, m, k + T_LN1B), BT, C);
-        K->matmul_forward(X, la->qkv, la->ln1, P(w, m, k + T_QKVW), P(w, m, k + T_QKVB), BT, C, 3 * C);
-        K->attention_forward(X, la->atty, la->att, m->scratch, la->qkv, B, T, C, NH);
-        K->matmul_forward(X, la->attproj, la->atty, P(w, m, k + T_PROJW), P(w, m, k + T_PROJB), BT, C, C);
+        use_group(m, 1 + l);
+        ln_fwd(m, la->ln1, la->ln1_16, la->ln1_mean, la->ln1_rstd, residual, k + T_LN1W, BT, C);
+        mm_fwd(m, la->qkv, la->ln1, la->ln1_16, k + T_QKVW, P(w, m, k + T_QKVB), BT, C, 3 * C);
+        if (m->bf16) K->attention_forward_bf16(X, la->atty16, la->att, m->scratch, la->qkv, B, T, C, NH);
+        else K->attention_forward(X, la->atty, la->att, m->scratch, la->qkv, B, T, C, NH);
+        mm_fwd(m, la->attproj, la->atty, la->atty16, k + T_PROJW, P(w, m, k + T_PROJB), BT, C, C);
         K->residual_forward(X, la->res2, residual, la->attproj, (size_t)BT * C);
-        K->layernorm_forward(X, la->ln2, la->ln2_mean, la->ln2_rstd, la->res2, P(w, m, k + T_LN2W),
-                               P(w, m, k + T_LN2B), BT, C);
-        K->matmul_forward(X, la->fch, la->ln2, P(w, m, k + T_FCW), P(w, m, k + T_FCB), BT, C, 4 * C);
-        K->gelu_forward(X, la->fch_gelu, la->fch, (size_t)BT * 4 * C);
-        K->matmul_forward(X, la->fcproj, la->fch_gelu, P(w, m, k + T_FCPW), P(w, m, k + T_FCPB), BT,
-                            4 * C, C);
+        ln_fwd(m, la->ln2, la->ln2_16, la->ln2_mean, la->ln2_rstd, la->res2, k + T_LN2W, BT, C);
+        mm_fwd(m, la->fch, la->ln2, la->ln2_16, k + T_FCW, P(w, m, k + T_FCB), BT, C, 4 * C);
+        if (m->bf16) K->gelu_forward_bf16(X, la->fch_gelu16, la->fch, (size_t)BT * 4 * C);
+        else K->gelu_forward(X, la->fch_gelu, la->fch, (size_t)BT * 4 * C);
+        mm_fwd(m, la->fcproj, la->fch_gelu, la->fch_gelu16, k + T_FCPW, P(w, m, k + T_FCPB), BT,
+               4 * C, C);
         K->residual_forward(X, la->res3, la->res2, la->fcproj, (size_t)BT * C);
         residual = la->res3;
     }
     size_t kf = 2 + (size_t)L * T_PER_LAYER;
-    call_hook(m, L + 1);
-    K->layernorm_forward(X, a->lnf, a->lnf_mean, a->lnf_rstd, residual, P(w, m, kf), P(w, m, kf + 1),
-                           BT, C);
-    K->matmul_forward(X, a->logits, a->lnf, P(w, m, 0), NULL, BT, C, V);
+    use_group(m, L + 1);
+    ln_fwd(m, a->lnf, a->lnf16, a->lnf_mean, a->lnf_rstd, residual, kf, BT, C);
+    mm_fwd(m, a->logits, a->lnf, a->lnf16, 0, NULL, BT, C, V);
     if (m->hook_status) return NAN;
     if (!targets) return m->copy_status ? NAN : 0.0;
     K->softmax_crossentropy_forward(X, a->probs, a->losses, a->logits, m->targets, BT, V);
@@ -427,7 +519,7 @@ void train_model_backward(train_model *m, float loss_scale)
     call_hook(m, L + 1);
     call_hook(m, 0); /* the tied output head */
     K->softmax_crossentropy_backward(X, d->logits, a->probs, m->targets, loss_scale, BT, V);
-    K->matmul_backward(X, d->lnf, P(g, m, 0), NULL, d->logits, a->lnf, P(w, m, 0), BT, C, V);
+    mm_bwd(m, d->lnf, P(g, m, 0), NULL, d->logits, a->lnf, a->lnf16, 0, BT, C, V);
     size_t kf = 2 + (size_t)L * T_PER_LAYER;
     const float *res_last = L ? a->layers[L - 1].res3 : a->encoded;
     float *dres_last = L ? d->layers[L - 1].res3 : d->encoded;
@@ -440,19 +532,19 @@ void train_model_backward(train_model *m, float loss_scale)
         float *dresidual = l == 0 ? d->encoded : d->layers[l - 1].res3;
         call_hook(m, 1 + l);
         K->residual_backward(X, dl->res2, dl->fcproj, dl->res3, (size_t)BT * C);
-        K->matmul_backward(X, dl->fch_gelu, P(g, m, k + T_FCPW), P(g, m, k + T_FCPB), dl->fcproj,
-                             la->fch_gelu, P(w, m, k + T_FCPW), BT, 4 * C, C);
+        mm_bwd(m, dl->fch_gelu, P(g, m, k + T_FCPW), P(g, m, k + T_FCPB), dl->fcproj, la->fch_gelu,
+               la->fch_gelu16, k + T_FCPW, BT, 4 * C, C);
         K->gelu_backward(X, dl->fch, la->fch, dl->fch_gelu, (size_t)BT * 4 * C);
-        K->matmul_backward(X, dl->ln2, P(g, m, k + T_FCW), P(g, m, k + T_FCB), dl->fch, la->ln2,
-                             P(w, m, k + T_FCW), BT, C, 4 * C);
+        mm_bwd(m, dl->ln2, P(g, m, k + T_FCW), P(g, m, k + T_FCB), dl->fch, la->ln2, la->ln2_16,
+               k + T_FCW, BT, C, 4 * C);
         K->layernorm_backward(X, dl->res2, P(g, m, k + T_LN2W), P(g, m, k + T_LN2B), dl->ln2, la->res2,
                                 P(w, m, k + T_LN2W), la->ln2_mean, la->ln2_rstd, BT, C);
         K->residual_backward(X, dresidual, dl->attproj, dl->res2, (size_t)BT * C);
-        K->matmul_backward(X, dl->atty, P(g, m, k + T_PROJW), P(g, m, k + T_PROJB), dl->attproj,
-                             la->atty, P(w, m, k + T_PROJW), BT, C, C);
+        mm_bwd(m, dl->atty, P(g, m, k + T_PROJW), P(g, m, k + T_PROJB), dl->attproj, la->atty,
+               la->atty16, k + T_PROJW, BT, C, C);
         K->attention_backward(X, dl->qkv, m->scratch, dl->atty, la->qkv, la->att, B, T, C, NH);
-        K->matmul_backward(X, dl->ln1, P(g, m, k + T_QKVW), P(g, m, k + T_QKVB), dl->qkv, la->ln1,
-                             P(w, m, k + T_QKVW), BT, C, 3 * C);
+        mm_bwd(m, dl->ln1, P(g, m, k + T_QKVW), P(g, m, k + T_QKVB), dl->qkv, la->ln1, la->ln1_16,
+               k + T_QKVW, BT, C, 3 * C);
         K->layernorm_backward(X, dresidual, P(g, m, k + T_LN1W), P(g, m, k + T_LN1B), dl->ln1, residual,
                                 P(w, m, k + T_LN1W), la->ln1_mean, la->ln1_rstd, BT, C);
     }

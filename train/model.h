@@ -60,7 +60,8 @@ int train_model_create(train_model **out, const train_model_config *config, int 
  * On a device whose memory is not host memory (CUDA), train_model_params/grads return device
  * pointers, forward copies inputs/targets host-to-device and the losses device-to-host (the
  * mean is summed on the host in the same order), and train_model_init_params initialises in
- * host memory and copies. Errors: as train_model_create. */
+ * host memory and copies. Errors: as train_model_create, and -EINVAL for a table with bf16 = 1
+ * whose *_bf16 entries are not all filled in. */
 int train_model_create_on(train_model **out, const train_model_config *config, int micro_batch,
                           train_device *dev, const kern_ops *ops);
 

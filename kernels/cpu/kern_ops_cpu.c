@@ -5,17 +5,16 @@
  * kern_cpu_vec.h function that train/optim.c also calls, so the bits are those of the code
  * before the table existed. ctx is NULL.
  *
- * bf16 (bf16 = 1), an emulation of the CUDA backend's bf16 GEMMs for tests: only
- * matmul_forward and matmul_backward change. Their GEMM operands are rounded to bf16
- * (kern_round_bf16, round to nearest even) into scratch held in the context, and the fp32
- * kernel runs on the rounded copies:
- *   matmul_forward:  inp and weight rounded; bias, out and the accumulation stay fp32;
- *   matmul_backward: dout, inp and weight rounded; dinp, dweight and dbias accumulate in fp32
- *                    (dbias is the column sum of the rounded dout).
- * The attention GEMMs (q k^T, att v and their backward), LayerNorm, softmax, GELU, residuals,
- * the cross-entropy, gradients and the optimizer stay fp32. The CUDA table (piece B) follows
- * the same rule. Scratch grows to the largest call and is kept until kern_cpu_ops_free; an
- * allocation failure makes the call a no-op and sets status -ENOMEM.
+ * bf16 (bf16 = 1), an emulation of the CUDA backend's bf16 path for tests: the fp32 entries
+ * stay as they are and the *_bf16 entries of kern_ops.h are filled in:
+ *   round_bf16, layernorm/attention/gelu_forward_bf16: the fp32 kernel into scratch, then
+ *     each output rounded (kern_round_bf16, round to nearest even);
+ *   matmul_forward_bf16:  inp and weight widened to fp32 (exact) in scratch, the fp32 kernel;
+ *   matmul_backward_bf16: dout rounded, inp and weight widened, the fp32 kernel; dinp,
+ *     dweight and dbias accumulate in fp32 (dbias is the column sum of the rounded dout).
+ * These are the bits of the earlier emulation that rounded the GEMM operands on input. Scratch
+ * grows to the largest call and is kept until kern_cpu_ops_free; an allocation failure makes
+ * the call a no-op and sets status -ENOMEM.
  */
 #include "kern_cpu_vec.h"
 #include "kern_ops.h"
@@ -122,32 +121,88 @@ static float *scratch(kern_cpu_ctx *c, size_t n)
     return c->buf;
 }
 
+static uint16_t bf16_bits(float x)
+{
+    const float r = kern_round_bf16(x);
+    uint32_t u;
+    memcpy(&u, &r, sizeof u);
+    return (uint16_t)(u >> 16);
+}
+
+static float widen(uint16_t h)
+{
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 static void round_into(float *dst, const float *src, size_t n)
 {
     for (size_t i = 0; i < n; i++) dst[i] = kern_round_bf16(src[i]);
 }
 
-static void bf16_matmul_forward(void *ctx, float *out, const float *inp, const float *weight,
+static void widen_into(float *dst, const uint16_t *src, size_t n)
+{
+    for (size_t i = 0; i < n; i++) dst[i] = widen(src[i]);
+}
+
+static void bf16_round(void *ctx, uint16_t *dst, const float *src, size_t n)
+{
+    (void)ctx;
+    for (size_t i = 0; i < n; i++) dst[i] = bf16_bits(src[i]);
+}
+
+static void bf16_layernorm_forward(void *ctx, uint16_t *out, float *mean, float *rstd,
+                                   const float *inp, const float *weight, const float *bias, int N,
+                                   int C)
+{
+    const size_t n = (size_t)N * C;
+    float *s = scratch(ctx, n);
+    if (!s) return;
+    kern_layernorm_forward(s, mean, rstd, inp, weight, bias, N, C);
+    bf16_round(ctx, out, s, n);
+}
+
+static void bf16_attention_forward(void *ctx, uint16_t *out, float *att, float *scratch_,
+                                   const float *qkv, int B, int T, int C, int NH)
+{
+    const size_t n = (size_t)B * T * C;
+    float *s = scratch(ctx, n);
+    if (!s) return;
+    kern_attention_forward(s, att, scratch_, qkv, B, T, C, NH);
+    bf16_round(ctx, out, s, n);
+}
+
+static void bf16_gelu_forward(void *ctx, uint16_t *out, const float *inp, size_t n)
+{
+    float *s = scratch(ctx, n);
+    if (!s) return;
+    kern_gelu_forward(s, inp, n);
+    bf16_round(ctx, out, s, n);
+}
+
+static void bf16_matmul_forward(void *ctx, float *out, const uint16_t *inp, const uint16_t *weight,
                                 const float *bias, int N, int C, int OC)
 {
     const size_t ni = (size_t)N * C, nw = (size_t)OC * C;
     float *s = scratch(ctx, ni + nw);
     if (!s) return;
-    round_into(s, inp, ni);
-    round_into(s + ni, weight, nw);
+    widen_into(s, inp, ni);
+    widen_into(s + ni, weight, nw);
     kern_matmul_forward(out, s, s + ni, bias, N, C, OC);
 }
 
 static void bf16_matmul_backward(void *ctx, float *dinp, float *dweight, float *dbias,
-                                 const float *dout, const float *inp, const float *weight, int N,
-                                 int C, int OC)
+                                 const float *dout, const uint16_t *inp, const uint16_t *weight,
+                                 int N, int C, int OC)
 {
     const size_t nd = (size_t)N * OC, ni = (size_t)N * C, nw = (size_t)OC * C;
     float *s = scratch(ctx, nd + ni + nw);
     if (!s) return;
     round_into(s, dout, nd);
-    round_into(s + nd, inp, ni);
-    round_into(s + nd + ni, weight, nw);
+    widen_into(s + nd, inp, ni);
+    widen_into(s + nd + ni, weight, nw);
     kern_matmul_backward(dinp, dweight, dbias, s, s + nd, s + nd + ni, N, C, OC);
 }
 
@@ -326,8 +381,12 @@ int kern_cpu_ops_init(kern_ops *out, int bf16)
     if (!c) return -ENOMEM;
     out->ctx = c;
     out->bf16 = 1;
-    out->matmul_forward = bf16_matmul_forward;
-    out->matmul_backward = bf16_matmul_backward;
+    out->round_bf16 = bf16_round;
+    out->layernorm_forward_bf16 = bf16_layernorm_forward;
+    out->attention_forward_bf16 = bf16_attention_forward;
+    out->gelu_forward_bf16 = bf16_gelu_forward;
+    out->matmul_forward_bf16 = bf16_matmul_forward;
+    out->matmul_backward_bf16 = bf16_matmul_backward;
     return 0;
 }
 

@@ -89,13 +89,13 @@ __global__ void k_residual_backward(float *da, float *db, const float *dout, siz
 
 /* kern_cpu.c's forms: 0.5 (1 + tanh u) = 1 / (1 + exp(-2u)), and the backward's sigmoid
  * pair formed without cancellation. expf is the accurate one (no fast math). */
-__global__ void k_gelu_forward(float *out, const float *inp, size_t n)
+template <typename O> __global__ void k_gelu_forward(O *out, const float *inp, size_t n)
 {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         const float x = inp[i];
         const float u = GELU_SCALING_FACTOR * (x + 0.044715f * x * x * x);
-        out[i] = x / (1.0f + expf(-2.0f * u));
+        kc_store(&out[i], x / (1.0f + expf(-2.0f * u)));
     }
 }
 
@@ -170,7 +170,13 @@ static void kc_residual_backward(void *ctx, float *da, float *db, const float *d
 static void kc_gelu_forward(void *ctx, float *out, const float *inp, size_t n)
 {
     kern_cuda_ctx *c = C_(ctx);
-    EW_LAUNCH(k_gelu_forward, n, out, inp, n);
+    EW_LAUNCH(k_gelu_forward<float>, n, out, inp, n);
+}
+
+static void kc_gelu_forward_bf16(void *ctx, uint16_t *out, const float *inp, size_t n)
+{
+    kern_cuda_ctx *c = C_(ctx);
+    EW_LAUNCH(k_gelu_forward<uint16_t>, n, out, inp, n);
 }
 
 static void kc_gelu_backward(void *ctx, float *dinp, const float *inp, const float *dout,
@@ -293,14 +299,15 @@ void kc_colsum_add(kern_cuda_ctx *c, float *dst, const float *a, const uint16_t 
 /* ------------------------------------------------------------------ LayerNorm */
 
 /* One warp per row; two passes (mean, then the variance of x - mean) as the CPU does. */
-__global__ void k_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+template <typename O>
+__global__ void k_layernorm_forward(O *out, float *mean, float *rstd, const float *inp,
                                     const float *weight, const float *bias, int N, int C)
 {
     const int row = blockIdx.x * LN_WARPS + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= N) return;
     const float *x = inp + (size_t)row * C;
-    float *o = out + (size_t)row * C;
+    O *o = out + (size_t)row * C;
     float s = 0.0f;
     for (int i = lane; i < C; i += 32) s += x[i];
     const float m = kc_warp_sum(s) / (float)C;
@@ -311,7 +318,7 @@ __global__ void k_layernorm_forward(float *out, float *mean, float *rstd, const 
     }
     v = kc_warp_sum(v) / (float)C;
     const float r = 1.0f / sqrtf(v + LN_EPS);
-    for (int i = lane; i < C; i += 32) o[i] = (r * (x[i] - m)) * weight[i] + bias[i];
+    for (int i = lane; i < C; i += 32) kc_store(&o[i], (r * (x[i] - m)) * weight[i] + bias[i]);
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = r;
@@ -366,15 +373,29 @@ __global__ void k_layernorm_backward_part(float *part_w, float *part_b, const fl
     part_b[(size_t)blockIdx.y * C + j] = ab;
 }
 
+template <typename O>
+static void layernorm_forward(void *ctx, O *out, float *mean, float *rstd, const float *inp,
+                              const float *weight, const float *bias, int N, int C)
+{
+    kern_cuda_ctx *c = C_(ctx);
+    if (N <= 0 || C <= 0) return;
+    k_layernorm_forward<O><<<kc_blocks((size_t)N, LN_WARPS), LN_WARPS * 32, 0, c->stream>>>(
+        out, mean, rstd, inp, weight, bias, N, C);
+    kc_launched(c, "k_layernorm_forward");
+}
+
 static void kc_layernorm_forward(void *ctx, float *out, float *mean, float *rstd,
                                  const float *inp, const float *weight, const float *bias, int N,
                                  int C)
 {
-    kern_cuda_ctx *c = C_(ctx);
-    if (N <= 0 || C <= 0) return;
-    k_layernorm_forward<<<kc_blocks((size_t)N, LN_WARPS), LN_WARPS * 32, 0, c->stream>>>(
-        out, mean, rstd, inp, weight, bias, N, C);
-    kc_launched(c, "k_layernorm_forward");
+    layernorm_forward<float>(ctx, out, mean, rstd, inp, weight, bias, N, C);
+}
+
+static void kc_layernorm_forward_bf16(void *ctx, uint16_t *out, float *mean, float *rstd,
+                                      const float *inp, const float *weight, const float *bias,
+                                      int N, int C)
+{
+    layernorm_forward<uint16_t>(ctx, out, mean, rstd, inp, weight, bias, N, C);
 }
 
 static void kc_layernorm_backward(void *ctx, float *dinp, float *dweight, float *dbias,
@@ -584,8 +605,16 @@ extern "C" int kern_cuda_ops_init(kern_ops *out, void *stream, int bf16)
     out->encoder_backward = kc_encoder_backward;
     out->layernorm_forward = kc_layernorm_forward;
     out->layernorm_backward = kc_layernorm_backward;
-    out->matmul_forward = bf16 ? kc_matmul_forward_bf16 : kc_matmul_forward;
-    out->matmul_backward = bf16 ? kc_matmul_backward_bf16 : kc_matmul_backward;
+    out->matmul_forward = kc_matmul_forward;
+    out->matmul_backward = kc_matmul_backward;
+    if (bf16) {
+        out->round_bf16 = kc_round_bf16;
+        out->layernorm_forward_bf16 = kc_layernorm_forward_bf16;
+        out->attention_forward_bf16 = kc_attention_forward_bf16;
+        out->gelu_forward_bf16 = kc_gelu_forward_bf16;
+        out->matmul_forward_bf16 = kc_matmul_forward_bf16;
+        out->matmul_backward_bf16 = kc_matmul_backward_bf16;
+    }
     out->attention_forward = kc_attention_forward;
     out->attention_backward = kc_attention_backward;
     out->gelu_forward = kc_gelu_forward;

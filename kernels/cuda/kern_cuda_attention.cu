@@ -1,7 +1,7 @@
 /* kern_cuda_attention.cu - causal multi-head self-attention, forward and backward, the
  * semantics of kern_cpu.c: qkv (B,T,3C), att (B,NH,T,T) the saved softmax (0 above the
- * diagonal), out (B,T,C), scale 1/sqrt(hs), fp32 in both precisions (kern_ops.h: only the
- * matmul rounds operands to bf16).
+ * diagonal), out (B,T,C), scale 1/sqrt(hs), fp32 throughout; the bf16 entry only rounds out
+ * when it is stored (kern_ops.h).
  *
  * Per sequence b, the NH heads are one cuBLAS strided-batched GEMM each step: a head's q, k
  * and v are (T, hs) views of qkv with leading dimension 3C, one head hs floats from the next
@@ -64,7 +64,8 @@ __global__ void k_causal_softmax_backward(float *datt, const float *att, int T, 
 }
 
 /* out (B,T,C)[b,t,h*hs+d] = y (B,NH,T,hs)[b,h,t,d]; one thread per element of out. */
-__global__ void k_unpermute(float *out, const float *y, int T, int C, int NH, size_t n)
+template <typename O>
+__global__ void k_unpermute(O *out, const float *y, int T, int C, int NH, size_t n)
 {
     const int hs = C / NH;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
@@ -74,7 +75,7 @@ __global__ void k_unpermute(float *out, const float *y, int T, int C, int NH, si
         const size_t b = bt / (size_t)T;
         const int t = (int)(bt - b * (size_t)T);
         const int h = ch / hs, d = ch - h * hs;
-        out[i] = y[(((b * NH) + h) * T + t) * hs + d];
+        kc_store(&out[i], y[(((b * NH) + h) * T + t) * hs + d]);
     }
 }
 
@@ -111,8 +112,10 @@ static int gemm_heads(kern_cuda_ctx *c, cublasOperation_t ta, cublasOperation_t 
                         what);
 }
 
-void kc_attention_forward(void *ctx, float *out, float *att, float *scratch, const float *qkv,
-                          int B, int T, int C, int NH)
+/* out as float (fp32) or uint16_t (bf16: rounded in the final scatter, kern_ops.h). */
+template <typename O>
+static void attention_forward(void *ctx, O *out, float *att, float *scratch, const float *qkv,
+                              int B, int T, int C, int NH)
 {
     (void)scratch;
     kern_cuda_ctx *c = C_(ctx);
@@ -144,8 +147,20 @@ void kc_attention_forward(void *ctx, float *out, float *att, float *scratch, con
             return;
     }
     const size_t n = (size_t)B * T * C;
-    k_unpermute<<<grid_for(n), KC_THREADS, 0, c->stream>>>(out, y, T, C, NH, n);
+    k_unpermute<O><<<grid_for(n), KC_THREADS, 0, c->stream>>>(out, y, T, C, NH, n);
     kc_launched(c, "k_unpermute");
+}
+
+void kc_attention_forward(void *ctx, float *out, float *att, float *scratch, const float *qkv,
+                          int B, int T, int C, int NH)
+{
+    attention_forward<float>(ctx, out, att, scratch, qkv, B, T, C, NH);
+}
+
+void kc_attention_forward_bf16(void *ctx, uint16_t *out, float *att, float *scratch,
+                               const float *qkv, int B, int T, int C, int NH)
+{
+    attention_forward<uint16_t>(ctx, out, att, scratch, qkv, B, T, C, NH);
 }
 
 void kc_attention_backward(void *ctx, float *dqkv, float *scratch, const float *dout,

@@ -94,18 +94,39 @@ __device__ __forceinline__ float kc_warp_max(float v)
     return v;
 }
 
+/* kern_round_bf16's rule (kern_ops.h) on the bits: round to nearest even on the 16 bits
+ * dropped (carries into the exponent are right: max finite rounds to inf), NaN kept quiet. */
+__device__ __forceinline__ uint16_t kc_bf16_bits(float x)
+{
+    uint32_t u = __float_as_uint(x);
+    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu))
+        u = u | 0x00400000u; /* NaN stays a quiet NaN */
+    else
+        u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Store an fp32 result as the output type: float as is, uint16_t (bf16 bits) rounded. The
+ * kernels that have a bf16 output are templates over it, so both precisions run the same
+ * arithmetic up to the store. */
+__device__ __forceinline__ void kc_store(float *p, float v) { *p = v; }
+__device__ __forceinline__ void kc_store(uint16_t *p, float v) { *p = kc_bf16_bits(v); }
+
 /* ---- launchers (kern_ops.h semantics; ctx is the kern_cuda_ctx) */
 void kc_matmul_forward(void *ctx, float *out, const float *inp, const float *weight,
                        const float *bias, int N, int C, int OC);
 void kc_matmul_backward(void *ctx, float *dinp, float *dweight, float *dbias, const float *dout,
                         const float *inp, const float *weight, int N, int C, int OC);
-void kc_matmul_forward_bf16(void *ctx, float *out, const float *inp, const float *weight,
+void kc_round_bf16(void *ctx, uint16_t *dst, const float *src, size_t n);
+void kc_matmul_forward_bf16(void *ctx, float *out, const uint16_t *inp, const uint16_t *weight,
                             const float *bias, int N, int C, int OC);
 void kc_matmul_backward_bf16(void *ctx, float *dinp, float *dweight, float *dbias,
-                             const float *dout, const float *inp, const float *weight, int N,
-                             int C, int OC);
+                             const float *dout, const uint16_t *inp, const uint16_t *weight,
+                             int N, int C, int OC);
 void kc_attention_forward(void *ctx, float *out, float *att, float *scratch, const float *qkv,
                           int B, int T, int C, int NH);
+void kc_attention_forward_bf16(void *ctx, uint16_t *out, float *att, float *scratch,
+                               const float *qkv, int B, int T, int C, int NH);
 void kc_attention_backward(void *ctx, float *dqkv, float *scratch, const float *dout,
                            const float *qkv, const float *att, int B, int T, int C, int NH);
 void kc_block_sumsq(void *ctx, const float *x, size_t n, double *out);

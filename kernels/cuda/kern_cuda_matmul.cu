@@ -5,10 +5,11 @@
  * below swaps the operands (llm.c's form). The bias add and the bias gradient (column sums)
  * are our own kernels: one thread per element / fixed chunked sums (kc_colsum_add).
  *
- * bf16: the operands are rounded to bf16 with kern_round_bf16's rule (round to nearest even,
- * NaN kept quiet) by k_round_bf16 into the arena, so that the GPU multiplies exactly the
- * values the CPU emulation multiplies; the bias gradient is the column sum of the rounded
- * dout (as kernels/cpu/kern_ops_cpu.c).
+ * bf16: inp and weight arrive as bf16 (the model's bf16 activations and working parameters,
+ * kern_ops.h); dout is rounded to bf16 with kern_round_bf16's rule (kc_bf16_bits) into the
+ * arena, so that the GPU multiplies exactly the values the CPU emulation multiplies; the bias
+ * gradient is the column sum of the rounded dout (as kernels/cpu/kern_ops_cpu.c).
+ * kc_round_bf16 (k_round_bf16) makes the working parameters.
  */
 #include "kern_cuda_internal.cuh"
 
@@ -25,21 +26,11 @@ __global__ void k_bias_add(float *out, const float *bias, int OC, size_t n)
         out[i] = __fadd_rn(out[i], bias[i % (size_t)OC]);
 }
 
-__device__ __forceinline__ uint16_t round_bf16_bits(float x)
-{
-    uint32_t u = __float_as_uint(x);
-    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu))
-        u = u | 0x00400000u; /* NaN stays a quiet NaN */
-    else
-        u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 __global__ void k_round_bf16(uint16_t *dst, const float *src, size_t n)
 {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x)
-        dst[i] = round_bf16_bits(src[i]);
+        dst[i] = kc_bf16_bits(src[i]);
 }
 
 static unsigned grid_for(size_t n)
@@ -114,47 +105,40 @@ static int gemm_bf16(kern_cuda_ctx *c, cublasOperation_t ta, cublasOperation_t t
                         what);
 }
 
-void kc_matmul_forward_bf16(void *ctx, float *out, const float *inp, const float *weight,
+void kc_round_bf16(void *ctx, uint16_t *dst, const float *src, size_t n)
+{
+    kern_cuda_ctx *c = C_(ctx);
+    if (n) round_to(c, dst, src, n);
+}
+
+void kc_matmul_forward_bf16(void *ctx, float *out, const uint16_t *inp, const uint16_t *weight,
                             const float *bias, int N, int C, int OC)
 {
     kern_cuda_ctx *c = C_(ctx);
     if (N <= 0 || OC <= 0 || C <= 0) return;
-    const size_t ni = (size_t)N * C, nw = (size_t)OC * C;
-    uint8_t *s = (uint8_t *)kc_scratch(c, kc_align(ni * 2) + kc_align(nw * 2),
-                                       "matmul_forward bf16 scratch");
-    if (!s) return;
-    uint16_t *x16 = (uint16_t *)s, *w16 = (uint16_t *)(s + kc_align(ni * 2));
-    round_to(c, x16, inp, ni);
-    round_to(c, w16, weight, nw);
-    if (!gemm_bf16(c, CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, w16, C, x16, C, 0.0f, out, OC,
+    if (!gemm_bf16(c, CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, weight, C, inp, C, 0.0f, out, OC,
                    "matmul_forward cublasGemmEx"))
         return;
     if (bias) bias_add(c, out, bias, N, OC);
 }
 
 void kc_matmul_backward_bf16(void *ctx, float *dinp, float *dweight, float *dbias,
-                             const float *dout, const float *inp, const float *weight, int N,
+                             const float *dout, const uint16_t *inp, const uint16_t *weight, int N,
                              int C, int OC)
 {
     kern_cuda_ctx *c = C_(ctx);
     if (N <= 0 || OC <= 0 || C <= 0) return;
-    const size_t nd = (size_t)N * OC, ni = (size_t)N * C, nw = (size_t)OC * C;
-    const size_t od = 0, oi = od + kc_align(nd * 2), ow = oi + kc_align(ni * 2),
-                 op = ow + kc_align(nw * 2);
+    const size_t nd = (size_t)N * OC;
+    const size_t op = kc_align(nd * 2);
     const size_t bytes = op + (dbias ? bias_part_floats(N, OC) * sizeof(float) : 0);
     uint8_t *s = (uint8_t *)kc_scratch(c, bytes, "matmul_backward bf16 scratch");
     if (!s) return;
-    uint16_t *d16 = (uint16_t *)(s + od), *x16 = (uint16_t *)(s + oi),
-             *w16 = (uint16_t *)(s + ow);
+    uint16_t *d16 = (uint16_t *)s;
     round_to(c, d16, dout, nd);
-    round_to(c, x16, inp, ni);
-    if (dinp) {
-        round_to(c, w16, weight, nw);
-        if (!gemm_bf16(c, CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, w16, C, d16, OC, 1.0f, dinp, C,
-                       "matmul_backward dinp cublasGemmEx"))
-            return;
-    }
-    if (!gemm_bf16(c, CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, x16, C, d16, OC, 1.0f, dweight, C,
+    if (dinp && !gemm_bf16(c, CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, weight, C, d16, OC, 1.0f, dinp,
+                           C, "matmul_backward dinp cublasGemmEx"))
+        return;
+    if (!gemm_bf16(c, CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, d16, OC, 1.0f, dweight, C,
                    "matmul_backward dweight cublasGemmEx"))
         return;
     if (dbias)

@@ -6,10 +6,12 @@
  * buffers; the two results must be the same bits (determinism), and the first is compared
  * with the CPU's by the norm-wise relative error
  *     err = max_i |gpu_i - cpu_i| / max(max_i |cpu_i|, 1e-30)
- * over each output tensor (the worst output counts). Tolerances: fp32 1e-5, bf16 GEMM
- * operands 1e-2 (reference: the fp32 kernel on operands rounded to bf16, round to nearest
- * even, as kern_ops.h says), and 0 - identical bits - for adamw and rank_tree_sum (and for
- * the ops that follow the CPU's order: embedding, residuals, copies, shuffle).
+ * over each output tensor (the worst output counts). Tolerances: fp32 1e-5; the bf16 entries
+ * (kern_ops.h) 1e-2: GEMMs on bf16 operands (reference: the fp32 kernel on operands rounded to
+ * bf16, round to nearest even) and LayerNorm, attention, GELU with a bf16 output (reference:
+ * the fp32 kernel's output rounded; the two widened to fp32 and compared); 0 - identical bits -
+ * for round_bf16, adamw and rank_tree_sum (and for the ops that follow the CPU's order:
+ * embedding, residuals, copies, shuffle).
  *
  * Prints one line per check: name, shape, max rel error, tolerance, PASS/FAIL; exits 0 all
  * pass, 1 a failure, 77 no GPU (cudaGetDeviceCount fails or finds none).
@@ -99,7 +101,8 @@ static int wait_stream(void)
 }
 
 /* One buffer of an op: initial contents (host), size, and whether it is an output that is
- * compared (kind 1 = floats, 2 = doubles, 3 = bytes). */
+ * compared (kind 1 = floats, 2 = doubles, 3 = bytes, 4 = bf16 bit patterns, uint16_t, compared
+ * as the floats they widen to). */
 typedef struct arg {
     const void *init;
     size_t bytes;
@@ -120,6 +123,26 @@ static double rel_err_f(const float *a, const float *b, size_t n)
         double d = fabs((double)a[i] - (double)b[i]);
         if (!(d <= md)) md = d; /* NaN propagates */
         if (fabs((double)b[i]) > mb) mb = fabs((double)b[i]);
+    }
+    return md / (mb > 1e-30 ? mb : 1e-30);
+}
+
+static float widen16(uint16_t h)
+{
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static double rel_err_h(const uint16_t *a, const uint16_t *b, size_t n)
+{
+    double md = 0.0, mb = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        const double x = widen16(a[i]), y = widen16(b[i]);
+        double d = fabs(x - y);
+        if (!(d <= md)) md = d;
+        if (fabs(y) > mb) mb = fabs(y);
     }
     return md / (mb > 1e-30 ? mb : 1e-30);
 }
@@ -182,6 +205,8 @@ static void check(const char *name, const shape *s, const kern_ops *k, gpu_fn fn
                 e = rel_err_d(res[0][i], expect[i], args[i].bytes / sizeof(double));
             else if (args[i].out == 3)
                 e = memcmp(res[0][i], expect[i], args[i].bytes) ? 1.0 : 0.0;
+            else if (args[i].out == 4)
+                e = rel_err_h(res[0][i], expect[i], args[i].bytes / sizeof(uint16_t));
             else if (tol == 0.0)
                 e = memcmp(res[0][i], expect[i], args[i].bytes)
                         ? fmax(rel_err_f(res[0][i], expect[i], args[i].bytes / 4), 1e-300)
@@ -219,6 +244,20 @@ static float *rounded(const float *x, size_t n)
     float *r = malloc(n * sizeof(float) + 1);
     if (!r) abort();
     for (size_t i = 0; i < n; i++) r[i] = ref_round_bf16(x[i]);
+    return r;
+}
+
+/* The bf16 bit patterns of x rounded (kern_ops.h's uint16_t arrays). */
+static uint16_t *to_bf16(const float *x, size_t n)
+{
+    uint16_t *r = malloc(n * sizeof(uint16_t) + 1);
+    if (!r) abort();
+    for (size_t i = 0; i < n; i++) {
+        const float f = ref_round_bf16(x[i]);
+        uint32_t u;
+        memcpy(&u, &f, sizeof u);
+        r[i] = (uint16_t)(u >> 16);
+    }
     return r;
 }
 
@@ -266,6 +305,28 @@ static void g_mm_backward(const kern_ops *k, void *const *d, const shape *s, con
     k->matmul_backward(k->ctx, full ? d[0] : NULL, d[1], full ? d[2] : NULL, d[3], d[4], d[5],
                        s->B * s->T, s->C, s->OC);
 }
+static void g_mm_forward16(const kern_ops *k, void *const *d, const shape *s, const void *x)
+{
+    const int has_bias = *(const int *)x;
+    k->matmul_forward_bf16(k->ctx, d[0], d[1], d[2], has_bias ? d[3] : NULL, s->B * s->T, s->C,
+                           s->OC);
+}
+static void g_mm_backward16(const kern_ops *k, void *const *d, const shape *s, const void *x)
+{
+    const int full = *(const int *)x; /* 0: dinp and dbias NULL */
+    k->matmul_backward_bf16(k->ctx, full ? d[0] : NULL, d[1], full ? d[2] : NULL, d[3], d[4],
+                            d[5], s->B * s->T, s->C, s->OC);
+}
+static void g_ln_forward16(const kern_ops *k, void *const *d, const shape *s, const void *x)
+{
+    (void)x;
+    k->layernorm_forward_bf16(k->ctx, d[0], d[1], d[2], d[3], d[4], d[5], s->B * s->T, s->C);
+}
+static void g_att_forward16(const kern_ops *k, void *const *d, const shape *s, const void *x)
+{
+    (void)x;
+    k->attention_forward_bf16(k->ctx, d[0], d[1], d[2], d[3], s->B, s->T, s->C, s->NH);
+}
 static void g_att_forward(const kern_ops *k, void *const *d, const shape *s, const void *x)
 {
     (void)x;
@@ -284,6 +345,16 @@ static void g_gelu_forward(const kern_ops *k, void *const *d, const shape *s, co
 {
     (void)x;
     k->gelu_forward(k->ctx, d[0], d[1], nelem(s));
+}
+static void g_gelu_forward16(const kern_ops *k, void *const *d, const shape *s, const void *x)
+{
+    (void)x;
+    k->gelu_forward_bf16(k->ctx, d[0], d[1], nelem(s));
+}
+static void g_round16(const kern_ops *k, void *const *d, const shape *s, const void *x)
+{
+    (void)x;
+    k->round_bf16(k->ctx, d[0], d[1], nelem(s));
 }
 static void g_gelu_backward(const kern_ops *k, void *const *d, const shape *s, const void *x)
 {
@@ -408,7 +479,8 @@ static void check_model(const kern_ops *k, const kern_ops *kb, const shape *s)
         free(inp), free(w), free(bi), free(out), free(mean), free(rstd), free(dinp), free(dw);
         free(db), free(dout), free(edinp), free(edw), free(edb);
     }
-    /* matmul, fp32 and bf16 operands; with and without bias / dinp */
+    /* matmul, fp32 operands (fp32 table) and bf16 operands (bf16 table: inp and weight given
+     * as bf16, dout rounded by the op); with and without bias / dinp */
     for (int prec = 0; prec < 2; prec++) {
         const kern_ops *kk = prec ? kb : k;
         const double tol = prec ? 1e-2 : 1e-5;
@@ -416,15 +488,19 @@ static void check_model(const kern_ops *k, const kern_ops *kb, const shape *s)
               *bias = frand((size_t)OC, -1, 1);
         float *ri = prec ? rounded(inp, NC) : dupmem(inp, F(NC));
         float *rw = prec ? rounded(w, (size_t)OC * C) : dupmem(w, F((size_t)OC * C));
+        uint16_t *i16 = to_bf16(inp, NC), *w16 = to_bf16(w, (size_t)OC * C);
+        /* the operands as the op takes them */
+        const void *ai = prec ? (const void *)i16 : (const void *)inp;
+        const void *aw = prec ? (const void *)w16 : (const void *)w;
+        const size_t bi = prec ? NC * 2 : F(NC), bw = prec ? (size_t)OC * C * 2 : F((size_t)OC * C);
         for (int hb = 1; hb >= 0; hb--) {
             float *out = malloc(F((size_t)N * OC));
             kern_matmul_forward(out, ri, rw, hb ? bias : NULL, N, C, OC);
-            arg a[] = {{NULL, F((size_t)N * OC), 1}, {inp, F(NC), 0},
-                       {w, F((size_t)OC * C), 0}, {bias, F(OC), 0}};
+            arg a[] = {{NULL, F((size_t)N * OC), 1}, {ai, bi, 0}, {aw, bw, 0}, {bias, F(OC), 0}};
             void *ea[MAXARGS] = {out};
-            check(prec ? (hb ? "matmul_forward bf16" : "matmul_forward bf16 (no bias)")
+            check(prec ? (hb ? "matmul_forward_bf16" : "matmul_forward_bf16 (no bias)")
                        : (hb ? "matmul_forward" : "matmul_forward (no bias)"),
-                  s, kk, g_mm_forward, &hb, a, 4, ea, tol);
+                  s, kk, prec ? g_mm_forward16 : g_mm_forward, &hb, a, 4, ea, tol);
             free(out);
         }
         float *dout = frand((size_t)N * OC, -1, 1);
@@ -437,15 +513,37 @@ static void check_model(const kern_ops *k, const kern_ops *kb, const shape *s)
             kern_matmul_backward(full ? edinp : NULL, edw, full ? edb : NULL, rd, ri, rw, N, C,
                                  OC);
             arg b[] = {{dinp, F(NC), 1},  {dw, F((size_t)OC * C), 1}, {db, F(OC), 1},
-                       {dout, F((size_t)N * OC), 0}, {inp, F(NC), 0},
-                       {w, F((size_t)OC * C), 0}};
+                       {dout, F((size_t)N * OC), 0}, {ai, bi, 0}, {aw, bw, 0}};
             void *eb[MAXARGS] = {edinp, edw, edb};
-            check(prec ? (full ? "matmul_backward bf16" : "matmul_backward bf16 (dW only)")
+            check(prec ? (full ? "matmul_backward_bf16" : "matmul_backward_bf16 (dW only)")
                        : (full ? "matmul_backward" : "matmul_backward (dW only)"),
-                  s, kk, g_mm_backward, &full, b, 6, eb, tol);
+                  s, kk, prec ? g_mm_backward16 : g_mm_backward, &full, b, 6, eb, tol);
             free(dinp), free(dw), free(db), free(edinp), free(edw), free(edb);
         }
-        free(inp), free(w), free(bias), free(ri), free(rw), free(dout), free(rd);
+        free(inp), free(w), free(bias), free(ri), free(rw), free(dout), free(rd), free(i16), free(w16);
+    }
+    { /* the bf16 outputs (bf16 table): the CPU's fp32 result rounded; round_bf16 bit for bit */
+        const size_t n = nelem(s);
+        float *x = frand(n, -4, 4), *g = malloc(F(n));
+        kern_gelu_forward(g, x, n);
+        uint16_t *eg = to_bf16(g, n), *ex16 = to_bf16(x, n);
+        arg a[] = {{NULL, n * 2, 4}, {x, F(n), 0}};
+        void *ea[MAXARGS] = {eg};
+        check("gelu_forward_bf16", s, kb, g_gelu_forward16, NULL, a, 2, ea, 1e-2);
+        arg r[] = {{NULL, n * 2, 3}, {x, F(n), 0}};
+        void *er[MAXARGS] = {ex16};
+        check("round_bf16", s, kb, g_round16, NULL, r, 2, er, 0.0);
+        float *inp = frand(NC, -2, 2), *w = frand((size_t)C, 0.5f, 1.5f),
+              *bi = frand((size_t)C, -0.5f, 0.5f);
+        float *out = malloc(F(NC)), *mean = malloc(F(N)), *rstd = malloc(F(N));
+        kern_layernorm_forward(out, mean, rstd, inp, w, bi, N, C);
+        uint16_t *eo = to_bf16(out, NC);
+        arg l[] = {{NULL, NC * 2, 4}, {NULL, F(N), 1}, {NULL, F(N), 1},
+                   {inp, F(NC), 0},   {w, F(C), 0},    {bi, F(C), 0}};
+        void *el[MAXARGS] = {eo, mean, rstd};
+        check("layernorm_forward_bf16", s, kb, g_ln_forward16, NULL, l, 6, el, 1e-2);
+        free(x), free(g), free(eg), free(ex16), free(inp), free(w), free(bi), free(out);
+        free(mean), free(rstd), free(eo);
     }
     { /* attention (fp32 in both tables; checked on the bf16 table too) */
         const size_t nq = (size_t)N * 3 * C, na = (size_t)B * NH * T * T;
@@ -457,6 +555,12 @@ static void check_model(const kern_ops *k, const kern_ops *kb, const shape *s)
         void *ea[MAXARGS] = {out, att};
         check("attention_forward", s, k, g_att_forward, NULL, a, 4, ea, 1e-5);
         check("attention_forward (bf16 table)", s, kb, g_att_forward, NULL, a, 4, ea, 1e-5);
+        uint16_t *eo16 = to_bf16(out, NC);
+        arg a16[] = {{NULL, NC * 2, 4}, {NULL, F(na), 1}, {NULL, F((size_t)T * T), 0},
+                     {qkv, F(nq), 0}};
+        void *ea16[MAXARGS] = {eo16, att};
+        check("attention_forward_bf16", s, kb, g_att_forward16, NULL, a16, 4, ea16, 1e-2);
+        free(eo16);
         float *dqkv = frand(nq, -1, 1), *dout = frand(NC, -1, 1);
         float *edqkv = dupmem(dqkv, F(nq));
         kern_attention_backward(edqkv, scr, dout, qkv, att, B, T, C, NH);

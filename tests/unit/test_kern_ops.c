@@ -4,8 +4,10 @@
  *    (AdamW over many tensor segments, block sums of squares, scale, the micro-batch tree
  *    accumulator, comm.h's rank tree) - the reference loops are copied here verbatim;
  *  - kern_round_bf16 on edge cases (ties to even, NaN, inf, overflow, subnormals, signs);
- *  - bf16: matmul forward/backward equal the fp32 kernels on operands rounded beforehand
- *    (forward: inp, weight; backward: dout, inp, weight) and differ from plain fp32. */
+ *  - bf16 entries: round_bf16 is kern_round_bf16; matmul forward/backward on bf16 operands
+ *    equal the fp32 kernels on operands rounded beforehand (forward: inp, weight; backward:
+ *    dout, inp, weight) and differ from plain fp32; LayerNorm, GELU and attention with a bf16
+ *    output give the fp32 kernel's output rounded (and the same fp32 mean, rstd, att). */
 #include "t_helpers.h"
 
 #include "device.h"
@@ -388,20 +390,49 @@ static void test_round_bf16(void)
     T_CHECK(ok, "random values: bf16, idempotent, within half an ulp of bf16");
 }
 
-static void test_bf16_matmul(void)
+/* bf16 bit pattern of an fp32 value already rounded to bf16, and back. */
+static uint16_t h16(float r) { return (uint16_t)(bits(r) >> 16); }
+static float f16(uint16_t h) { return fl((uint32_t)h << 16); }
+
+/* each of n bf16 outputs is exactly the rounded fp32 reference */
+static int rounded_eq(const uint16_t *got, const float *ref, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (got[i] != h16(kern_round_bf16(ref[i]))) return 0;
+    return 1;
+}
+
+static void test_bf16_table(void)
 {
     kern_ops k;
     T_REQUIRE(kern_cpu_ops_init(&k, 1) == 0, "init bf16");
     T_CHECK(k.bf16 == 1 && k.ctx != NULL, "bf16 table");
+    T_CHECK(k.round_bf16 && k.layernorm_forward_bf16 && k.attention_forward_bf16 &&
+                k.gelu_forward_bf16 && k.matmul_forward_bf16 && k.matmul_backward_bf16,
+            "bf16 entries filled in");
+    const kern_ops *f = kern_cpu_ops_fp32();
+    T_CHECK(!f->round_bf16 && !f->layernorm_forward_bf16 && !f->attention_forward_bf16 &&
+                !f->gelu_forward_bf16 && !f->matmul_forward_bf16 && !f->matmul_backward_bf16,
+            "fp32 table: bf16 entries NULL");
     const int N = 24, C = 40, OC = 56;
     float *x = rnd((size_t)N * C), *w = rnd((size_t)OC * C), *bias = rnd(OC), *dout = rnd((size_t)N * OC);
     float *xr = malloc((size_t)N * C * 4), *wr = malloc((size_t)OC * C * 4), *dr = malloc((size_t)N * OC * 4);
     for (int i = 0; i < N * C; i++) xr[i] = kern_round_bf16(x[i]);
     for (int i = 0; i < OC * C; i++) wr[i] = kern_round_bf16(w[i]);
     for (int i = 0; i < N * OC; i++) dr[i] = kern_round_bf16(dout[i]);
+
+    /* round_bf16: kern_round_bf16's bits, widening is exact */
+    uint16_t *x16 = malloc((size_t)N * C * 2), *w16 = malloc((size_t)OC * C * 2);
+    k.round_bf16(k.ctx, x16, x, (size_t)N * C);
+    k.round_bf16(k.ctx, w16, w, (size_t)OC * C);
+    int ok = 1;
+    for (int i = 0; i < N * C; i++) ok &= f16(x16[i]) == xr[i];
+    for (int i = 0; i < OC * C; i++) ok &= f16(w16[i]) == wr[i];
+    T_CHECK(ok, "round_bf16 = kern_round_bf16, bit for bit");
+
     float *o1 = calloc((size_t)N * OC, 4), *o2 = calloc((size_t)N * OC, 4), *o3 = calloc((size_t)N * OC, 4);
     kern_matmul_forward(o1, xr, wr, bias, N, C, OC);
-    k.matmul_forward(k.ctx, o2, x, w, bias, N, C, OC);
+    k.matmul_forward_bf16(k.ctx, o2, x16, w16, bias, N, C, OC);
     kern_matmul_forward(o3, x, w, bias, N, C, OC);
     T_CHECK(same(o1, o2, (size_t)N * OC * 4), "bf16 forward = fp32 kernel on rounded inp, weight");
     T_CHECK(!same(o2, o3, (size_t)N * OC * 4), "bf16 forward differs from fp32");
@@ -411,18 +442,52 @@ static void test_bf16_matmul(void)
         if (r > maxrel) maxrel = r;
     }
     T_CHECK(maxrel < 2e-2, "bf16 forward close to fp32 (%g)", maxrel);
+    k.matmul_forward_bf16(k.ctx, o2, x16, w16, NULL, N, C, OC);
+    kern_matmul_forward(o1, xr, wr, NULL, N, C, OC);
+    T_CHECK(same(o1, o2, (size_t)N * OC * 4), "bf16 forward without bias");
+
     float *di1 = rnd((size_t)N * C), *di2 = fdup(di1, (size_t)N * C);
     float *dw1 = rnd((size_t)OC * C), *dw2 = fdup(dw1, (size_t)OC * C);
     float *db1 = rnd(OC), *db2 = fdup(db1, OC);
     kern_matmul_backward(di1, dw1, db1, dr, xr, wr, N, C, OC);
-    k.matmul_backward(k.ctx, di2, dw2, db2, dout, x, w, N, C, OC);
+    k.matmul_backward_bf16(k.ctx, di2, dw2, db2, dout, x16, w16, N, C, OC);
     T_CHECK(same(di1, di2, (size_t)N * C * 4) && same(dw1, dw2, (size_t)OC * C * 4) &&
                 same(db1, db2, OC * 4), "bf16 backward = fp32 kernel on rounded dout, inp, weight");
-    /* the non-GEMM ops are the fp32 ones */
-    float *g1 = calloc((size_t)N * C, 4), *g2 = calloc((size_t)N * C, 4);
-    kern_gelu_forward(g1, x, (size_t)N * C);
-    k.gelu_forward(k.ctx, g2, x, (size_t)N * C);
-    T_CHECK(same(g1, g2, (size_t)N * C * 4), "bf16 table: gelu is fp32");
+    kern_matmul_backward(NULL, dw1, NULL, dr, xr, wr, N, C, OC);
+    k.matmul_backward_bf16(k.ctx, NULL, dw2, NULL, dout, x16, w16, N, C, OC);
+    T_CHECK(same(dw1, dw2, (size_t)OC * C * 4), "bf16 backward, dweight only (dinp, dbias NULL)");
+
+    /* the ops that feed a GEMM: the fp32 kernel's output, rounded */
+    const size_t n = (size_t)N * C;
+    float *ref = calloc(n, 4), *m1 = calloc(N, 4), *r1 = calloc(N, 4), *m2 = calloc(N, 4), *r2 = calloc(N, 4);
+    float *lw = rnd(C), *lb = rnd(C);
+    uint16_t *o16 = malloc(n * 2);
+    kern_layernorm_forward(ref, m1, r1, x, lw, lb, N, C);
+    k.layernorm_forward_bf16(k.ctx, o16, m2, r2, x, lw, lb, N, C);
+    T_CHECK(rounded_eq(o16, ref, n) && same(m1, m2, N * 4) && same(r1, r2, N * 4),
+            "layernorm_forward_bf16 = rounded fp32 output, fp32 mean and rstd");
+    kern_gelu_forward(ref, x, n);
+    k.gelu_forward_bf16(k.ctx, o16, x, n);
+    T_CHECK(rounded_eq(o16, ref, n), "gelu_forward_bf16 = rounded fp32 output");
+    { /* attention: B 2, T 6, C 40 (NH 4) from qkv (B, T, 3C) */
+        const int B = 2, T = 6, NH = 4;
+        float *qkv = rnd((size_t)B * T * 3 * C), *att1 = calloc((size_t)B * NH * T * T, 4);
+        float *att2 = calloc((size_t)B * NH * T * T, 4), *sc = calloc((size_t)2 * T * T, 4);
+        float *ay = calloc((size_t)B * T * C, 4);
+        uint16_t *ay16 = malloc((size_t)B * T * C * 2);
+        kern_attention_forward(ay, att1, sc, qkv, B, T, C, NH);
+        k.attention_forward_bf16(k.ctx, ay16, att2, sc, qkv, B, T, C, NH);
+        T_CHECK(rounded_eq(ay16, ay, (size_t)B * T * C) && same(att1, att2, (size_t)B * NH * T * T * 4),
+                "attention_forward_bf16 = rounded fp32 output, fp32 att");
+        free(qkv), free(att1), free(att2), free(sc), free(ay), free(ay16);
+    }
+    /* the fp32 entries of a bf16 table are the fp32 ones */
+    float *g1 = calloc(n, 4), *g2 = calloc(n, 4);
+    kern_gelu_forward(g1, x, n);
+    k.gelu_forward(k.ctx, g2, x, n);
+    k.matmul_forward(k.ctx, o2, x, w, bias, N, C, OC);
+    T_CHECK(same(g1, g2, n * 4) && same(o2, o3, (size_t)N * OC * 4),
+            "bf16 table: gelu_forward and matmul_forward are fp32");
     T_CHECK(k.status(k.ctx) == 0, "status 0");
     kern_cpu_ops_free(&k);
     T_CHECK(k.ctx == NULL, "freed");
@@ -431,6 +496,7 @@ static void test_bf16_matmul(void)
     T_CHECK(kern_cpu_ops_fp32()->ctx == NULL && kern_cpu_ops_fp32()->bf16 == 0, "static fp32 table");
     free(x), free(w), free(bias), free(dout), free(xr), free(wr), free(dr), free(o1), free(o2), free(o3);
     free(di1), free(di2), free(dw1), free(dw2), free(db1), free(db2), free(g1), free(g2);
+    free(x16), free(w16), free(ref), free(m1), free(r1), free(m2), free(r2), free(lw), free(lb), free(o16);
 }
 
 int main(void)
@@ -439,6 +505,6 @@ int main(void)
     test_adamw_segments();
     test_tree_and_rank_sum();
     test_round_bf16();
-    test_bf16_matmul();
+    test_bf16_table();
     return t_done("test_kern_ops");
 }

@@ -8,7 +8,12 @@
  * about 5e-4 (at gradients around 0.15), never more than a quarter of the allowance below.
  * The check |a-b| <= 2e-4 + 1e-2*|ref| is thus four times the observed error, and tight enough
  * to catch a dropped term or a wrong factor in any backward kernel (sampled gradients here
- * are of order 1e-3..1e-1). */
+ * are of order 1e-3..1e-1).
+ *
+ * bf16: the model on the bf16 table is bit-identical to the fp32 model whose GEMMs round their
+ * operands (bf16_storage below). */
+#include "kern_cpu_vec.h"
+#include "kern_ops.h"
 #include "model.h"
 #include "t_helpers.h"
 
@@ -250,6 +255,118 @@ static void determinism(train_model *m, const int32_t *in, const int32_t *tg)
     T_CHECK(c != a, "changing an input token leaves the loss unchanged");
 }
 
+/* ---- bf16 storage (kern_ops.h): a model on the bf16 table (bf16 working parameters, GEMM
+ * inputs stored as bf16) gives exactly the bits of the fp32 model whose GEMMs round their
+ * operands to bf16 on input (the reference table below, the CPU's emulation before bf16
+ * storage), through a parameter hook (ZeRO-3's gather) and a parameter change between two
+ * micro-batches (the working parameters follow the update). */
+static void rounded(float *dst, const float *src, size_t n)
+{
+    for (size_t i = 0; i < n; i++) dst[i] = kern_round_bf16(src[i]);
+}
+
+static void ref_matmul_forward(void *ctx, float *out, const float *inp, const float *weight,
+                               const float *bias, int N, int C_, int OC)
+{
+    (void)ctx;
+    const size_t ni = (size_t)N * C_, nw = (size_t)OC * C_;
+    float *s = malloc((ni + nw) * sizeof(float));
+    rounded(s, inp, ni);
+    rounded(s + ni, weight, nw);
+    kern_cpu_ops_fp32()->matmul_forward(NULL, out, s, s + ni, bias, N, C_, OC);
+    free(s);
+}
+
+static void ref_matmul_backward(void *ctx, float *dinp, float *dweight, float *dbias,
+                                const float *dout, const float *inp, const float *weight, int N,
+                                int C_, int OC)
+{
+    (void)ctx;
+    const size_t nd = (size_t)N * OC, ni = (size_t)N * C_, nw = (size_t)OC * C_;
+    float *s = malloc((nd + ni + nw) * sizeof(float));
+    rounded(s, dout, nd);
+    rounded(s + nd, inp, ni);
+    rounded(s + nd + ni, weight, nw);
+    kern_cpu_ops_fp32()->matmul_backward(NULL, dinp, dweight, dbias, s, s + nd, s + nd + ni, N,
+                                         C_, OC);
+    free(s);
+}
+
+/* ZeRO-3's part: the group's parameters are written into the model just before use. */
+typedef struct gather_ctx {
+    train_model *m;
+    const float *master;
+    int calls;
+} gather_ctx;
+
+static int gather(void *ctx, size_t lo, size_t hi)
+{
+    gather_ctx *g = ctx;
+    memcpy(train_model_params(g->m) + lo, g->master + lo, (hi - lo) * sizeof(float));
+    g->calls++;
+    return 0;
+}
+
+static void bf16_storage(const int32_t *in, const int32_t *tg)
+{
+    train_model_config cfg = {V, T, L, C, NH};
+    kern_ops k16, kref = *kern_cpu_ops_fp32();
+    T_REQUIRE(kern_cpu_ops_init(&k16, 1) == 0, "bf16 table");
+    kref.matmul_forward = ref_matmul_forward;
+    kref.matmul_backward = ref_matmul_backward;
+    train_model *a = NULL, *r = NULL, *f = NULL, *z = NULL;
+    T_REQUIRE(train_model_create_on(&a, &cfg, B, NULL, &k16) == 0 &&
+                  train_model_create_on(&r, &cfg, B, NULL, &kref) == 0 &&
+                  train_model_create_on(&z, &cfg, B, NULL, &k16) == 0 &&
+                  train_model_create(&f, &cfg, B) == 0,
+              "create bf16, reference, fp32 models");
+    const size_t np = train_model_num_params(a);
+    randomize(a);
+    float *master = malloc(np * sizeof(float));
+    memcpy(master, train_model_params(a), np * sizeof(float));
+    memcpy(train_model_params(r), master, np * sizeof(float));
+    memcpy(train_model_params(f), master, np * sizeof(float));
+    /* z starts with zero parameters and gets each group from the hook, as ZeRO-3 does */
+    gather_ctx g = {z, master, 0};
+    train_model_set_param_hook(z, gather, &g);
+    int same_loss = 1, same_grads = 1;
+    for (int mb = 0; mb < 2; mb++) {
+        double la = train_model_forward(a, in, tg, B), lr = train_model_forward(r, in, tg, B);
+        double lz = train_model_forward(z, in, tg, B), lf = train_model_forward(f, in, tg, B);
+        same_loss &= !memcmp(&la, &lr, sizeof la) && !memcmp(&la, &lz, sizeof la);
+        T_CHECK(la != lf, "micro-batch %d: the bf16 loss %.9g is the fp32 one", mb, la);
+        T_CHECK(fabs(la - lf) < 2e-2 * fabs(lf), "micro-batch %d: bf16 loss %.9g far from fp32 %.9g",
+                mb, la, lf);
+        train_model_backward(a, 0.5f);
+        train_model_backward(r, 0.5f);
+        train_model_backward(z, 0.5f);
+        same_grads &= !memcmp(train_model_grads(a), train_model_grads(r), np * sizeof(float)) &&
+                      !memcmp(train_model_grads(a), train_model_grads(z), np * sizeof(float));
+        /* an optimizer-like change of every parameter before the next micro-batch */
+        for (size_t i = 0; i < np; i++) master[i] -= 0.05f * train_model_grads(r)[i];
+        memcpy(train_model_params(a), master, np * sizeof(float));
+        memcpy(train_model_params(r), master, np * sizeof(float));
+        memcpy(train_model_params(f), master, np * sizeof(float));
+        memset(train_model_params(z), 0, np * sizeof(float));
+    }
+    T_CHECK(same_loss, "bf16 storage: loss differs from the rounded-operand reference");
+    T_CHECK(same_grads, "bf16 storage: gradients differ from the rounded-operand reference");
+    T_CHECK(g.calls == 2 * 2 * (L + 2), "hook calls %d", g.calls);
+    T_CHECK(k16.status(k16.ctx) == 0, "bf16 table status %d", k16.status(k16.ctx));
+    /* a bf16 table without its bf16 entries is refused */
+    kern_ops bad = *kern_cpu_ops_fp32();
+    bad.bf16 = 1;
+    train_model *x = (train_model *)1;
+    T_CHECK(train_model_create_on(&x, &cfg, B, NULL, &bad) == -EINVAL && x == NULL,
+            "bf16 table without bf16 entries: -EINVAL");
+    free(master);
+    train_model_free(a);
+    train_model_free(r);
+    train_model_free(z);
+    train_model_free(f);
+    kern_cpu_ops_free(&k16);
+}
+
 static void bad_args(void)
 {
     train_model_config cfg = {V, T, L, C, NH};
@@ -280,6 +397,7 @@ int main(void)
     randomize(m);
     gradcheck(m, in, tg);
     determinism(m, in, tg);
+    bf16_storage(in, tg);
     bad_args();
     train_model_free(m2);
     train_model_free(m);
