@@ -675,6 +675,8 @@ static int mesh_setup(train_comm *c, const train_comm_opts *o)
     }
     free(v);
     v = NULL;
+    LOG_D(TAG, "rank %d published its address %s in the store at %s:%d", c->rank, val,
+          o->store_host, o->store_port);
 
     /* connect to every lower rank */
     for (int i = 0; i < c->rank; i++) {

@@ -535,13 +535,23 @@ class Distributed(TempDirTest):
         port = harness.free_port()
         env = {"WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         args = [harness.TRAIN] + harness.data_args() + DIST + MB3 + ["--join-timeout", "20"]
-        procs = []
+        procs, logs = [], []
         try:
             for rank in ("0", "1"):
-                procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL,
-                                              stderr=subprocess.DEVNULL,
-                                              env=harness.env(dict(env, RANK=rank))))
-            time.sleep(1.0)
+                logs.append(os.path.join(self.tmp, f"first-rank{rank}.err"))
+                with open(logs[-1], "w") as err:
+                    procs.append(subprocess.Popen(
+                        args, stdout=subprocess.DEVNULL, stderr=err,
+                        env=harness.env(dict(env, RANK=rank, CKPT_LOG_LEVEL="debug"))))
+            # both have joined (rank 0 hosts the store) before the duplicates start: a fixed
+            # sleep was too short on a loaded machine, and the "duplicate" then joined first
+            def joined(r):
+                with open(logs[r]) as f:
+                    return f"rank {r} published its address" in f.read()
+            deadline = time.time() + 60
+            while time.time() < deadline and not (joined(0) and joined(1)):
+                time.sleep(0.05)
+            self.assertTrue(joined(0) and joined(1), "ranks 0 and 1 did not join in 60 s")
             for rank in ("1", "0"):
                 p = subprocess.run(args, capture_output=True, text=True, timeout=30,
                                    env=harness.env(dict(env, RANK=rank)))

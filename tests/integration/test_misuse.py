@@ -84,14 +84,27 @@ class Misuse(h.TempDirTest):
             self.assertRegex(p.stderr, rf"still locked by pid {first.pid} of an earlier round of "
                                        rf"this job \(job-a\) after 2 s; exiting 1")
             # the same job, the holder exits meanwhile: the new run goes on
-            second = subprocess.Popen([h.TRAIN] + h.data_args() + h.SMALL +
-                                      ["--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume", "auto"],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      env=h.env(env), text=True)
-            time.sleep(1.0)
+            second_log = os.path.join(self.tmp, "second.err")
+            with open(second_log, "w") as second_err:
+                second = subprocess.Popen([h.TRAIN] + h.data_args() + h.SMALL +
+                                          ["--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume",
+                                           "auto"],
+                                          stdout=subprocess.PIPE, stderr=second_err,
+                                          env=h.env(env), text=True)
+
+            def second_waits():
+                with open(second_log) as f:
+                    return "waiting up to 30 s for it to exit" in f.read()
+            # the holder is killed once the new run waits for it (a fixed sleep was too short
+            # on a loaded machine: the new run then found the lock already free)
+            deadline = time.time() + 60
+            while time.time() < deadline and second.poll() is None and not second_waits():
+                time.sleep(0.05)
             first.send_signal(signal.SIGKILL)
             first.wait()
-            out, err = second.communicate(timeout=120)
+            out, _ = second.communicate(timeout=120)
+            with open(second_log) as f:
+                err = f.read()
             self.assertEqual(second.returncode, 0, err[-1500:])
             self.assertRegex(err, r"waiting up to 30 s for it to exit")
             self.assertRegex(err, r"the earlier round's lock was released after")
