@@ -36,7 +36,7 @@
  * Master weights, Adam moments and gradient accumulation are fp32, so snapshots hold fp32
  * state. Because every rounded tensor is one that the GEMM used to round on input, a bf16
  * model gives the bits of "fp32 kernels whose GEMM operands are rounded to bf16" (the CPU's
- * emulation before bf16 storage existed; tests/unit/test_kern_grad checks it).
+ * emulation before bf16 storage existed; tests/unit/test_train_model checks it).
  * CPU: the bf16 arrays are widened into scratch (exactly) and sgemm runs on them (an
  * emulation, for tests); CUDA: cublasGemmEx with CUDA_R_16BF inputs and CUBLAS_COMPUTE_32F.
  * In a table with bf16 = 0 the *_bf16 entries are NULL.
@@ -138,9 +138,10 @@ typedef struct kern_ops {
 } kern_ops;
 
 /* The CPU table (kernels/cpu/kern_ops_cpu.c). ctx is NULL for fp32; with bf16 = 1 the table
- * holds a scratch context for the widened bf16 operands (grown to the largest GEMM, kept
- * until kern_cpu_ops_free; a failed allocation makes the call a no-op and status -ENOMEM). *out is filled in (no allocation for
- * fp32). Errors: -ENOMEM. Free with kern_cpu_ops_free. */
+ * holds a scratch context: the widened bf16 GEMM operands, and the fp32 outputs of the
+ * *_forward_bf16 entries before they are rounded (grown to the largest call, kept until
+ * kern_cpu_ops_free; a failed allocation makes the call a no-op and status -ENOMEM). *out is
+ * filled in (no allocation for fp32). Errors: -ENOMEM. Free with kern_cpu_ops_free. */
 int kern_cpu_ops_init(kern_ops *out, int bf16);
 void kern_cpu_ops_free(kern_ops *ops);
 

@@ -44,7 +44,6 @@ typedef struct acts {
     float *base;                      /* one allocation for all of the above */
     size_t count;                     /* floats in base */
     uint16_t *base16;                 /* the bf16 activations (bf16 forward set only) */
-    size_t count16;                   /* uint16_t in base16 */
 } acts;
 
 struct train_model {
@@ -69,6 +68,7 @@ struct train_model {
     int host_mem;              /* buffers are host memory (dev NULL or a CPU device) */
     float *host_losses;        /* (max_b, T) host copy of the losses when !host_mem */
     int copy_status;           /* first failed H2D/D2H copy, sticky */
+    train_model_mem mem;       /* what the buffers take (train_model_memory) */
 };
 
 /* Model buffers: device memory of m->dev (zeroed), or calloc'ed host memory without one. */
@@ -292,7 +292,9 @@ static int alloc_acts(train_model *m, acts *a, const train_model_config *c, int 
     if (n16 && !(a->base16 = dalloc(m, n16 * sizeof(uint16_t)))) return -ENOMEM;
     layout_acts(a, a->base, a->base16, &n16, c, B, grads, m->bf16);
     a->count = n;
-    a->count16 = n16;
+    const size_t bytes = n * sizeof(float) + n16 * sizeof(uint16_t);
+    if (grads) m->mem.act_grads += bytes;
+    else m->mem.acts += bytes;
     return 0;
 }
 
@@ -338,6 +340,9 @@ int train_model_create_on(train_model **out, const train_model_config *config, i
         alloc_acts(m, &m->a, config, micro_batch, 0) < 0 ||
         alloc_acts(m, &m->da, config, micro_batch, 1) < 0)
         goto fail;
+    m->mem.params = 2 * m->num_params * sizeof(float);
+    m->mem.working = m->params16 ? m->num_params * sizeof(uint16_t) : 0;
+    m->mem.other = 2 * T * T * sizeof(float) + 2 * (size_t)micro_batch * T * sizeof(int32_t);
     *out = m;
     return 0;
 fail:
@@ -365,6 +370,7 @@ void train_model_free(train_model *m)
 }
 
 train_device *train_model_device(const train_model *m) { return m->dev; }
+void train_model_memory(const train_model *m, train_model_mem *out) { *out = m->mem; }
 const kern_ops *train_model_ops(const train_model *m) { return m->ops; }
 int train_model_copy_status(const train_model *m) { return m->copy_status; }
 

@@ -76,6 +76,19 @@ int train_model_copy_status(const train_model *m);
 /* Frees everything; accepts NULL. */
 void train_model_free(train_model *m);
 
+/* Bytes of device memory (host memory on the CPU) the model allocated, by purpose. */
+typedef struct train_model_mem {
+    size_t params;     /* fp32 parameters and the gradient buffer (2 x num_params x 4) */
+    size_t working;    /* bf16 working parameters (num_params x 2; 0 in fp32) */
+    size_t acts;       /* forward activations, fp32 and bf16 parts, for micro_batch sequences */
+    size_t act_grads;  /* the activations' gradients (always fp32) */
+    size_t other;      /* attention scratch, token copies */
+} train_model_mem;
+
+/* Fill *out with the model's allocations (the sizes asked for at creation). Thread-safe
+ * (reads fields fixed at creation). */
+void train_model_memory(const train_model *m, train_model_mem *out);
+
 /* Tensor table and flat sizes. */
 const train_tensor *train_model_tensors(const train_model *m, size_t *n);
 size_t train_model_num_params(const train_model *m);  /* padded flat size, elements */

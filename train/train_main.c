@@ -185,6 +185,15 @@ int main(int argc, char **argv)
               s.grad_accum, o.micro_batch,
               (unsigned long long)train_dataset_num_tokens(s.train), train_dataset_num_files(s.train),
               (unsigned long long)train_dataset_num_samples(s.train));
+    if (s.rank == 0) {
+        train_model_mem mm;
+        train_model_memory(s.model, &mm);
+        const double mib = 1048576.0;
+        LOG_I(TAG, "model memory on %s: parameters + gradients %.1f MiB, bf16 working parameters "
+              "%.1f MiB, activations %.1f MiB (micro-batch %d) + their gradients %.1f MiB, "
+              "scratch %.1f MiB", train_device_describe(s.dev), mm.params / mib, mm.working / mib,
+              mm.acts / mib, o.micro_batch, mm.act_grads / mib, mm.other / mib);
+    }
     if (o.sample_log) {
         /* a log file: a FIFO would block the open (no reader) or the training (a slow one) */
         s.sample_fd = open(o.sample_log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NONBLOCK,

@@ -224,7 +224,8 @@ if [ $QUICK = 0 ]; then
         ratio=$(awk -v a="$ours" -v b="${theirs:-0}" 'BEGIN {if (b + 0 > 0) printf "%.2f", a / b; else print "n/a"}')
         what="124M bf16 16x1024"
         [ $DRY = 1 ] && what="dry run: 2 x 128 bf16 4x256 on the CPU"
-        row tokens/s ok "ours $ours, llm.c ${theirs:-0} (ratio $ratio), $what"
+        mem=$(grep -o 'bf16 working parameters [0-9.]* MiB, activations [0-9.]* MiB' "$OUT/big.log" | head -1)
+        row tokens/s ok "ours $ours, llm.c ${theirs:-0} (ratio $ratio), $what; ${mem:-no model memory line}"
     else
         row tokens/s FAIL "no step line in $OUT/big.log: $(grep -m1 -iE 'error|fail' "$OUT/big.log")"
     fi

@@ -353,6 +353,24 @@ static void bf16_storage(const int32_t *in, const int32_t *tg)
     T_CHECK(same_grads, "bf16 storage: gradients differ from the rounded-operand reference");
     T_CHECK(g.calls == 2 * 2 * (L + 2), "hook calls %d", g.calls);
     T_CHECK(k16.status(k16.ctx) == 0, "bf16 table status %d", k16.status(k16.ctx));
+    /* memory: the five GEMM inputs per layer group (ln_1, attention output, ln_2, GELU output;
+     * ln_f) moved from fp32 (16-element aligned) to bf16 (128-element aligned); the working
+     * parameters are 2 bytes a parameter; gradients and the rest are the fp32 model's */
+    train_model_mem m16, m32;
+    train_model_memory(a, &m16);
+    train_model_memory(f, &m32);
+    const size_t btc = (size_t)B * T * C;
+#define F32(n) (((n) + 15) / 16 * 16 * 4)
+#define B16(n) (((n) + 127) / 128 * 128 * 2)
+    const size_t saved = (size_t)L * (3 * (F32(btc) - B16(btc)) + F32(4 * btc) - B16(4 * btc)) +
+                         F32(btc) - B16(btc);
+#undef F32
+#undef B16
+    T_CHECK(m16.params == m32.params && m16.params == 2 * np * sizeof(float) &&
+                m16.working == np * 2 && m32.working == 0 && m16.act_grads == m32.act_grads &&
+                m16.other == m32.other && m32.acts - m16.acts == saved,
+            "memory: bf16 acts %zu vs fp32 %zu (want %zu less), working %zu", m16.acts, m32.acts,
+            saved, m16.working);
     /* a bf16 table without its bf16 entries is refused */
     kern_ops bad = *kern_cpu_ops_fp32();
     bad.bf16 = 1;
