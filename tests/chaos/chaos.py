@@ -258,6 +258,32 @@ def run_scenario(ctx, name, template, sched, rnd, verbose=True):
                 r.problems.append(f"no recovery within 90 s after {'+'.join(did)} "
                                   f"(a hang?): live agents {job.live_nodes()}")
                 break
+        # last chance for a favoured kind that never could act (an S3 corruption needs a
+        # complete upload, which a scenario full of restarts may not have had yet): try it
+        # every half second while the job trains, for up to 30 s (seed 752683811 lost
+        # flip_s3 after five tries that came too early)
+        for k in [k for k in template[5] if k in KINDS and k in pool and not r.faults[k]]:
+            until = time.monotonic() + 30.0
+            while not r.problems and time.monotonic() < until:
+                job.poll()
+                if job.ended() or (job.last_step() or 0) > 0.95 * STEPS:
+                    break
+                try:
+                    detail = KINDS[k](job)
+                except Exception as e:  # noqa: BLE001 - an injector bug is a failure
+                    r.problems.append(f"injector {k} raised {e!r}")
+                    break
+                if detail:
+                    job.record(k, detail)
+                    r.faults[k] += 1
+                    if verbose:
+                        print(f"chaos: {name} +{time.monotonic() - t0:5.1f}s step "
+                              f"{job.last_step()}: {k} (last chance): {detail}", flush=True)
+                    if not job.wait_recovered(90):
+                        r.problems.append(f"no recovery within 90 s after {k} (a hang?): "
+                                          f"live agents {job.live_nodes()}")
+                    break
+                time.sleep(0.5)
         remaining = STEPS - (job.last_step() or 0)
         if not r.problems and not job.wait_end(120 + remaining * 0.1):
             r.problems.append(f"the job did not end (step {job.last_step()} of {STEPS})")
