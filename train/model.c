@@ -123,13 +123,19 @@ static void group_range(const train_model *m, int group, size_t *lo, size_t *hi)
     }
 }
 
-static void call_hook(train_model *m, int group)
+/* The hook on [lo, hi) (no-op without one, or after its first error). */
+static void hook_range(train_model *m, size_t lo, size_t hi)
 {
     if (!m->hook || m->hook_status) return;
-    size_t lo, hi;
-    group_range(m, group, &lo, &hi);
     int rc = m->hook(m->hook_ctx, lo, hi);
     if (rc < 0) m->hook_status = rc;
+}
+
+static void call_hook(train_model *m, int group)
+{
+    size_t lo, hi;
+    group_range(m, group, &lo, &hi);
+    hook_range(m, lo, hi);
 }
 
 /* Forward's use of a group: the hook (ZeRO-3 gathers the group's parameters), then, in bf16,
@@ -138,10 +144,10 @@ static void call_hook(train_model *m, int group)
  * forward and its backward. */
 static void use_group(train_model *m, int group)
 {
-    call_hook(m, group);
-    if (!m->bf16 || m->hook_status) return;
     size_t lo, hi;
     group_range(m, group, &lo, &hi);
+    hook_range(m, lo, hi);
+    if (!m->bf16 || m->hook_status) return;
     m->ops->round_bf16(m->ops->ctx, m->params16 + lo, m->params + lo, hi - lo);
 }
 

@@ -201,6 +201,23 @@ def run_scenario(ctx, name, template, sched, rnd, verbose=True):
     favoured = set(template[5])
     deferred = collections.Counter()
     sched = list(sched)
+
+    def inject(k, how=""):
+        """Run kind k's injector once: recorded, counted and printed when it acted; an
+        injector that raises is a problem of the scenario. Returns whether it acted."""
+        try:
+            detail = KINDS[k](job)
+        except Exception as e:  # noqa: BLE001 - an injector bug is a failure
+            r.problems.append(f"injector {k} raised {e!r}")
+            return False
+        if not detail:
+            return False
+        job.record(k, detail)
+        r.faults[k] += 1
+        if verbose:
+            print(f"chaos: {name} +{time.monotonic() - t0:5.1f}s step {job.last_step()}: "
+                  f"{k}{how}: {detail}", flush=True)
+        return True
     try:
         job = jobmod.Job(ctx, name, rnd, layout=layout, steps=STEPS, s3=s3, tmpfs=tmpfs)
         r.work = job.work
@@ -232,18 +249,8 @@ def run_scenario(ctx, name, template, sched, rnd, verbose=True):
                 for k in tried:
                     if k not in KINDS or (k in did and len(entry) > 1):
                         continue
-                    try:
-                        detail = KINDS[k](job)
-                    except Exception as e:  # noqa: BLE001 - an injector bug is a failure
-                        r.problems.append(f"injector {k} raised {e!r}")
-                        detail = None
-                    if detail:
-                        job.record(k, detail)
-                        r.faults[k] += 1
+                    if inject(k):
                         did.append(k)
-                        if verbose:
-                            print(f"chaos: {name} +{time.monotonic() - t0:5.1f}s step "
-                                  f"{job.last_step()}: {k}: {detail}", flush=True)
                         break
                     else:
                         if verbose:
@@ -268,17 +275,7 @@ def run_scenario(ctx, name, template, sched, rnd, verbose=True):
                 job.poll()
                 if job.ended() or (job.last_step() or 0) > 0.95 * STEPS:
                     break
-                try:
-                    detail = KINDS[k](job)
-                except Exception as e:  # noqa: BLE001 - an injector bug is a failure
-                    r.problems.append(f"injector {k} raised {e!r}")
-                    break
-                if detail:
-                    job.record(k, detail)
-                    r.faults[k] += 1
-                    if verbose:
-                        print(f"chaos: {name} +{time.monotonic() - t0:5.1f}s step "
-                              f"{job.last_step()}: {k} (last chance): {detail}", flush=True)
+                if inject(k, " (last chance)"):
                     if not job.wait_recovered(90):
                         r.problems.append(f"no recovery within 90 s after {k} (a hang?): "
                                           f"live agents {job.live_nodes()}")
