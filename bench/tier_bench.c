@@ -198,7 +198,7 @@ static int cmd_mem(const char *from, const char *prefix, const char *rprefix, un
         snprintf(path, sizeof path, "%s.own-%u", prefix, r);
         uint64_t need = ckpt_mem_need(b, nb, strlen(tr) + 4096, 4u << 20);
         shmseg *seg = NULL;
-        if (rc == 0 && (rc = shmseg_create(path, need, &seg)) < 0)
+        if (rc == 0 && (rc = shmseg_create(path, 2, need, &seg)) < 0)
             snprintf(why, sizeof why, "cannot create %.300s: %s", path, strerror(-rc));
         for (unsigned k = 0; k < reps && rc == 0; k++) {
             double t0 = clock_now_s();
@@ -227,7 +227,7 @@ static int cmd_mem(const char *from, const char *prefix, const char *rprefix, un
             double t0 = clock_now_s();
             uint64_t seq = 0;
             if ((rc = shmseg_newest(seg, &slot)) == 0 && (rc = shmseg_slot_info(seg, slot, &info)) == 0 &&
-                (rc = shmseg_create(rpath, shmseg_slot_bytes(seg), &rep)) == 0 &&
+                (rc = shmseg_create(rpath, 2, shmseg_slot_bytes(seg), &rep)) == 0 &&
                 (rc = shmseg_begin(rep, -1, &rslot)) == 0 &&
                 (rc = shmseg_copy_out(seg, slot, shmseg_payload(rep, rslot), 0, info.payload_bytes,
                                       &seq)) == 0)

@@ -183,7 +183,7 @@ static int check_write_args(const shmseg *seg, int avoid_slot, const char *run_i
                             const char *tag, uint32_t world_size, uint32_t rank, const ckpt_buffer *bufs,
                             size_t nbufs, uint64_t chunk_bytes, int need_data)
 {
-    if (!seg || avoid_slot < -1 || avoid_slot >= SHMSEG_NSLOTS || !ckpt_valid_name(run_id) ||
+    if (!seg || avoid_slot < -1 || avoid_slot >= shmseg_nslots(seg) || !ckpt_valid_name(run_id) ||
         !ckpt_valid_name(config_hash) || !ckpt_valid_name(tag) || world_size < 1 ||
         world_size > CKPT_MAX_WORLD_SIZE || rank >= world_size || (nbufs && !bufs) ||
         nbufs > CKPT_MEM_MAX_BUFFERS || !valid_chunk_bytes(chunk_bytes))
@@ -399,7 +399,7 @@ int ckpt_mem_commit(shmseg *seg, int slot, uint64_t step, const char *run_id,
                     const ckpt_buffer *staged, size_t nbufs, const char *trainer_json,
                     uint64_t chunk_bytes, const uint64_t *sums_given)
 {
-    if (slot < 0 || slot >= SHMSEG_NSLOTS) return -EINVAL;
+    if (slot < 0 || slot >= shmseg_nslots(seg)) return -EINVAL; /* 0 slots for NULL */
     mem_layout l;
     size_t tlen;
     int rc = check_slot_write(seg, -1, run_id, config_hash, tag, world_size, rank, staged, nbufs,
@@ -552,7 +552,7 @@ static int add_bad(scan *sc, const char *path, int slot, uint64_t step, const ch
 static int scan_segment(scan *sc, size_t si)
 {
     const seg_ref *r = &sc->segs[si];
-    for (int i = 0; i < SHMSEG_NSLOTS; i++) {
+    for (int i = 0; i < shmseg_nslots(r->seg); i++) {
         shmseg_info in;
         if (shmseg_slot_info(r->seg, i, &in) < 0 || in.state != SHMSEG_COMPLETE) continue;
         uint8_t page[CKPT_MEM_HEADER_BYTES];

@@ -69,7 +69,7 @@ int ckpt_mem_prefix_ok(const char *prefix);
 /* Slot bytes (a multiple of 4096) that one rank's memory snapshot of these shards needs:
  * the header, each shard rounded up to 4096, trainer_len_max bytes of trainer record, and
  * the checksums of chunk_bytes pieces. Only bufs[i].bytes is read. Give the result to
- * shmseg_create; a node holds 2 of these per segment (shmseg_file_bytes). 0 when an
+ * shmseg_create; a segment holds 2 or 3 of these (shmseg_file_bytes). 0 when an
  * argument is invalid (nbufs > CKPT_MEM_MAX_BUFFERS, chunk_bytes 0) or the size overflows.
  * Thread-safe. */
 uint64_t ckpt_mem_need(const ckpt_buffer *bufs, size_t nbufs, uint64_t trainer_len_max,
@@ -81,7 +81,7 @@ uint64_t ckpt_mem_need(const ckpt_buffer *bufs, size_t nbufs, uint64_t trainer_l
  *   by piece, each piece hashed right after its copy while it is in cache (XXH3-64 per
  *   chunk_bytes chunk); the trainer record, the checksums and the header follow, then
  *   shmseg_commit. A crash at any point before the commit leaves the slot "writing": never
- *   used, the other slot stays the newest complete one.
+ *   used, the newest complete slot stays what it was (shmseg_begin never takes it).
  * Fault point "mid-mem-copy" (ckpt_fault_point, CKPT_FAULT_POINT=mid-mem-copy[@step]) is
  * passed once after half of the shard bytes are copied.
  * step: the training step. run_id, config_hash, tag: [A-Za-z0-9_.-]{1,63}; tag names the
@@ -132,8 +132,8 @@ int ckpt_mem_write(shmseg *seg, int avoid_slot, uint64_t step, const char *run_i
  * committed), -ENOSPC (the record makes the payload exceed the slot; the slot stays
  * writing), -EBADF.
  *
- * A slot begun and never committed stays writing, as after a crash: never listed, the other
- * slot stays the newest complete one, and a later ckpt_mem_begin or ckpt_mem_write may take
+ * A slot begun and never committed stays writing, as after a crash: never listed, the newest
+ * complete slot stays what it was, and a later ckpt_mem_begin or ckpt_mem_write may take
  * it. Not thread-safe for one seg: between begin and commit the segment has no other writer
  * call (the caller's copies are its own business). */
 int ckpt_mem_begin(shmseg *seg, int avoid_slot, const ckpt_buffer *bufs, size_t nbufs,

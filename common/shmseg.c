@@ -1,4 +1,4 @@
-/* shmseg.c - the two-slot shared-memory segment (shmseg.h). */
+/* shmseg.c - the shared-memory segment of two or three slots (shmseg.h). */
 #include "shmseg.h"
 
 #include <errno.h>
@@ -44,16 +44,18 @@ struct shmseg {
     unsigned char *base;
     uint64_t size;
     uint64_t slot_bytes;
+    int nslots;  /* SHMSEG_MIN_SLOTS..SHMSEG_MAX_SLOTS, from the header */
     int writable;
     int lock_fd; /* shmseg_create: the file, flock'ed LOCK_EX for the handle's life; else -1 */
     char *path;
 };
 
-uint64_t shmseg_file_bytes(uint64_t slot_bytes)
+uint64_t shmseg_file_bytes(int nslots, uint64_t slot_bytes)
 {
+    if (nslots < SHMSEG_MIN_SLOTS || nslots > SHMSEG_MAX_SLOTS) return 0;
     if (slot_bytes == 0 || slot_bytes % SHMSEG_PAGE) return 0;
     if (slot_bytes > (UINT64_MAX / 4 - 3 * SHMSEG_PAGE)) return 0;
-    return SHMSEG_PAGE + SHMSEG_NSLOTS * (SHMSEG_PAGE + slot_bytes);
+    return SHMSEG_PAGE + (uint64_t)nslots * (SHMSEG_PAGE + slot_bytes);
 }
 
 static uint64_t magic_u64(void)
@@ -73,9 +75,8 @@ static int hdr_check(const struct seg_hdr *h)
 {
     if (h->magic != magic_u64()) return -EBADMSG;
     if (h->version > SHMSEG_VERSION) return -EPROTONOSUPPORT;
-    if (h->version != SHMSEG_VERSION || h->header_bytes != SHMSEG_PAGE || h->nslots != SHMSEG_NSLOTS)
-        return -EBADMSG;
-    if (shmseg_file_bytes(h->slot_bytes) == 0) return -EBADMSG;
+    if (h->version != SHMSEG_VERSION || h->header_bytes != SHMSEG_PAGE) return -EBADMSG;
+    if (shmseg_file_bytes((int)h->nslots, h->slot_bytes) == 0) return -EBADMSG; /* checks nslots */
     return 0;
 }
 
@@ -102,8 +103,8 @@ static int open_checked(const char *path, int flags, struct stat *st)
     return fd;
 }
 
-static shmseg *handle_new(const char *path, unsigned char *base, uint64_t size, uint64_t slot_bytes,
-                          int writable)
+static shmseg *handle_new(const char *path, unsigned char *base, uint64_t size, int nslots,
+                          uint64_t slot_bytes, int writable)
 {
     shmseg *seg = calloc(1, sizeof *seg);
     char *p = strdup(path);
@@ -115,6 +116,7 @@ static shmseg *handle_new(const char *path, unsigned char *base, uint64_t size, 
     seg->base = base;
     seg->size = size;
     seg->slot_bytes = slot_bytes;
+    seg->nslots = nslots;
     seg->writable = writable;
     seg->lock_fd = -1;
     seg->path = p;
@@ -125,10 +127,10 @@ static shmseg *handle_new(const char *path, unsigned char *base, uint64_t size, 
  * still has it mapped never takes a slot of a segment being replaced. */
 static void retire_old(int fd, const struct seg_hdr *old)
 {
-    uint64_t old_size = shmseg_file_bytes(old->slot_bytes);
+    uint64_t old_size = shmseg_file_bytes((int)old->nslots, old->slot_bytes);
     unsigned char *ob = mmap(NULL, old_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (ob == MAP_FAILED) return;
-    for (int i = 0; i < SHMSEG_NSLOTS; i++) {
+    for (uint32_t i = 0; i < old->nslots; i++) {
         struct slot_hdr *sh = (struct slot_hdr *)(ob + SHMSEG_PAGE + (uint64_t)i * (SHMSEG_PAGE + old->slot_bytes));
         __atomic_store_n(&sh->state, (uint32_t)SHMSEG_EMPTY, __ATOMIC_RELEASE);
     }
@@ -147,11 +149,11 @@ static int size_file(int fd, uint64_t want)
     return 0;
 }
 
-int shmseg_create(const char *path, uint64_t slot_bytes, shmseg **out)
+int shmseg_create(const char *path, int nslots, uint64_t slot_bytes, shmseg **out)
 {
     if (out) *out = NULL;
     if (!path || !out) return -EINVAL;
-    uint64_t want = shmseg_file_bytes(slot_bytes);
+    uint64_t want = shmseg_file_bytes(nslots, slot_bytes);
     if (want == 0 || want > (uint64_t)INT64_MAX) return -EINVAL;
 
     struct stat st;
@@ -179,8 +181,8 @@ int shmseg_create(const char *path, uint64_t slot_bytes, shmseg **out)
     }
     struct seg_hdr old;
     int old_ok = (uint64_t)st.st_size >= SHMSEG_PAGE && pread(fd, &old, sizeof old, 0) == (ssize_t)sizeof old &&
-                 hdr_check(&old) == 0 && (uint64_t)st.st_size == shmseg_file_bytes(old.slot_bytes);
-    if (old_ok && old.slot_bytes == slot_bytes) {
+                 hdr_check(&old) == 0 && (uint64_t)st.st_size == shmseg_file_bytes((int)old.nslots, old.slot_bytes);
+    if (old_ok && old.slot_bytes == slot_bytes && old.nslots == (uint32_t)nslots) {
         keep = 1;
     } else if (st.st_size == 0) {
         /* A new (or empty) file: nobody can have a layout mapped, build it in place. */
@@ -227,14 +229,14 @@ int shmseg_create(const char *path, uint64_t slot_bytes, shmseg **out)
         h->version = SHMSEG_VERSION;
         h->header_bytes = SHMSEG_PAGE;
         h->slot_bytes = slot_bytes;
-        h->nslots = SHMSEG_NSLOTS;
+        h->nslots = (uint32_t)nslots;
         __atomic_store_n(&h->magic, magic_u64(), __ATOMIC_RELEASE);
     }
     if (tmp && rename(tmp, path) != 0) {
         rc = -errno;
         goto out;
     }
-    *out = handle_new(path, base, want, slot_bytes, 1);
+    *out = handle_new(path, base, want, nslots, slot_bytes, 1);
     if (!*out) rc = -ENOMEM;
     else (*out)->lock_fd = fd; /* the lock lives as long as the handle */
 out:
@@ -260,7 +262,7 @@ int shmseg_open(const char *path, int writable, shmseg **out)
     }
     rc = hdr_check(&h);
     if (rc) goto out;
-    uint64_t size = shmseg_file_bytes(h.slot_bytes);
+    uint64_t size = shmseg_file_bytes((int)h.nslots, h.slot_bytes);
     if ((uint64_t)st.st_size != size) {
         rc = -EBADMSG;
         goto out;
@@ -273,12 +275,12 @@ int shmseg_open(const char *path, int writable, shmseg **out)
     /* The header again through the mapping: a rebuild between pread and mmap changes it. */
     struct seg_hdr h2;
     memcpy(&h2, base, sizeof h2);
-    if (hdr_check(&h2) != 0 || h2.slot_bytes != h.slot_bytes) {
+    if (hdr_check(&h2) != 0 || h2.slot_bytes != h.slot_bytes || h2.nslots != h.nslots) {
         munmap(base, size);
         rc = -EBADMSG;
         goto out;
     }
-    *out = handle_new(path, base, size, h.slot_bytes, writable != 0);
+    *out = handle_new(path, base, size, (int)h.nslots, h.slot_bytes, writable != 0);
     if (!*out) {
         munmap(base, size);
         rc = -ENOMEM;
@@ -302,6 +304,11 @@ uint64_t shmseg_slot_bytes(const shmseg *seg)
     return seg ? seg->slot_bytes : 0;
 }
 
+int shmseg_nslots(const shmseg *seg)
+{
+    return seg ? seg->nslots : 0;
+}
+
 int shmseg_writable(const shmseg *seg)
 {
     return seg && seg->writable;
@@ -314,13 +321,13 @@ const char *shmseg_path(const shmseg *seg)
 
 void *shmseg_payload(shmseg *seg, int slot)
 {
-    if (!seg || slot < 0 || slot >= SHMSEG_NSLOTS) return NULL;
+    if (!seg || slot < 0 || slot >= seg->nslots) return NULL;
     return (unsigned char *)slot_hdr(seg, slot) + SHMSEG_PAGE;
 }
 
 int shmseg_slot_info(const shmseg *seg, int slot, shmseg_info *info)
 {
-    if (!seg || !info || slot < 0 || slot >= SHMSEG_NSLOTS) return -EINVAL;
+    if (!seg || !info || slot < 0 || slot >= seg->nslots) return -EINVAL;
     const struct slot_hdr *sh = slot_hdr(seg, slot);
     for (int tries = 0; tries < 10000; tries++) {
         uint32_t s1 = __atomic_load_n(&sh->state, __ATOMIC_ACQUIRE);
@@ -347,7 +354,7 @@ int shmseg_newest(const shmseg *seg, int *slot)
     if (!seg || !slot) return -EINVAL;
     int best = -1;
     uint64_t best_seq = 0;
-    for (int i = 0; i < SHMSEG_NSLOTS; i++) {
+    for (int i = 0; i < seg->nslots; i++) {
         shmseg_info in;
         int rc = shmseg_slot_info(seg, i, &in);
         if (rc) return rc;
@@ -361,20 +368,39 @@ int shmseg_newest(const shmseg *seg, int *slot)
     return 0;
 }
 
+/* The slot that shmseg_begin writes: never `avoid` nor the newest complete slot (it stays
+ * the reader's fallback while this one is torn), and of the others the one least worth
+ * keeping: not complete (empty, torn, unknown state) before complete, then the smallest seq.
+ * With two slots and an `avoid` that leaves nothing, the slot that is not `avoid`. */
+static int pick_slot(const shmseg *seg, int avoid, int *slot)
+{
+    int newest = -1, rc = shmseg_newest(seg, &newest);
+    if (rc && rc != -ENOENT) return rc;
+    int best = -1, best_complete = 0;
+    uint64_t best_seq = 0;
+    for (int i = 0; i < seg->nslots; i++) {
+        if (i == avoid || i == newest) continue;
+        shmseg_info in;
+        if ((rc = shmseg_slot_info(seg, i, &in)) < 0) return rc;
+        int complete = in.state == SHMSEG_COMPLETE;
+        if (best < 0 || (best_complete && !complete) ||
+            (best_complete == complete && complete && in.seq < best_seq)) {
+            best = i;
+            best_complete = complete;
+            best_seq = in.seq;
+        }
+    }
+    if (best < 0) best = avoid == 0 ? 1 : 0; /* two slots, avoid and newest differ */
+    *slot = best;
+    return 0;
+}
+
 int shmseg_begin(shmseg *seg, int avoid, int *slot)
 {
-    if (!seg || !slot || avoid < -1 || avoid >= SHMSEG_NSLOTS) return -EINVAL;
+    if (!seg || !slot || avoid < -1 || avoid >= seg->nslots) return -EINVAL;
     if (!seg->writable) return -EBADF;
-    int i;
-    if (avoid >= 0) {
-        i = 1 - avoid;
-    } else {
-        int n;
-        int rc = shmseg_newest(seg, &n);
-        if (rc == -ENOENT) i = 0;
-        else if (rc) return rc;
-        else i = 1 - n;
-    }
+    int i, rc = pick_slot(seg, avoid, &i);
+    if (rc) return rc;
     struct slot_hdr *sh = slot_hdr(seg, i);
     __atomic_store_n(&sh->state, (uint32_t)SHMSEG_WRITING, __ATOMIC_RELEASE);
     /* No payload store may become visible before the state word says writing. */
@@ -391,12 +417,12 @@ static uint64_t head_hash(const shmseg *seg, int slot, uint64_t payload_bytes)
 
 int shmseg_commit(shmseg *seg, int slot, uint64_t payload_bytes, uint64_t step)
 {
-    if (!seg || slot < 0 || slot >= SHMSEG_NSLOTS || payload_bytes > seg->slot_bytes) return -EINVAL;
+    if (!seg || slot < 0 || slot >= seg->nslots || payload_bytes > seg->slot_bytes) return -EINVAL;
     if (!seg->writable) return -EBADF;
     struct slot_hdr *sh = slot_hdr(seg, slot);
     if (__atomic_load_n(&sh->state, __ATOMIC_ACQUIRE) != SHMSEG_WRITING) return -EINVAL;
     uint64_t max = 0;
-    for (int i = 0; i < SHMSEG_NSLOTS; i++) {
+    for (int i = 0; i < seg->nslots; i++) {
         uint64_t q = __atomic_load_n(&slot_hdr(seg, i)->seq, __ATOMIC_RELAXED);
         if (q > max) max = q;
     }
@@ -410,13 +436,13 @@ int shmseg_commit(shmseg *seg, int slot, uint64_t payload_bytes, uint64_t step)
 
 int shmseg_head_ok(const shmseg *seg, int slot, const shmseg_info *info)
 {
-    if (!seg || !info || slot < 0 || slot >= SHMSEG_NSLOTS || info->payload_bytes > seg->slot_bytes) return 0;
+    if (!seg || !info || slot < 0 || slot >= seg->nslots || info->payload_bytes > seg->slot_bytes) return 0;
     return head_hash(seg, slot, info->payload_bytes) == info->payload_xxh3;
 }
 
 int shmseg_copy_out(const shmseg *seg, int slot, void *dst, uint64_t off, uint64_t len, uint64_t *seq_inout)
 {
-    if (!seg || (!dst && len) || !seq_inout || slot < 0 || slot >= SHMSEG_NSLOTS) return -EINVAL;
+    if (!seg || (!dst && len) || !seq_inout || slot < 0 || slot >= seg->nslots) return -EINVAL;
     shmseg_info a;
     int rc = shmseg_slot_info(seg, slot, &a);
     if (rc) return rc;
@@ -449,7 +475,7 @@ int shmseg_rep_path(char *out, size_t len, const char *prefix, uint64_t agent, u
 
 int shmseg_prefault(shmseg *seg, int slot, uint64_t bytes)
 {
-    if (!seg || slot < 0 || slot >= SHMSEG_NSLOTS) return -EINVAL;
+    if (!seg || slot < 0 || slot >= seg->nslots) return -EINVAL;
     if (bytes == 0 || bytes > seg->slot_bytes) bytes = seg->slot_bytes;
 #ifdef MADV_POPULATE_READ
     bytes = (bytes + SHMSEG_PAGE - 1) / SHMSEG_PAGE * SHMSEG_PAGE;

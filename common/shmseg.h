@@ -1,9 +1,13 @@
-/* shmseg.h - a shared-memory segment with two slots, for the memory tier (issue 13).
+/* shmseg.h - a shared-memory segment with two or three slots, for the memory tier (issue 13).
  *
  * A segment is one regular file (normally in /dev/shm) that holds a fixed-size header and
- * SHMSEG_NSLOTS = 2 slots of equal capacity. A writer fills one slot while the other keeps
- * the previous complete payload, so a crash during a write (SIGKILL, OOM) never loses the
- * last complete one. This module knows nothing about what a slot holds (ckpt/ckpt_mem.h
+ * nslots (SHMSEG_MIN_SLOTS = 2 to SHMSEG_MAX_SLOTS = 3, chosen at shmseg_create) slots of
+ * equal capacity. A writer fills one slot while another keeps the previous complete
+ * payload, so a crash during a write (SIGKILL, OOM) never loses the last complete one. A
+ * third slot is for a writer that must also leave one slot alone for a while (the trainer's
+ * disk persist reads one in sync mode): its writes then alternate between the other two,
+ * and a crash in one of them still leaves the newest complete step beside the one being
+ * read. This module knows nothing about what a slot holds (ckpt/ckpt_mem.h
  * defines the payload of the checkpoint engine); it owns the layout, the state words and the
  * file's safety checks. Used by the trainer (through ckpt/) and by the agent (elastic/).
  *
@@ -13,7 +17,7 @@
  *   offset 0     segment header, 4096 bytes:
  *                  magic "CKPTSEG1" (8) | version u32 = 1 | header_bytes u32 = 4096 |
  *                  slot_bytes u64 (capacity of each slot, a multiple of 4096) |
- *                  nslots u32 = 2 | pad u32 | zero to 4096.
+ *                  nslots u32 (2 or 3) | pad u32 | zero to 4096.
  *                The fields are checked for sanity on open (no checksum: they are written
  *                once, before the magic, which is stored last).
  *   offset 4096 + i*(4096 + slot_bytes)          slot i's header, 4096 bytes:
@@ -22,7 +26,7 @@
  *                  the payload's first min(payload_bytes, 4096) bytes) | step u64 (a copy
  *                  from the payload, for listing without parsing) | zero to 4096.
  *   offset 4096 + i*(4096 + slot_bytes) + 4096   slot i's payload, slot_bytes bytes.
- *   file size    4096 + 2*(4096 + slot_bytes).
+ *   file size    4096 + nslots*(4096 + slot_bytes).
  *
  * Consistency: state is written last with a release store and read with an acquire load
  * (a seqlock): shmseg_begin stores state = writing before any payload byte changes,
@@ -51,7 +55,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define SHMSEG_NSLOTS 2
+#define SHMSEG_MIN_SLOTS 2
+#define SHMSEG_MAX_SLOTS 3
 #define SHMSEG_PAGE 4096u
 #define SHMSEG_VERSION 1u
 
@@ -69,39 +74,41 @@ typedef struct shmseg_info {
     uint64_t step;          /* the step the committer passed */
 } shmseg_info;
 
-/* Total file size of a segment whose slots hold slot_bytes each, or 0 when slot_bytes is 0,
- * not a multiple of 4096, or the size would overflow. */
-uint64_t shmseg_file_bytes(uint64_t slot_bytes);
+/* Total file size in bytes of a segment of nslots slots of slot_bytes each, or 0 when nslots
+ * is outside [SHMSEG_MIN_SLOTS, SHMSEG_MAX_SLOTS], slot_bytes is 0 or not a multiple of
+ * 4096, or the size would overflow. */
+uint64_t shmseg_file_bytes(int nslots, uint64_t slot_bytes);
 
 /* Open or create the segment at path for writing and map it (MAP_SHARED).
  * - The file is opened O_RDWR|O_CREAT|O_NOFOLLOW|O_CLOEXEC with mode 0600 (an existing
  *   file of this uid is chmod'ed to 0600).
- * - An existing segment with a valid header and the same slot_bytes keeps its slots (a
- *   restarted worker with the same layout finds its previous snapshots).
- * - A new or empty file is sized in place to shmseg_file_bytes(slot_bytes) (zero pages:
- *   both slots empty) with the pages reserved (posix_fallocate), and the header's magic is
+ * - An existing segment with a valid header, the same nslots and the same slot_bytes keeps
+ *   its slots (a restarted worker with the same layout finds its previous snapshots).
+ * - A new or empty file is sized in place to shmseg_file_bytes(nslots, slot_bytes) (zero
+ *   pages: every slot empty) with the pages reserved (posix_fallocate), and the header's magic is
  *   stored last.
- * - Any other content (other slot_bytes, garbage) is replaced: the new layout is built in
- *   "<path>.new-XXXXXX" (0600) and renamed over path; a valid old layout first gets both
+ * - Any other content (other nslots or slot_bytes, garbage) is replaced: the new layout is built in
+ *   "<path>.new-XXXXXX" (0600) and renamed over path; a valid old layout first gets all its
  *   slots marked empty and its magic cleared, so a process that still maps the old file
  *   sees empty slots (never a SIGBUS, never stale bytes as complete).
  * The mapping is populated (MAP_POPULATE): the call costs about what touching every page
  * costs, so the first write into a slot runs as fast as later ones.
  * The file is locked (flock LOCK_EX|LOCK_NB, advisory: only shmseg_create takes it) until
  * shmseg_close: a second writer of the same path gets -EBUSY and nothing is changed.
+ * nslots: SHMSEG_MIN_SLOTS (2) or SHMSEG_MAX_SLOTS (3).
  * slot_bytes: capacity of each slot in bytes, > 0 and a multiple of 4096.
  * *out gets the handle (close with shmseg_close); NULL on failure.
- * Returns 0, or -EINVAL (NULL argument, bad slot_bytes), -EPERM (path is a symbolic link,
+ * Returns 0, or -EINVAL (NULL argument, bad nslots or slot_bytes), -EPERM (path is a symbolic link,
  * a directory or another non-regular file, or owned by another uid), -EBUSY (another handle
  * from shmseg_create, in this or another process, holds the file), -ENOSPC / -ENOMEM
  * (ftruncate or mmap refused: the tmpfs is full), or another -errno of
  * open/fstat/flock/ftruncate/mmap. */
-int shmseg_create(const char *path, uint64_t slot_bytes, shmseg **out);
+int shmseg_create(const char *path, int nslots, uint64_t slot_bytes, shmseg **out);
 
 /* Map an existing segment: writable != 0 maps it read-write (for shmseg_begin/commit),
  * 0 read-only. The same file checks as shmseg_create (O_NOFOLLOW, regular, own uid), then
- * the header: magic, version 1, header_bytes 4096, nslots 2, slot_bytes a non-zero multiple
- * of 4096, and the file size equal to shmseg_file_bytes(slot_bytes).
+ * the header: magic, version 1, header_bytes 4096, nslots 2 or 3, slot_bytes a non-zero
+ * multiple of 4096, and the file size equal to shmseg_file_bytes(nslots, slot_bytes).
  * Returns 0, or -EINVAL (NULL argument), -ENOENT (no such file), -EPERM (link, not regular,
  * other uid), -EBADMSG (bad magic, header fields or size: not a segment, or one being
  * rebuilt), -EPROTONOSUPPORT (a newer version), or another -errno of open/mmap. */
@@ -113,6 +120,9 @@ void shmseg_close(shmseg *seg);
 
 /* Capacity of each slot in bytes (what shmseg_create was given). */
 uint64_t shmseg_slot_bytes(const shmseg *seg);
+
+/* Number of slots (2 or 3: the header's nslots); 0 for NULL. Slots are numbered from 0. */
+int shmseg_nslots(const shmseg *seg);
 
 /* Non-zero when the handle was mapped writable. */
 int shmseg_writable(const shmseg *seg);
@@ -143,13 +153,17 @@ int shmseg_newest(const shmseg *seg, int *slot);
 
 /* Choose the slot to write and mark it writing (release store), before any payload byte is
  * touched. avoid: a slot that must not be written (the one a disk persist is still reading
- * from), or -1 for none. With avoid in 0..1 the other slot is taken, even if it is the
- * newest complete (the avoided one then stays complete); with -1 the slot that is not the
- * newest complete is taken (slot 0 when none is complete). *slot gets the index.
- * Returns 0, or -EINVAL (NULL, avoid out of range), -EBADF (read-only handle). */
+ * from), or -1 for none. The slot taken is neither avoid nor the newest complete one; among
+ * the others, one that is not complete (empty, or torn by a crash) comes first, else the
+ * one with the smallest seq; ties go to the lowest index (slot 0 of a new segment). The
+ * one exception: with two slots, when avoid is one and the other is the newest complete,
+ * the other is taken all the same (the avoided one then stays complete, but a crash during
+ * this write leaves only it: what the third slot is for). *slot gets the index.
+ * Returns 0, or -EINVAL (NULL, avoid outside -1..nslots-1), -EBADF (read-only handle),
+ * -EAGAIN (as shmseg_slot_info). */
 int shmseg_begin(shmseg *seg, int avoid, int *slot);
 
-/* Finish a write begun with shmseg_begin: seq = 1 + the largest seq of both slots,
+/* Finish a write begun with shmseg_begin: seq = 1 + the largest seq of the slots,
  * payload_bytes, step and payload_xxh3 (computed here over the payload's first
  * min(payload_bytes, 4096) bytes) are written, then state = complete (release).
  * payload_bytes: bytes written, <= slot_bytes. step: copied into the slot header.

@@ -75,6 +75,10 @@
 #include <xxhash.h>
 
 #define MEM_TAG "elastic"
+/* slots of a replica segment: the receiver writes it only from a complete slot of the
+ * sender and nothing reads it for long, so two slots keep the previous replica while one is
+ * received (a worker's own segment may have three: train_mem.c) */
+#define REPLICA_SLOTS SHMSEG_MIN_SLOTS
 #define NAME_PREFIX "ckptmem-"
 #define HASH_HEX 16
 #define RAND_HEX 16
@@ -846,7 +850,7 @@ static int room_for(const elastic_mem *m, const char *path, uint64_t slot_bytes)
 {
     struct statvfs sv;
     if (statvfs(m->dir, &sv) != 0) return 1; /* cannot tell: let the create say */
-    uint64_t need = shmseg_file_bytes(slot_bytes), have = (uint64_t)sv.f_bavail * sv.f_frsize;
+    uint64_t need = shmseg_file_bytes(REPLICA_SLOTS, slot_bytes), have = (uint64_t)sv.f_bavail * sv.f_frsize;
     struct stat st;
     if (stat(path, &st) == 0 && (uint64_t)st.st_size == need) return 1; /* reused in place */
     return need != 0 && need <= have;
@@ -883,7 +887,7 @@ static int qseg_get(elastic_mem *m, const char *path, shmseg **out)
     q->ino = st.st_ino;
     q->seg = seg;
     /* a restore reads every byte: the page tables in one batch, not a fault per page */
-    for (int i = 0; i < SHMSEG_NSLOTS; i++) (void)shmseg_prefault(seg, i, 0);
+    for (int i = 0; i < shmseg_nslots(seg); i++) (void)shmseg_prefault(seg, i, 0);
     *out = seg;
     return 0;
 }
@@ -979,13 +983,13 @@ static void query_list(elastic_mem *m, int fd)
     }
     closedir(d);
     if (nn) qsort(names, nn, sizeof *names, cmp_qname);
-    if (ok && nn && !(body = calloc(nn * SHMSEG_NSLOTS, MEMQ_ENTRY_BYTES))) ok = 0;
+    if (ok && nn && !(body = calloc(nn * SHMSEG_MAX_SLOTS, MEMQ_ENTRY_BYTES))) ok = 0;
     for (size_t i = 0; ok && i < nn && cnt < MEMQ_LIST_MAX; i++) {
         char path[sizeof m->path + 40];
         snprintf(path, sizeof path, "%s/%s", m->dir, names[i].name);
         shmseg *seg;
         if (qseg_get(m, path, &seg) < 0) continue; /* gone, or being rebuilt */
-        for (int sl = 0; sl < SHMSEG_NSLOTS && cnt < MEMQ_LIST_MAX; sl++) {
+        for (int sl = 0; sl < shmseg_nslots(seg) && cnt < MEMQ_LIST_MAX; sl++) {
             shmseg_info in, in2;
             if (shmseg_slot_info(seg, sl, &in) < 0 || in.state != SHMSEG_COMPLETE) continue;
             unsigned char *en = body + cnt * MEMQ_ENTRY_BYTES;
@@ -1019,7 +1023,7 @@ static void query_get(elastic_mem *m, int fd, const unsigned char *f)
 {
     uint32_t kind = get32(f + 4), local = get32(f + 12), sl = get32(f + 16);
     uint64_t seq = get64(f + 24), off = get64(f + 32), len = get64(f + 40), agent = get64(f + 48);
-    if (kind > 1 || sl >= SHMSEG_NSLOTS || local >= 4096 || seq == 0 ||
+    if (kind > 1 || sl >= SHMSEG_MAX_SLOTS || local >= 4096 || seq == 0 ||
         len > MEMQ_GET_MAX || off > UINT64_MAX - len) {
         send_answer(m, fd, MEMQ_ST_BAD, 0);
         return;
@@ -1029,7 +1033,7 @@ static void query_get(elastic_mem *m, int fd, const unsigned char *f)
                        : shmseg_rep_path(path, sizeof path, m->path, agent, local);
     shmseg *seg = NULL;
     if (rc == 0) rc = qseg_get(m, path, &seg);
-    if (rc < 0) {
+    if (rc < 0 || (int)sl >= shmseg_nslots(seg)) { /* a segment may have 2 or 3 slots */
         send_answer(m, fd, MEMQ_ST_NOENT, 0);
         return;
     }
@@ -1146,7 +1150,7 @@ static void serve_put(elastic_mem *m, int fd, const char *from, const unsigned c
         refused(m, from, "no room in the segment folder for the replica");
         goto answer;
     }
-    if ((rc = shmseg_create(path, slot_bytes, &seg)) < 0 ||
+    if ((rc = shmseg_create(path, REPLICA_SLOTS, slot_bytes, &seg)) < 0 ||
         (rc = shmseg_begin(seg, -1, &slot)) < 0) {
         LOG_W(MEM_TAG, "memory tier: cannot keep the replica of node %u slot %u in %s: %s", src, L,
               path, strerror(-rc));

@@ -3,6 +3,7 @@
 
 #include "clock.h"
 #include "mem_wire.h"
+#include "shmseg.h"
 
 #include <errno.h>
 #include <netdb.h>
@@ -232,7 +233,7 @@ int elastic_mem_client_list(elastic_mem_client *c, elastic_mem_slot **out, size_
         s->step = get64(e + 32);
         s->head_len = get32(e + 40);
         uint64_t want = s->payload_bytes < MEMQ_HEAD_BYTES ? s->payload_bytes : MEMQ_HEAD_BYTES;
-        if (s->kind > ELASTIC_MEM_REP || s->slot > 1 || s->head_len != want) {
+        if (s->kind > ELASTIC_MEM_REP || s->slot >= SHMSEG_MAX_SLOTS || s->head_len != want) {
             rc = -EPROTO;
             break;
         }

@@ -49,7 +49,7 @@ enum elastic_mem_kind {
 typedef struct elastic_mem_slot {
     uint32_t kind;          /* enum elastic_mem_kind */
     uint32_t local;         /* local rank slot L of the segment name */
-    uint32_t slot;          /* slot index in the segment, 0 or 1 */
+    uint32_t slot;          /* slot index in the segment, 0 .. 2 (shmseg_nslots) */
     uint64_t agent;         /* REP: the sending agent's id (its prefix's 16 hex random digits,
                                agent.h "Memory tier"); OWN: 0 */
     uint64_t seq;           /* the slot's commit seq when listed (pin for GET) */

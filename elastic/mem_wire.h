@@ -40,10 +40,10 @@ enum { MEMQ_OP_LIST = 1, MEMQ_OP_GET = 2 };
 enum {
     MEMQ_ST_OK = 0,     /* body follows */
     MEMQ_ST_DENIED = 1, /* wrong token */
-    MEMQ_ST_BAD = 2,    /* malformed request (op, fields, len > MEMQ_GET_MAX) */
+    MEMQ_ST_BAD = 2,    /* malformed request (op, fields, slot >= 3, len > MEMQ_GET_MAX) */
     MEMQ_ST_LOCAL = 3,  /* the server failed locally (out of memory, cannot list its folder) */
     MEMQ_ST_STALE = 4,  /* the slot's seq is not the requested one, or changed during the copy */
-    MEMQ_ST_NOENT = 5,  /* no such segment, or the slot is not complete */
+    MEMQ_ST_NOENT = 5,  /* no such segment or slot (2 or 3 a segment), or it is not complete */
     MEMQ_ST_RANGE = 6   /* off + len beyond the slot's payload_bytes */
 };
 

@@ -187,6 +187,8 @@ typedef struct state {
     int mem_every;            /* memory snapshot every N steps, agreed by every rank; 0 off */
     uint64_t mem_chunk;       /* chunk bytes of the slots' checksums (= the disk snapshots') */
     uint64_t mem_slot_bytes;  /* capacity of each slot of the own segment */
+    int mem_nslots;           /* slots of the own segment (train_mem_plan: 3 in sync mode when
+                                 the budget allows, else 2) */
     char mem_own[CKPT_PATH_MAX]; /* the own segment: $CKPT_MEM_PATH.own-$LOCAL_RANK */
     shmseg *mem_seg;          /* the own segment; NULL when off or not creatable here */
     char mem_tag[40];         /* tag of this launch's memory snapshots */

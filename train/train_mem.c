@@ -34,10 +34,26 @@
 
 #define TAG "train"
 
-/* Bytes of a segment with two slots of slot_bytes (common/shmseg.h). */
-static uint64_t segment_bytes(uint64_t slot_bytes)
+/* Slots of this rank's own segment. Sync mode wants three: a disk persist reads its step's
+ * slot for as long as it lasts (several steps), and the memory snapshots meanwhile alternate
+ * between the other two, so that a rank killed in the middle of one still has the step
+ * before it in memory (with two, each of them rewrote the one other slot, and a kill then
+ * left only the persisted step). Async mode persists from the engine's own buffers, never
+ * from a slot: two. */
+static int own_slots_wanted(const state *s)
 {
-    return shmseg_file_bytes(slot_bytes);
+    return s->mem_async ? SHMSEG_MIN_SLOTS : SHMSEG_MAX_SLOTS;
+}
+
+/* Bytes per node of the memory tier with own segments of `nslots` slots of slot_bytes for
+ * each of local_world ranks, and as many replicas of a peer node's segments (two slots:
+ * elastic/agent_mem.c) when there are several nodes; 0 when a segment would be invalid. */
+static uint64_t node_bytes(int nslots, uint64_t slot_bytes, int local_world, int nodes)
+{
+    const uint64_t own = shmseg_file_bytes(nslots, slot_bytes);
+    const uint64_t rep = nodes > 1 ? shmseg_file_bytes(SHMSEG_MIN_SLOTS, slot_bytes) : 0;
+    if (!own || (nodes > 1 && !rep)) return 0;
+    return (uint64_t)local_world * (own + rep);
 }
 
 /* An upper bound of the trainer record's length (train_snapshot.c, trainer_record): a fixed
@@ -124,6 +140,11 @@ int train_mem_plan(state *s)
     const options *o = s->o;
     s->mem_every = 0;
     s->mem_persist_slot = -1;
+    s->mem_nslots = 0;
+    /* the same on every rank (the two modes run the digests' collective at different
+     * points): the option and the device kind are among the settings every rank agrees on at
+     * start */
+    s->mem_async = o->mem_async >= 0 ? o->mem_async : train_device_kind_of(s->dev) != TRAIN_DEVICE_CPU;
     const char *path = getenv("CKPT_MEM_PATH");
     s->mem_path = path && *path ? path : NULL;
     /* this rank's view: want = 1 the tier fits here, status = 2 an explicit budget too small */
@@ -165,7 +186,9 @@ int train_mem_plan(state *s)
         int local_world = env_int("LOCAL_WORLD_SIZE", getenv("LOCAL_RANK") ? 1 : s->world);
         if (local_world < 1) local_world = 1;
         const int nodes = env_int("GROUP_WORLD_SIZE", 1);
-        const uint64_t need = (uint64_t)local_world * segment_bytes(slot_max) * (nodes > 1 ? 2u : 1u);
+        const int wanted = own_slots_wanted(s);
+        const uint64_t need_wanted = node_bytes(wanted, slot_max, local_world, nodes);
+        const uint64_t need = node_bytes(SHMSEG_MIN_SLOTS, slot_max, local_world, nodes);
         uint64_t budget = o->mem_budget;
         char dir[CKPT_PATH_MAX], base[CKPT_PATH_MAX], nb[32], bb[32], sb[32];
         snprintf(dir, sizeof dir, "%s", s->mem_path);
@@ -183,10 +206,10 @@ int train_mem_plan(state *s)
         }
         human_bytes(need, nb, sizeof nb);
         human_bytes(budget, bb, sizeof bb);
-        human_bytes(segment_bytes(slot_max), sb, sizeof sb);
+        human_bytes(shmseg_file_bytes(SHMSEG_MIN_SLOTS, slot_max), sb, sizeof sb);
         /* the budget is the node's: its first local rank says why, once per node */
         const int speaks = env_int("LOCAL_RANK", s->rank) == 0;
-        if (slot_max == 0 || s->mem_slot_bytes == 0 || segment_bytes(slot_max) == 0) {
+        if (slot_max == 0 || s->mem_slot_bytes == 0 || need == 0 || need_wanted == 0) {
             if (speaks) LOG_W(TAG, "memory tier off: a slot of this state's shard would "
                               "exceed the format's limits");
         } else if (o->mem_budget && need > budget) {
@@ -207,11 +230,22 @@ int train_mem_plan(state *s)
                   sb, nodes > 1 ? " x 2 for the peer's replicas" : "", bb, d);
         } else {
             mine[0] = 1;
+            s->mem_nslots = need_wanted <= budget ? wanted : SHMSEG_MIN_SLOTS;
+            if (s->mem_nslots == wanted) human_bytes(need_wanted, nb, sizeof nb);
             if (s->rank == 0)
-                LOG_I(TAG, "memory tier: a snapshot every %d step%s into %s.own-*, %s per node "
-                      "of a budget of %s%s", o->mem_every > 0 ? o->mem_every : 1,
-                      o->mem_every > 1 ? "s" : "", s->mem_path, nb, bb,
+                LOG_I(TAG, "memory tier: a snapshot every %d step%s into %s.own-* (%d slots each), "
+                      "%s per node of a budget of %s%s", o->mem_every > 0 ? o->mem_every : 1,
+                      o->mem_every > 1 ? "s" : "", s->mem_path, s->mem_nslots, nb, bb,
                       o->mem_budget ? "" : " (half the free space)");
+            if (s->mem_nslots < wanted && speaks) {
+                char wb[32];
+                human_bytes(need_wanted, wb, sizeof wb);
+                LOG_W(TAG, "memory tier: two slots per segment, not three: three need %s per node, "
+                      "more than the budget of %s; while a disk persist reads one slot, every "
+                      "memory snapshot rewrites the other, so a rank killed during one of them "
+                      "resumes from the persisted step (give --mem-budget %" PRIu64 " or more "
+                      "for the third slot)", wb, bb, need_wanted);
+            }
         }
     }
     int want = mine[0], status = mine[1];
@@ -240,10 +274,6 @@ int train_mem_plan(state *s)
     }
     if (status) return status;
     if (want) s->mem_every = o->mem_every > 0 ? o->mem_every : 1;
-    /* the same on every rank (the two modes run the digests' collective at different
-     * points): the option and the device kind are among the settings every rank agrees on at
-     * start */
-    s->mem_async = o->mem_async >= 0 ? o->mem_async : train_device_kind_of(s->dev) != TRAIN_DEVICE_CPU;
     s->stage_mem_slot = -1;
     if (want && s->rank == 0)
         LOG_I(TAG, "memory snapshots are %s", s->mem_async ?
@@ -259,7 +289,7 @@ int train_mem_open(state *s)
      * rank itself, so that no two ranks share a segment */
     snprintf(s->mem_own, sizeof s->mem_own, "%s.own-%d", s->mem_path,
              env_int("LOCAL_RANK", s->rank));
-    int rc = shmseg_create(s->mem_own, s->mem_slot_bytes, &s->mem_seg);
+    int rc = shmseg_create(s->mem_own, s->mem_nslots, s->mem_slot_bytes, &s->mem_seg);
     if (rc == -EBUSY) {
         LOG_W(TAG, "no memory snapshots on this rank: another process writes the segment %s (two "
               "workers with the same CKPT_MEM_PATH and LOCAL_RANK?); training goes on with disk "
@@ -281,7 +311,7 @@ int train_mem_open(state *s)
      * as staged pageable copies */
     if (s->mem_async) {
         int pr = 0, i;
-        for (i = 0; i < SHMSEG_NSLOTS && pr == 0; i++)
+        for (i = 0; i < shmseg_nslots(s->mem_seg) && pr == 0; i++)
             pr = train_host_register(s->dev, shmseg_payload(s->mem_seg, i), shmseg_slot_bytes(s->mem_seg));
         if (pr < 0) {
             while (--i > 0) (void)train_host_unregister(s->dev, shmseg_payload(s->mem_seg, i - 1));
@@ -306,7 +336,7 @@ void train_mem_close(state *s)
               " failed", s->mem_count, s->mem_stall_sum / (double)s->mem_count * 1e3,
               s->mem_stall_max * 1e3, s->mem_failed);
     if (s->mem_pinned)
-        for (int i = 0; i < SHMSEG_NSLOTS; i++)
+        for (int i = 0; i < shmseg_nslots(s->mem_seg); i++)
             (void)train_host_unregister(s->dev, shmseg_payload(s->mem_seg, i));
     s->mem_pinned = 0;
     free(s->mem_sums);

@@ -47,7 +47,7 @@ RESUMED_MEM_RE = re.compile(r"\[rank 0\] .*resumed from memory \((own|replica)\)
 RESUMED_DISK_RE = re.compile(r"\[rank 0\] .*resumed from \S*step-(\d+) at step (\d+) .*in (\d+) ms")
 
 # common/shmseg.h: segment header 4096 bytes (magic, version, header_bytes, slot_bytes u64 at
-# offset 16, nslots); slot i's header at 4096 + i * (4096 + slot_bytes): state u32 (2 complete),
+# offset 16, nslots u32 at 24: 2, or 3 for a sync-mode worker's own segment); slot i's header at 4096 + i * (4096 + slot_bytes): state u32 (2 complete),
 # pad u32, seq u64, payload_bytes u64, payload_xxh3 u64, step u64; its payload 4096 bytes on
 SEG_HDR = 4096
 
@@ -60,9 +60,10 @@ def slots_of(path, building_ok=False):
         if building_ok and hdr[:8] == bytes(8):
             return []
         assert hdr[:8] == b"CKPTSEG1", (path, hdr[:8])
-        slot_bytes, = struct.unpack_from("<Q", hdr, 16)
+        slot_bytes, nslots = struct.unpack_from("<QI", hdr, 16)
+        assert nslots in (2, 3), (path, nslots)
         out = []
-        for i in range(2):
+        for i in range(nslots):
             base = SEG_HDR + i * (4096 + slot_bytes)
             f.seek(base)
             st, _, seq, pb, _, step = struct.unpack("<IIQQQQ", f.read(40))
@@ -272,6 +273,68 @@ class MemTest(TempDirTest):
         self.assertNotIn(12, steps, "the half-written step reached the disk")
         self.assertIn(11, steps, "the flush wrote the newest complete memory snapshot")
 
+    def test_sync_third_slot_keeps_the_step_before_a_kill_during_a_long_persist(self):
+        """Sync mode (the CPU default): a disk persist reads its step's slot for as long as it
+        lasts. Rank 1's data writes take 20 s each (CKPT_FAULT_STORE=slow:20000, a stalled
+        disk), so its persist of step 10 lasts past step 13, and rank 1 dies half-way through
+        the memory copy of step 13. With three slots the copies of steps 11..13 alternate
+        between the two slots the persist does not read, so step 12 is still complete beside
+        step 10 (with two, every copy rewrote the one other slot and only step 10 survived):
+        the flush writes step 12 to disk and the restart resumes from step 12; same digest."""
+        ref = self.reference()
+        a = self.agent(["--nproc-per-node", "2", "--max-restarts", "2"],
+                       self.train_cmd(["--ckpt-every", "10", "--mem-snapshot-every", "1",
+                                       "--mem-budget", "1G"],
+                                      wrap_env={"CKPT_FAULT_STORE": "slow:20000",
+                                                "CKPT_FAULT_POINT": "mid-mem-copy@13"}))
+        self.assertEqual(a.wait(180), 0, a.err()[-4000:])
+        err = a.err()
+        self.assertRegex(err, r"\[rank 0\] .*memory tier: a snapshot every 1 step into \S+ \(3 slots each\)")
+        self.assertNotIn("two slots per segment, not three", err)
+        self.assertIn("fault point mid-mem-copy reached at step 13", err)
+        self.assertNotRegex(err, r"\[rank 1\] .*snapshot step 10 committed", "the persist was not slow")
+        self.assertRegex(err, r"flushed the memory snapshot of step 12 ")
+        m = RESUMED_MEM_RE.search(err)
+        d = RESUMED_DISK_RE.search(err)
+        self.assertTrue(m or d, err[-4000:])
+        self.assertEqual(int((m or d).group(2)), 12, err[-3000:])
+        self.assertEqual(self.final(a), (30, ref))
+        self.assertEqual(self.segments(), [])
+        steps = [x["step"] for x in self.listing() if x["status"] == "committed"]
+        self.assertIn(12, steps)
+        self.assertNotIn(13, steps, "the half-written step reached the disk")
+        print(f"\n  slow disk on rank 1, killed copying step 13: resumed at step 12 from "
+              f"{'memory' if m else 'disk (the flush)'}; disk holds {steps}", file=sys.stderr)
+
+    def test_budget_for_two_slots_only(self):
+        """Sync mode with a --mem-budget that holds two slots per segment but not three: one
+        warning that names the budget three need, segments of two slots, training goes on and
+        resumes from memory; with that budget, three slots and no warning."""
+        base = [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS + [
+            "--steps", "3", "--ckpt-dir", self.ckpt, "--ckpt-every", "0", "--mem-snapshot-every", "1"]
+        env = {"CKPT_MEM_PATH": os.path.join(self.mem, "ckptmem-byhand")}
+        seg = os.path.join(self.mem, "ckptmem-byhand.own-0")
+        p = harness.run(base + ["--mem-budget", "64K"], extra_env=env)
+        self.assertEqual(p.returncode, 2, p.stderr[-2000:])
+        need2 = int(re.search(r"it needs (\d+) bytes", p.stderr).group(1))
+        slot_bytes = (need2 - 4096) // 2 - 4096  # one local rank: 4096 + 2 x (4096 + slot)
+        need3 = 4096 + 3 * (4096 + slot_bytes)
+        p = harness.run(base + ["--mem-budget", str(need2)], extra_env=env, check=True)
+        warn = re.findall(r"WARN .*memory tier: two slots per segment, not three: .*give "
+                          r"--mem-budget (\d+) or more for the third slot", p.stderr)
+        self.assertEqual(warn, [str(need3)], p.stderr[-2000:])
+        self.assertIn("(2 slots each)", p.stderr)
+        self.assertEqual(os.path.getsize(seg), need2)
+        self.assertEqual(sorted(x[4] for x in slots_of(seg) if x[1] == 2), [2, 3])
+        p = harness.run(base + ["--mem-budget", str(need3), "--steps", "6", "--resume", "auto"],
+                        extra_env=env, check=True)
+        self.assertRegex(p.stderr, r"resumed from memory \(own\) at step 3 ")
+        self.assertNotIn("two slots per segment", p.stderr)
+        self.assertIn("(3 slots each)", p.stderr)
+        self.assertEqual(os.path.getsize(seg), need3)
+        self.assertEqual(len(slots_of(seg)), 3)  # rebuilt with three after the resume read it
+        self.assertEqual(sorted(x[4] for x in slots_of(seg) if x[1] == 2), [4, 5, 6])
+
     def test_c34_newest_tier_wins_and_the_log_names_it(self):
         """C34, both orders, memory snapshots every 10 steps. (a) Disk every 3: rank 1 is
         SIGKILLed as soon as step 12 is committed on disk. Disk snapshots are persisted from a
@@ -389,7 +452,7 @@ for i in range(2):
         os.kill(pids[0], signal.SIGKILL)
         killed_at = self.last_step(a)
         self.assertEqual(a.wait(180), 0, a.err()[-4000:])
-        self.assertRegex(a.err(), r"memory tier: a snapshot every 4 steps into \S+, \S+ \S+ per "
+        self.assertRegex(a.err(), r"memory tier: a snapshot every 4 steps into \S+ \(3 slots each\), \S+ \S+ per "
                                   r"node of a budget of 1\.0 GiB\n")
         m = RESUMED_MEM_RE.search(a.err())
         self.assertIsNotNone(m, a.err()[-4000:])

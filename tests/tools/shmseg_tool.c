@@ -40,7 +40,7 @@ int main(int argc, char **argv)
     if (argc == 7 && !strcmp(argv[1], "write")) {
         uint64_t sb = strtoull(argv[3], NULL, 10), step = strtoull(argv[4], NULL, 10);
         uint64_t n = strtoull(argv[5], NULL, 10), x = strtoull(argv[6], NULL, 10) * 2654435761u + 1;
-        if ((rc = shmseg_create(argv[2], sb, &seg)) < 0 || (rc = shmseg_begin(seg, -1, &slot)) < 0) {
+        if ((rc = shmseg_create(argv[2], 2, sb, &seg)) < 0 || (rc = shmseg_begin(seg, -1, &slot)) < 0) {
             fprintf(stderr, "shmseg-tool: %s: %s\n", argv[2], strerror(-rc));
             return 1;
         }
@@ -65,7 +65,7 @@ int main(int argc, char **argv)
             fprintf(stderr, "shmseg-tool: %s: %s\n", argv[2], strerror(-rc));
             return 1;
         }
-        for (int i = 0; i < SHMSEG_NSLOTS; i++)
+        for (int i = 0; i < shmseg_nslots(seg); i++)
             if (shmseg_slot_info(seg, i, &in) == 0 && in.state == SHMSEG_WRITING)
                 printf("slot=%d state=writing\n", i);
         if ((rc = shmseg_newest(seg, &slot)) < 0 || (rc = shmseg_slot_info(seg, slot, &in)) < 0) {

@@ -145,13 +145,13 @@ static void test_write_list_open(void)
     for (uint32_t r = 0; r < W; r++) {
         char p[4200];
         T_REQUIRE(shmseg_own_path(p, sizeof p, prefix, r) == 0, "name");
-        T_REQUIRE(shmseg_create(p, slot_bytes, &segs[r]) == 0, "create %s", p);
+        T_REQUIRE(shmseg_create(p, 2, slot_bytes, &segs[r]) == 0, "create %s", p);
     }
     /* a segment too small: -ENOSPC, nothing touched */
     {
         char *p = seg_path("small");
         shmseg *sm;
-        T_REQUIRE(shmseg_create(p, 4096, &sm) == 0, "small");
+        T_REQUIRE(shmseg_create(p, 2, 4096, &sm) == 0, "small");
         ckpt_buffer b0 = {"params", "f32", 4, totals[0], 0, 4 * 2000, whole[0]};
         make_whole(1);
         b0.data = whole[0];
@@ -294,7 +294,7 @@ static void test_crash_mid_copy(void)
     waitpid(pid, &st, 0);
     T_CHECK(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "the fault point killed the writer (status %d)", st);
     int writing = 0;
-    for (int i = 0; i < SHMSEG_NSLOTS; i++) {
+    for (int i = 0; i < shmseg_nslots(segs[0]); i++) {
         shmseg_info in;
         T_CHECK(shmseg_slot_info(segs[0], i, &in) == 0, "info");
         writing += in.state == SHMSEG_WRITING;
@@ -329,7 +329,7 @@ static void make_replica(uint32_t rank, const char *kind)
     T_REQUIRE(shmseg_copy_out(segs[rank], slot, buf, 0, in.payload_bytes, &seq) == 0, "copy out");
     char *p = seg_path(kind);
     shmseg *rep;
-    T_REQUIRE(shmseg_create(p, shmseg_slot_bytes(segs[rank]), &rep) == 0, "create replica");
+    T_REQUIRE(shmseg_create(p, 2, shmseg_slot_bytes(segs[rank]), &rep) == 0, "create replica");
     int rs;
     T_REQUIRE(shmseg_begin(rep, -1, &rs) == 0, "begin");
     memcpy(shmseg_payload(rep, rs), buf, in.payload_bytes);
@@ -550,7 +550,7 @@ static void test_hostile_headers(void)
         bufs[b] = (ckpt_buffer){names[b], dtypes[b], elems[b], b == 0 ? 8192 : 100, 0, b == 0 ? 8192 : 100, whole[b]};
     uint64_t need = ckpt_mem_need(bufs, NB, 64, 4096);
     shmseg *seg;
-    T_REQUIRE(shmseg_create(p, need, &seg) == 0, "create");
+    T_REQUIRE(shmseg_create(p, 2, need, &seg) == 0, "create");
     int slot;
     T_REQUIRE(ckpt_mem_write(seg, -1, 5, "runH", "cfgH", "tagH", 1, 0, bufs, NB, "{\"a\":1}", 4096, &slot, NULL) == 0,
               "write");
@@ -799,7 +799,7 @@ static void test_two_phase(void)
     for (uint32_t r = 0; r < W; r++) {
         char p[4200];
         T_REQUIRE(shmseg_own_path(p, sizeof p, prefix3, r) == 0, "name");
-        T_REQUIRE(shmseg_create(p, slot_bytes, &ts[r]) == 0, "create %s", p);
+        T_REQUIRE(shmseg_create(p, 2, slot_bytes, &ts[r]) == 0, "create %s", p);
     }
     make_whole(80);
     const char *trainer = "{\"step\":80}";
@@ -916,7 +916,7 @@ static void test_two_phase(void)
     T_CHECK(ckpt_mem_begin(ts[1], -1, probe, NB, 100, &sl, out) == -EINVAL && sl == -1, "bad chunk bytes");
     char *p = seg_path("small2");
     shmseg *sm;
-    T_REQUIRE(shmseg_create(p, 4096, &sm) == 0, "small");
+    T_REQUIRE(shmseg_create(p, 2, 4096, &sm) == 0, "small");
     T_CHECK(ckpt_mem_begin(sm, -1, probe, NB, CB, &sl, out) == -ENOSPC, "shards exceed the slot");
     T_CHECK(shmseg_slot_info(sm, 0, &in) == 0 && in.state == SHMSEG_EMPTY, "nothing touched");
     shmseg_close(sm);

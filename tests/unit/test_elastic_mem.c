@@ -174,7 +174,7 @@ static void test_replica(const char *dir_a, const char *dir_b)
     snprintf(own, sizeof own, "%s.own-0", elastic_mem_path(a));
     shmseg *s = NULL;
     int slot;
-    T_REQUIRE(shmseg_create(own, sb, &s) == 0 && shmseg_begin(s, -1, &slot) == 0, "own seg");
+    T_REQUIRE(shmseg_create(own, 2, sb, &s) == 0 && shmseg_begin(s, -1, &slot) == 0, "own seg");
     unsigned char *p = shmseg_payload(s, slot);
     for (uint64_t i = 0; i < n; i++) p[i] = (unsigned char)(i * 131 + 7);
     T_REQUIRE(shmseg_commit(s, slot, n, 77) == 0, "commit");
@@ -310,7 +310,7 @@ static void test_hostile(const char *dir_a, const char *dir_b)
     snprintf(own, sizeof own, "%s.own-0", elastic_mem_path(a));
     shmseg *s = NULL;
     int slot;
-    T_REQUIRE(shmseg_create(own, sb, &s) == 0 && shmseg_begin(s, -1, &slot) == 0, "own seg");
+    T_REQUIRE(shmseg_create(own, 2, sb, &s) == 0 && shmseg_begin(s, -1, &slot) == 0, "own seg");
     unsigned char *p = shmseg_payload(s, slot);
     for (uint64_t i = 0; i < n; i++) p[i] = (unsigned char)(i * 7 + 1);
     T_REQUIRE(shmseg_commit(s, slot, n, 42) == 0, "commit");
@@ -392,11 +392,11 @@ static void test_renumbered(const char *dir_a, const char *dir_b)
     shmseg *sx = NULL, *sy = NULL;
     int slot;
     snprintf(own, sizeof own, "%s.own-0", elastic_mem_path(x));
-    T_REQUIRE(shmseg_create(own, sb, &sx) == 0 && shmseg_begin(sx, -1, &slot) == 0, "x seg");
+    T_REQUIRE(shmseg_create(own, 2, sb, &sx) == 0 && shmseg_begin(sx, -1, &slot) == 0, "x seg");
     memset(shmseg_payload(sx, slot), 0xa1, 5000);
     T_REQUIRE(shmseg_commit(sx, slot, 5000, 100) == 0, "x commit");
     snprintf(own, sizeof own, "%s.own-0", elastic_mem_path(y));
-    T_REQUIRE(shmseg_create(own, sb, &sy) == 0 && shmseg_begin(sy, -1, &slot) == 0, "y seg");
+    T_REQUIRE(shmseg_create(own, 2, sb, &sy) == 0 && shmseg_begin(sy, -1, &slot) == 0, "y seg");
     memset(shmseg_payload(sy, slot), 0xb2, 6000);
     T_REQUIRE(shmseg_commit(sy, slot, 6000, 200) == 0, "y commit");
 

@@ -83,7 +83,7 @@ int main(void)
     T_REQUIRE(shmseg_own_path(own, sizeof own, elastic_mem_path(m), 0) == 0, "own path");
     T_REQUIRE(shmseg_rep_path(rep, sizeof rep, elastic_mem_path(m), agent, 1) == 0, "rep path");
     shmseg *so = NULL, *sr = NULL;
-    T_REQUIRE(shmseg_create(own, sb, &so) == 0 && shmseg_create(rep, 8192, &sr) == 0, "segments");
+    T_REQUIRE(shmseg_create(own, 2, sb, &so) == 0 && shmseg_create(rep, 2, 8192, &sr) == 0, "segments");
     int s5, s6, sr6;
     fill(so, -1, big, 7, 5, &s5);
     fill(so, s5, 3000, 9, 6, &s6);
@@ -211,7 +211,8 @@ int main(void)
         T_CHECK(raw_query(port, 3, "tok", 1, 0, 0, 0, 0, 0) == 2, "version 3");
         T_CHECK(raw_query(port, 1, "tok", 1, 0, 0, 0, 0, 0) == 2, "version 1 (replicas by node rank)");
         T_CHECK(raw_query(port, 2, "tok", 2, 2, 0, 1, 0, 10) == 2, "kind 2");
-        T_CHECK(raw_query(port, 2, "tok", 2, 0, 2, 1, 0, 10) == 2, "slot 2");
+        T_CHECK(raw_query(port, 2, "tok", 2, 0, 3, 1, 0, 10) == 2, "slot 3");
+        T_CHECK(raw_query(port, 2, "tok", 2, 0, 2, 1, 0, 10) == 5, "slot 2 of a two-slot segment: NOENT");
         T_CHECK(raw_query(port, 2, "tok", 2, 0, 0, 0, 0, 10) == 2, "seq 0");
         T_CHECK(raw_query(port, 2, "tok", 2, 0, 0, 1, 0, (8u << 20) + 1) == 2, "len over the limit");
         T_CHECK(raw_query(port, 2, "tok", 2, 0, 0, 1, UINT64_MAX, 10) == 2, "off + len overflows");
