@@ -156,6 +156,35 @@ static void test_layout_alternation(const char *dir)
     free(p);
 }
 
+/* A child opens the segment at p (nslots, slot_bytes), begins a write with `avoid`, fills
+ * `fill` bytes of the slot with 0xEE and is SIGKILLed there, before its commit. Returns the
+ * slot it was writing, or -1. */
+static int killed_mid_write(const char *p, int nslots, uint64_t slot_bytes, int avoid, size_t fill)
+{
+    int pfd[2];
+    T_REQUIRE(pipe(pfd) == 0, "pipe");
+    pid_t pid = fork();
+    T_REQUIRE(pid >= 0, "fork");
+    if (pid == 0) {
+        shmseg *c;
+        int i;
+        if (shmseg_create(p, nslots, slot_bytes, &c) != 0 || shmseg_begin(c, avoid, &i) != 0) _exit(3);
+        memset(shmseg_payload(c, i), 0xEE, fill);
+        char x = (char)('0' + i);
+        if (write(pfd[1], &x, 1) != 1) _exit(4);
+        for (;;) pause();
+    }
+    close(pfd[1]);
+    char x = 0;
+    T_REQUIRE(read(pfd[0], &x, 1) == 1, "child reached the middle of its write");
+    close(pfd[0]);
+    kill(pid, SIGKILL);
+    int wst;
+    waitpid(pid, &wst, 0);
+    T_CHECK(WIFSIGNALED(wst) && WTERMSIG(wst) == SIGKILL, "child killed");
+    return x >= '0' && x <= '2' ? x - '0' : -1;
+}
+
 /* Three slots (sync mode's own segment): layout, and with a slot avoided (a disk persist
  * reads it) the writes alternate between the other two, so the newest complete payload
  * survives a crash in the middle of the next one; a torn slot is taken first; a two-slot file
@@ -204,27 +233,8 @@ static void test_three_slots(const char *dir)
 
     /* a child begins the next write (avoid 1) and is killed in the middle: the newest (slot
      * 2, step 34) and the avoided (slot 1, step 21) are both still complete */
-    int pfd[2];
-    T_REQUIRE(pipe(pfd) == 0, "pipe");
-    pid_t pid = fork();
-    T_REQUIRE(pid >= 0, "fork");
-    if (pid == 0) {
-        shmseg *c;
-        int i;
-        if (shmseg_create(p, 3, sb, &c) != 0 || shmseg_begin(c, 1, &i) != 0) _exit(3);
-        memset(shmseg_payload(c, i), 0xEE, 50);
-        char x = (char)('0' + i);
-        if (write(pfd[1], &x, 1) != 1) _exit(4);
-        for (;;) pause();
-    }
-    close(pfd[1]);
-    char x = 0;
-    T_REQUIRE(read(pfd[0], &x, 1) == 1, "child reached the middle of its write");
-    close(pfd[0]);
-    kill(pid, SIGKILL);
-    int wst;
-    waitpid(pid, &wst, 0);
-    T_CHECK(x == '0', "the child wrote slot 0 (got %c)", x);
+    int x = killed_mid_write(p, 3, sb, 1, 50);
+    T_CHECK(x == 0, "the child wrote slot 0 (got %d)", x);
     T_REQUIRE(shmseg_create(p, 3, sb, &s) == 0, "re-create same 3: kept");
     int nw;
     T_CHECK(shmseg_newest(s, &nw) == 0 && nw == 2, "newest still slot 2 (%d)", nw);
@@ -275,28 +285,8 @@ static void test_crash_mid_write(const char *dir)
     write_slot(s, -1, 0xA1, 65536, 100, &a);
     write_slot(s, -1, 0xA2, 65536, 101, &b);
     shmseg_close(s);
-    int pfd[2];
-    T_REQUIRE(pipe(pfd) == 0, "pipe");
-    pid_t pid = fork();
-    T_REQUIRE(pid >= 0, "fork");
-    if (pid == 0) {
-        shmseg *c;
-        int i;
-        if (shmseg_create(p, 2, 65536, &c) != 0 || shmseg_begin(c, -1, &i) != 0) _exit(3);
-        memset(shmseg_payload(c, i), 0xEE, 30000);
-        char x = (char)('0' + i);
-        if (write(pfd[1], &x, 1) != 1) _exit(4);
-        for (;;) pause();
-    }
-    close(pfd[1]);
-    char x = 0;
-    T_REQUIRE(read(pfd[0], &x, 1) == 1, "child reached the middle of its write");
-    close(pfd[0]);
-    kill(pid, SIGKILL);
-    int wst;
-    waitpid(pid, &wst, 0);
-    T_CHECK(WIFSIGNALED(wst) && WTERMSIG(wst) == SIGKILL, "child killed");
-    T_CHECK(x == '0', "the child wrote slot 0 (the older), got %c", x);
+    int x = killed_mid_write(p, 2, 65536, -1, 30000);
+    T_CHECK(x == 0, "the child wrote slot 0 (the older), got %d", x);
 
     T_REQUIRE(shmseg_open(p, 1, &s) == 0, "open after crash");
     int n;
