@@ -57,6 +57,11 @@
 
 #define SHMSEG_MIN_SLOTS 2
 #define SHMSEG_MAX_SLOTS 3
+/* Slots of a replica segment (the copy of a peer node's rank segment that elastic's agent
+ * keeps, elastic/agent_mem.c): the agent writes it only from a complete slot of the sender and
+ * nothing reads it for long, so two keep the previous replica while one is received. train's
+ * memory-tier budget (train/train_mem.c) counts replicas with this same figure. */
+#define SHMSEG_REPLICA_SLOTS SHMSEG_MIN_SLOTS
 #define SHMSEG_PAGE 4096u
 #define SHMSEG_VERSION 1u
 

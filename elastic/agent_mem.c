@@ -75,10 +75,6 @@
 #include <xxhash.h>
 
 #define MEM_TAG "elastic"
-/* slots of a replica segment: the receiver writes it only from a complete slot of the
- * sender and nothing reads it for long, so two slots keep the previous replica while one is
- * received (a worker's own segment may have three: train_mem.c) */
-#define REPLICA_SLOTS SHMSEG_MIN_SLOTS
 #define NAME_PREFIX "ckptmem-"
 #define HASH_HEX 16
 #define RAND_HEX 16
@@ -850,7 +846,8 @@ static int room_for(const elastic_mem *m, const char *path, uint64_t slot_bytes)
 {
     struct statvfs sv;
     if (statvfs(m->dir, &sv) != 0) return 1; /* cannot tell: let the create say */
-    uint64_t need = shmseg_file_bytes(REPLICA_SLOTS, slot_bytes), have = (uint64_t)sv.f_bavail * sv.f_frsize;
+    uint64_t need = shmseg_file_bytes(SHMSEG_REPLICA_SLOTS, slot_bytes);
+    uint64_t have = (uint64_t)sv.f_bavail * sv.f_frsize;
     struct stat st;
     if (stat(path, &st) == 0 && (uint64_t)st.st_size == need) return 1; /* reused in place */
     return need != 0 && need <= have;
@@ -1150,7 +1147,7 @@ static void serve_put(elastic_mem *m, int fd, const char *from, const unsigned c
         refused(m, from, "no room in the segment folder for the replica");
         goto answer;
     }
-    if ((rc = shmseg_create(path, REPLICA_SLOTS, slot_bytes, &seg)) < 0 ||
+    if ((rc = shmseg_create(path, SHMSEG_REPLICA_SLOTS, slot_bytes, &seg)) < 0 ||
         (rc = shmseg_begin(seg, -1, &slot)) < 0) {
         LOG_W(MEM_TAG, "memory tier: cannot keep the replica of node %u slot %u in %s: %s", src, L,
               path, strerror(-rc));

@@ -46,12 +46,12 @@ static int own_slots_wanted(const state *s)
 }
 
 /* Bytes per node of the memory tier with own segments of `nslots` slots of slot_bytes for
- * each of local_world ranks, and as many replicas of a peer node's segments (two slots:
- * elastic/agent_mem.c) when there are several nodes; 0 when a segment would be invalid. */
+ * each of local_world ranks, and as many replicas of a peer node's segments (SHMSEG_REPLICA_SLOTS,
+ * two: elastic/agent_mem.c) when there are several nodes; 0 when a segment would be invalid. */
 static uint64_t node_bytes(int nslots, uint64_t slot_bytes, int local_world, int nodes)
 {
     const uint64_t own = shmseg_file_bytes(nslots, slot_bytes);
-    const uint64_t rep = nodes > 1 ? shmseg_file_bytes(SHMSEG_MIN_SLOTS, slot_bytes) : 0;
+    const uint64_t rep = nodes > 1 ? shmseg_file_bytes(SHMSEG_REPLICA_SLOTS, slot_bytes) : 0;
     if (!own || (nodes > 1 && !rep)) return 0;
     return (uint64_t)local_world * (own + rep);
 }
