@@ -100,8 +100,12 @@ void train_device_free(train_device *d, void *p); /* accepts NULL */
 int train_device_zero(train_device *d, void *p, size_t bytes);
 
 /* Synchronous copy: returns when the bytes are in place. Also waits for the work queued
- * before it on the compute stream (so that results of kernels are visible). bytes may be 0.
- * Errors: -EINVAL, -EIO. */
+ * before it on the compute stream (so that results of kernels are visible), at most 300 s.
+ * bytes may be 0. CUDA: a host side in pinned memory (train_host_alloc_pinned,
+ * train_host_register) is copied directly; pageable host memory goes through the device's
+ * pinned bounce buffer of 8 MiB, one chunk at a time (so the driver never stages it with an
+ * unbounded wait), one such copy at a time per device. Errors: -EINVAL, -EIO, -ENOMEM (the
+ * bounce buffer), -ETIMEDOUT (the compute stream did not finish within the bound). */
 int train_device_copy(train_device *d, void *dst, const void *src, size_t bytes,
                       train_copy_kind kind);
 

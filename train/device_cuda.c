@@ -25,6 +25,9 @@
 
 #define SYNC_BOUND_S 300.0  /* the synchronous calls' wait for the compute stream */
 #define DESTROY_WAIT_S 60.0 /* train_event_destroy / train_device_close */
+/* The pinned bounce buffer of train_device_copy between the device and pageable host memory,
+ * in bytes: a copy of N bytes takes ceil(N / BOUNCE_BYTES) round trips. */
+#define BOUNCE_BYTES ((size_t)8 << 20)
 
 typedef struct cuda_stream {
     train_stream base;
@@ -46,6 +49,10 @@ typedef struct cuda_device {
     train_device base;
     int ordinal;
     cuda_stream compute;
+    /* train_device_copy's pinned bounce buffer (BOUNCE_BYTES, made on first use) and the lock
+     * that gives it to one copy at a time */
+    pthread_mutex_t bounce_mu;
+    void *bounce;
     char desc[352]; /* "cuda:N " + a name of up to 256 + " (sm_XY, N GiB)" */
 } cuda_device;
 
@@ -183,6 +190,7 @@ static int cuda_open(train_device **out, int ordinal, char *why, size_t why_len)
     d->compute.ordinal = ordinal;
     d->compute.compute = 1;
     atomic_init(&d->compute.err, 0);
+    pthread_mutex_init(&d->bounce_mu, NULL);
     prop.name[sizeof prop.name - 1] = '\0';
     snprintf(d->desc, sizeof d->desc, "cuda:%d %s (sm_%d%d, %zu GiB)", ordinal, prop.name,
              prop.major, prop.minor, (size_t)(prop.totalGlobalMem >> 30));
@@ -207,7 +215,11 @@ static void cuda_close(train_device *td)
                   d->ordinal, DESTROY_WAIT_S);
         cudaError_t e = cudaStreamDestroy(d->compute.st);
         if (e != cudaSuccess) cuda_fail(e, "cudaStreamDestroy");
+        /* after a timeout a copy may still use the bounce buffer: it is left to the process */
+        if (rc != -ETIMEDOUT && d->bounce && (e = cudaFreeHost(d->bounce)) != cudaSuccess)
+            cuda_fail(e, "cudaFreeHost");
     }
+    pthread_mutex_destroy(&d->bounce_mu);
     free(d);
 }
 
@@ -253,6 +265,58 @@ static int cuda_zero(train_device *td, void *p, size_t bytes)
     return e == cudaSuccess ? 0 : fail_sticky(&d->compute.err, e, "cudaMemsetAsync");
 }
 
+/* 1 when p is in page-locked host memory (cudaHostAlloc'd or cudaHostRegister'ed), which
+ * cudaMemcpyAsync reaches by DMA without staging; 0 for pageable memory or when CUDA cannot
+ * tell. */
+static int host_is_pinned(const void *p)
+{
+    struct cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return a.type == cudaMemoryTypeHost;
+}
+
+/* train_device_copy between the device and pageable host memory, in chunks through the
+ * device's pinned bounce buffer, each copy followed by the bounded wait. cudaMemcpyAsync with
+ * a pageable host side may wait inside the driver for the work queued before it on the
+ * stream, without a bound (CUDA runtime API, "API synchronization behavior": for pageable
+ * memory the driver "may synchronize with the stream and stage the copy into pinned
+ * memory"); from pinned memory it only queues the copy. Called with the device current. */
+static int bounce_copy(cuda_device *d, void *dst, const void *src, size_t bytes,
+                       train_copy_kind kind)
+{
+    const int up = kind == TRAIN_COPY_H2D;
+    int rc = 0;
+    pthread_mutex_lock(&d->bounce_mu);
+    if (!d->bounce) {
+        cudaError_t e = cudaHostAlloc(&d->bounce, BOUNCE_BYTES, cudaHostAllocPortable);
+        if (e != cudaSuccess) {
+            d->bounce = NULL;
+            rc = cuda_fail(e, "cudaHostAlloc (copy bounce buffer)");
+        }
+    }
+    for (size_t off = 0; rc == 0 && off < bytes;) {
+        const size_t n = bytes - off < BOUNCE_BYTES ? bytes - off : BOUNCE_BYTES;
+        if (up) memcpy(d->bounce, (const char *)src + off, n);
+        cudaError_t e = cudaMemcpyAsync(up ? (char *)dst + off : d->bounce,
+                                        up ? d->bounce : (const char *)src + off, n,
+                                        memcpy_kind(kind), d->compute.st);
+        if (e != cudaSuccess) {
+            rc = fail_sticky(&d->compute.err, e, "cudaMemcpyAsync");
+            break;
+        }
+        if ((rc = stream_wait(&d->compute, SYNC_BOUND_S)) < 0) break;
+        if (!up) memcpy((char *)dst + off, d->bounce, n);
+        off += n;
+    }
+    /* a copy that timed out may still read or write the buffer: leave it, take a new one */
+    if (rc == -ETIMEDOUT) d->bounce = NULL;
+    pthread_mutex_unlock(&d->bounce_mu);
+    return rc;
+}
+
 static int cuda_copy(train_device *td, void *dst, const void *src, size_t bytes,
                      train_copy_kind kind)
 {
@@ -260,6 +324,9 @@ static int cuda_copy(train_device *td, void *dst, const void *src, size_t bytes,
     int rc = atomic_load(&d->compute.err);
     if (rc) return rc;
     if ((rc = set_device(d->ordinal)) < 0) return rc;
+    if ((kind == TRAIN_COPY_H2D && !host_is_pinned(src)) ||
+        (kind == TRAIN_COPY_D2H && !host_is_pinned(dst)))
+        return bounce_copy(d, dst, src, bytes, kind);
     /* on the compute stream, so that it follows the kernels queued there */
     cudaError_t e = cudaMemcpyAsync(dst, src, bytes, memcpy_kind(kind), d->compute.st);
     if (e != cudaSuccess) return fail_sticky(&d->compute.err, e, "cudaMemcpyAsync");
