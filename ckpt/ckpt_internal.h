@@ -70,6 +70,8 @@ int ckpt_path_join(char *out, size_t len, const char *dir, const char *name);
  *                       deleted
  *   mid-upload          (the S3 uploader) this rank's objects of the step uploaded, the
  *                       group's decision and the manifest object not yet
+ *   during-remote-retention  (step = the step being removed from S3) its manifest object
+ *                       deleted, its other objects not yet
  * Besides "mid-mem-copy" (ckpt_mem.h). One-shot faults for drivers that arm them at run time
  * (tests/chaos): when CKPT_FAULT_DIR is set, a point also fires (SIGKILL) in the one process
  * whose unlink of the file DIR/<name> succeeds: touching that file arms the point once for

@@ -361,6 +361,7 @@ static int remove_step(objstore *os, uint64_t step, char *why, size_t why_len)
         log_why(why, why_len, "%s", op.why);
         return rc;
     }
+    ckpt_fault_point("during-remote-retention", step);
     size_t kl = strlen(key) - strlen(CKPT_MANIFEST_NAME);
     memcpy(pfx, key, kl);
     pfx[kl] = '\0';
@@ -422,13 +423,19 @@ int ckpt_s3_retain(objstore *os, unsigned keep_last, const char *run_id, char *w
             continue; /* another lineage's */
         if (e[i].status != CKPT_STATUS_COMMITTED && others) continue;
         char w[320] = "";
+        /* said before the first DELETE, so that a process killed during the removal (or
+         * before the line after it) leaves a log that accounts for the step: S3 has no rename,
+         * and nothing finishes an interrupted removal but the next pass (the step is then
+         * incomplete, or still whole when the manifest's DELETE did not happen) */
+        LOG_I(TAG, "remote retention: removing %s (%s) from s3://%s/%s", e[i].name,
+              ckpt_status_name(e[i].status), objstore_bucket(os), objstore_prefix(os));
         int r = remove_step(os, e[i].step, w, sizeof w);
         if (r < 0) {
-            LOG_W(TAG, "remote retention: could not remove %s: %s", e[i].name, w[0] ? w : strerror(-r));
+            LOG_W(TAG, "remote retention: could not remove %s: %s (the next pass retries)",
+                  e[i].name, w[0] ? w : strerror(-r));
             continue;
         }
-        LOG_I(TAG, "remote retention: removed %s (%s) from s3://%s/%s", e[i].name,
-              ckpt_status_name(e[i].status), objstore_bucket(os), objstore_prefix(os));
+        LOG_I(TAG, "remote retention: removed %s", e[i].name);
         removed++;
     }
     free(e);

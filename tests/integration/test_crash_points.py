@@ -91,8 +91,10 @@ class CrashPoints(h.TempDirTest):
         names = set(re.findall(r"^ \*   ([a-z-]+) ", block, re.M))
         # during-retention: test_retention.py; after-part (ranks != 0 only): test_distributed.py;
         # mid-upload: test_s3.py test_mid_upload_armed_in_fault_dir_c32 (armed through
-        # CKPT_FAULT_DIR; the arming itself: test_fault_dir_* below)
-        self.assertEqual(names - {"during-retention", "after-part", "mid-upload"}, set(POINTS))
+        # CKPT_FAULT_DIR; the arming itself: test_fault_dir_* below); during-remote-retention:
+        # test_s3.py test_killed_during_remote_retention
+        self.assertEqual(names - {"during-retention", "after-part", "mid-upload",
+                                  "during-remote-retention"}, set(POINTS))
 
     def test_kill_before_first_chunk(self):
         self.crash_then_resume("before-chunk-write", False)

@@ -330,6 +330,33 @@ class S3(TempDirTest):
         self.assertEqual(inspect("-q", "verify", f"{self.url(nested)}/step-000000006",
                                  env=self.env).returncode, 0)
 
+    def test_killed_during_remote_retention(self):
+        """A process killed while remote retention removes a step (fault point
+        during-remote-retention: the step's manifest object deleted, its other objects not
+        yet) has said which step it was removing before the first DELETE, so that its log
+        accounts for the step; the step is left incomplete, never listed as committed, and
+        the next run's retention removes the rest of it."""
+        d = os.path.join(self.tmp, "ck")
+        args = ["--ckpt-dir", d, "--ckpt-every", "2", "--s3", self.url(), "--s3-keep-last", "2"]
+        _, codes, logs = launch(self, 1, args,
+                                dict(self.env, CKPT_FAULT_POINT="during-remote-retention@2"))
+        self.assertEqual(codes, [-signal.SIGKILL], logs[-4000:])
+        self.assertIn("remote retention: removing step-000000002 (committed) from "
+                      f"{self.url()}", logs)
+        self.assertIn("fault point during-remote-retention reached at step 2", logs)
+        self.assertNotIn("remote retention: removed step-000000002", logs)
+        self.assertEqual(self.s3_steps(), {2: "incomplete", 4: "committed", 6: "committed"})
+        self.assertNotIn("job/step-000000002/manifest.json", self.keys("job/step-000000002/"))
+        self.assertIn("job/step-000000002/rank-00000.bin", self.keys("job/step-000000002/"))
+        # the next run (no fault) resumes from step 6, saves step 8 and removes steps 2 and 4
+        got, logs = ok(self, 1, args + ["--steps", "8", "--resume", "auto"], self.env)
+        self.assertEqual(got["step"], 8)
+        self.assertIn("remote retention: removing step-000000002 (incomplete)", logs)
+        self.assertIn("remote retention: removed step-000000002", logs)
+        self.assertIn("remote retention: removed step-000000004", logs)
+        self.assertEqual(self.s3_steps(), {6: "committed", 8: "committed"})
+        self.assertEqual(self.keys("job/step-000000002/"), [])
+
     def test_interrupted_upload_then_the_same_step_saved_again_c32(self):
         """C32: the job dies after rank 0 uploaded its objects of step 6 (rank 1's hang); the
         local folder is lost; the restart restores step 3 from S3 and saves step 6 again: the

@@ -11,7 +11,8 @@ after_run(job, result, ref) once the job ended (or was given up on):
              corrupt or be gone by retention; none that the logs call committed ("snapshot
              step N committed", "flushed the memory snapshot of step N", "step N is on S3")
              is missing unless retention removed it later ("retention: removed",
-             "remote retention: removed"); none was set aside that was not damaged
+             "remote retention: removing", said before the first DELETE); none was set
+             aside that was not damaged
   leftovers  no .tmp-* folder in the snapshot folder, no file in the job's memory folder,
              no process with CHAOS_JOB=<job id> in its environment
 after_close(job, result): no mount of the job's left.

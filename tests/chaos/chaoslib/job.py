@@ -39,7 +39,8 @@ EVENT_RES = [
     ("removed", re.compile(r"\] " + R0 + r"removed leftover temp folder \S*\.tmp-step-0*(\d+)-retired")),
     ("flushed", re.compile(r"flushed the memory snapshot of step (\d+) from")),
     ("on_s3", re.compile(r"\[s3\] " + R0 + r"step (\d+) is on S3")),
-    ("s3_removed", re.compile(r"\] " + R0 + r"remote retention: removed step-0*(\d+)")),
+    # said before the first DELETE (ckpt/ckpt_s3.c): a kill during the removal loses no step
+    ("s3_removed", re.compile(r"\] " + R0 + r"remote retention: removing step-0*(\d+)")),
     ("failed", re.compile(r"\] " + R0 + r"snapshot step (\d+) failed")),
     ("set_aside", re.compile(r"set aside .*step-0*(\d+)|step-0*(\d+)\.corrupt-")),
     ("store_on", re.compile(r"\[elastic\] (?:hosting the rendezvous store at|store on) (\S+)")),
