@@ -42,7 +42,8 @@ typedef struct cuda_event {
     cudaEvent_t ev;
     int ordinal;
     atomic_int recorded;
-    atomic_int err; /* sticky */
+    atomic_int marked; /* the last cudaEventRecord succeeded: ev completes after its work */
+    atomic_int err;    /* sticky */
 } cuda_event;
 
 typedef struct cuda_device {
@@ -120,13 +121,19 @@ static int poll_ready(cudaStream_t st, cudaEvent_t ev, double timeout_s, cudaErr
     }
 }
 
+/* Wait for everything queued on s, also when s has failed already: a caller that frees or
+ * reuses memory after an error return relies on no copy still being in flight (the CPU kind
+ * drains its queue before it returns the error too). Then the sticky error, if any. After a
+ * sticky CUDA error (an illegal address, say) cudaStreamQuery returns it at once. */
 static int stream_wait(cuda_stream *s, double timeout_s)
 {
-    int err = atomic_load(&s->err);
-    if (err) return err;
+    int rc = set_device(s->ordinal);
+    if (rc < 0) return rc;
     cudaError_t ce = cudaSuccess;
-    int rc = poll_ready(s->st, NULL, timeout_s, &ce);
-    return rc == -EIO ? fail_sticky(&s->err, ce, "cudaStreamQuery") : rc;
+    rc = poll_ready(s->st, NULL, timeout_s, &ce);
+    if (rc == -EIO) return fail_sticky(&s->err, ce, "cudaStreamQuery");
+    if (rc) return rc; /* -ETIMEDOUT: work is still queued, whatever failed before */
+    return atomic_load(&s->err);
 }
 
 static enum cudaMemcpyKind memcpy_kind(train_copy_kind kind)
@@ -347,7 +354,7 @@ static int cuda_host_alloc(train_device *td, void **out, size_t bytes)
 
 static void cuda_host_free(train_device *td, void *p)
 {
-    (void)td;
+    (void)set_device(dev_of(td)->ordinal); /* a thread without a device would make a context on 0 */
     cudaError_t e = cudaFreeHost(p);
     if (e != cudaSuccess) cuda_fail(e, "cudaFreeHost");
 }
@@ -466,23 +473,30 @@ static int cuda_event_create(train_device *td, train_event **out)
     e->base.dev = td;
     e->ordinal = d->ordinal;
     atomic_init(&e->recorded, 0);
+    atomic_init(&e->marked, 0);
     atomic_init(&e->err, 0);
     *out = &e->base;
     return 0;
 }
 
+/* Wait until e is complete, then its error if it has one: an event recorded after failed
+ * work (cuda_event_record) is still a mark in its stream, and a waiter that reuses memory on
+ * the error must not get it before the copies queued ahead of the mark are done. An event
+ * whose last cudaEventRecord failed marks nothing (e->marked 0): its error at once. */
 static int event_wait_poll(cuda_event *e, double timeout_s)
 {
     if (!atomic_load(&e->recorded)) return -EINVAL;
     int err = atomic_load(&e->err);
-    if (err) return err;
+    if (err && !atomic_load(&e->marked)) return err;
     /* the engine's persist workers wait here: bind their thread to the event's device, or
      * the runtime would make a context on device 0 in every process (cheap when already set) */
     int rc = set_device(e->ordinal);
     if (rc < 0) return rc;
     cudaError_t ce = cudaSuccess;
     rc = poll_ready(NULL, e->ev, timeout_s, &ce);
-    return rc == -EIO ? fail_sticky(&e->err, ce, "cudaEventQuery") : rc;
+    if (rc == -EIO) return fail_sticky(&e->err, ce, "cudaEventQuery");
+    if (rc) return rc;
+    return atomic_load(&e->err);
 }
 
 static void cuda_event_destroy(train_event *te)
@@ -491,6 +505,7 @@ static void cuda_event_destroy(train_event *te)
     if (atomic_load(&e->recorded) && event_wait_poll(e, DESTROY_WAIT_S) == -ETIMEDOUT)
         LOG_W("device", "cuda:%d event destroyed while still pending after %.0f s", e->ordinal,
               DESTROY_WAIT_S);
+    (void)set_device(e->ordinal); /* also for an event never recorded (see event_wait_poll) */
     cudaError_t ce = cudaEventDestroy(e->ev); /* legal while pending */
     if (ce != cudaSuccess) cuda_fail(ce, "cudaEventDestroy");
     free(e);
@@ -500,17 +515,16 @@ static int cuda_event_record(train_event *te, train_stream *ts)
 {
     cuda_event *e = event_of(te);
     cuda_stream *s = stream_of(ts);
-    int rc = atomic_load(&s->err);
-    if (rc) { /* the mark would follow failed work: the event fails too */
-        int expected = 0;
-        atomic_compare_exchange_strong(&e->err, &expected, rc);
-        atomic_store(&e->recorded, 1);
-        return rc;
-    }
-    if ((rc = set_device(s->ordinal)) < 0) return rc;
+    /* after failed work on s the event fails too, but it is still recorded, so that it
+     * completes only once the work queued ahead of it is done (event_wait_poll) */
+    const int serr = atomic_load(&s->err);
+    int rc = set_device(s->ordinal);
+    if (rc < 0) return rc;
     cudaError_t ce = cudaEventRecord(e->ev, s->st);
-    if (ce != cudaSuccess) {
-        rc = fail_sticky(&s->err, ce, "cudaEventRecord");
+    atomic_store(&e->marked, ce == cudaSuccess);
+    rc = serr;
+    if (ce != cudaSuccess) rc = fail_sticky(&s->err, ce, "cudaEventRecord");
+    if (rc) {
         int expected = 0;
         atomic_compare_exchange_strong(&e->err, &expected, rc);
     }
@@ -541,10 +555,10 @@ static int cuda_event_query(train_event *te)
     cuda_event *e = event_of(te);
     if (!atomic_load(&e->recorded)) return -EINVAL;
     int err = atomic_load(&e->err);
-    if (err) return err;
+    if (err && !atomic_load(&e->marked)) return err;
     if ((err = set_device(e->ordinal)) < 0) return err; /* any thread: see event_wait_poll */
     cudaError_t ce = cudaEventQuery(e->ev);
-    if (ce == cudaSuccess) return 1;
+    if (ce == cudaSuccess) return atomic_load(&e->err) ? atomic_load(&e->err) : 1;
     if (ce == cudaErrorNotReady) {
         if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
         return 0;
