@@ -553,7 +553,11 @@ int train_wait_stage_copies(state *s)
     if (rc == 0 && rec && record_set_digests(s, rec, hex) == 0)
         text = json_dumps(rec, JSON_COMPACT | JSON_REAL_PRECISION(17));
     json_decref(rec);
-    if (rc == 0 && !text) rc = -ENOMEM;
+    if (rc == 0 && rec && !text) { /* none without a record: a failed memory write's fallback */
+        LOG_E(TAG, "rank %d, step %" PRId64 ": cannot encode the snapshot's trainer record",
+              s->rank, step);
+        rc = -ENOMEM;
+    }
     /* the memory snapshot's slot, before the disk snapshot gets its record: the disk
      * snapshot of a step never commits before its memory snapshot (the memory tier is never
      * older than disk) */

@@ -592,6 +592,27 @@ for i in range(2):
         self.assertEqual(self.segments(), [])
         self.assertEqual(harness.snapshot_dirs(self.ckpt), ["step-000000003"])
 
+    def test_segment_refused_disk_snapshots_go_on(self):
+        """The segment cannot be made (its name is a link: shmseg refuses it) in sync mode with
+        disk snapshots: one warning, then every disk snapshot through the fallback path (the
+        device stager without a memory copy) commits, exit 0, and the weights are those of a
+        run without the memory tier. Once a silent exit 1 after the first disk snapshot: the
+        fallback has no trainer record, which the copies' wait took for a failed encoding."""
+        base = [harness.TRAIN] + harness.data_args()[:2] + TRAIN_ARGS + ["--steps", "8"]
+        os.symlink("/dev/null", os.path.join(self.mem, "p.own-0"))
+        p = harness.run(base + ["--ckpt-dir", self.ckpt, "--ckpt-every", "3",
+                                "--mem-snapshot-mode", "sync"],
+                        extra_env={"CKPT_MEM_PATH": os.path.join(self.mem, "p"), "LOCAL_RANK": "0"})
+        self.assertEqual(p.returncode, 0, p.stderr[-2000:])
+        self.assertEqual(len(re.findall(r"no memory snapshots on this rank", p.stderr)), 1,
+                         p.stderr[-2000:])
+        self.assertNotRegex(p.stderr, r"memory snapshot step \d+ in slot")
+        self.assertEqual(harness.snapshot_dirs(self.ckpt),
+                         ["step-000000003", "step-000000006", "step-000000008"])
+        self.assertTrue(os.path.islink(os.path.join(self.mem, "p.own-0")))
+        ref = harness.run(base, check=True)
+        self.assertEqual(harness.final(p)["digest"], harness.final(ref)["digest"])
+
     def test_unusable_prefix_is_a_usage_error(self):
         """A CKPT_MEM_PATH the readers refuse ('/', a folder with a trailing '/', too long) is
         refused at start by the writer too: exit 2 with one line naming CKPT_MEM_PATH, before
