@@ -230,6 +230,14 @@ int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_e
         return -EINVAL;
     }
     struct stat st;
+    if (lstat(out_path, &st) == 0 && !S_ISREG(st.st_mode) && !S_ISLNK(st.st_mode)) {
+        /* a folder, a device (--force would replace /dev/null with a file), a FIFO, a socket:
+         * never an export's output, forced or not */
+        log_why(why, why_len, "%s: exists and is not a regular file (%s): not replacing it",
+                out_path, S_ISDIR(st.st_mode) ? "a folder" : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode)
+                              ? "a device" : S_ISFIFO(st.st_mode) ? "a FIFO" : "a socket");
+        return -EINVAL;
+    }
     if (!force && lstat(out_path, &st) == 0) {
         log_why(why, why_len, "%s: exists", out_path);
         return -EEXIST;

@@ -498,10 +498,14 @@ static int cmd_export(const char *path, const char *out, int json, int quiet,
     const char *msg = why[0] ? why : strerror(-rc);
     struct stat ost;
     int exists = rc == -EEXIST && !force && lstat(out, &ost) == 0; /* a dangling link too */
+    /* an OUT that is a folder, device, FIFO or socket: refused even with --force, a usage
+     * error like an existing OUT (ckpt_export_safetensors says which) */
+    const int not_file = rc == -EINVAL && lstat(out, &ost) == 0 && !S_ISREG(ost.st_mode) &&
+                         !S_ISLNK(ost.st_mode);
     if (json) {
         json_t *o = json_pack("{s:o, s:o, s:b}", "snapshot", J(path), "output", J(out), "ok", rc == 0);
         if (o && rc < 0) {
-            int es = export_status(rc, exists);
+            int es = export_status(rc, exists || not_file);
             json_object_set_new(o, "status", json_string(es == EXIT_USAGE        ? "refused"
                                                          : es == EXIT_UNREADABLE ? "unreadable"
                                                                                  : verdict_of(rc)));
@@ -517,7 +521,7 @@ static int cmd_export(const char *path, const char *out, int json, int quiet,
     if (rc < 0) {
         fprintf(stderr, "ckpt-inspect: export %s failed: %s%s\n", P(path), msg,
                 exists ? " (--force replaces it)" : "");
-        return export_status(rc, exists);
+        return export_status(rc, exists || not_file);
     }
     if (!json)
         printf("exported %zu tensors (%llu bytes of data, %llu bytes in all) from %s to %s in "

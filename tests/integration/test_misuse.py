@@ -5,6 +5,7 @@ valid but whose contents are inconsistent (tampered and resealed)."""
 import json
 import os
 import re
+import stat
 import signal
 import subprocess
 import time
@@ -238,6 +239,36 @@ class Tampered(h.TempDirTest):
         self.assertEqual(p.returncode, 1)
         self.assertIn("refusing to write inside a snapshot folder", p.stderr)
         self.assertEqual(h.run([h.INSPECT, "verify", self.newest]).returncode, 0)
+
+    def test_export_never_replaces_what_is_not_a_file(self):
+        """OUT a folder, a FIFO or a character device: refused with or without --force (exit 2,
+        one line saying what it is, no advice to force it), left as it was. Once --force
+        replaced a device node with a regular file (as root: /dev/null) and a folder failed
+        with exit 3 (retry) after the whole export."""
+        d = os.path.join(self.tmp, "adir")
+        os.mkdir(d)
+        fifo = os.path.join(self.tmp, "afifo")
+        os.mkfifo(fifo)
+        dev = os.path.join(self.tmp, "anull")
+        targets = [(d, "a folder"), (fifo, "a FIFO")]
+        try:
+            os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+            targets.append((dev, "a device"))
+        except PermissionError:
+            targets.append(("/dev/null", "a device"))  # not root: /dev/null itself, not writable
+        for path, what in targets:
+            for force in ([], ["--force"]):
+                p = h.run([h.INSPECT, "export"] + force + [self.newest, path])
+                self.assertEqual(p.returncode, 2, (path, force, p.stderr))
+                self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+                self.assertIn(f"exists and is not a regular file ({what})", p.stderr)
+                self.assertNotIn("--force replaces it", p.stderr)
+        self.assertTrue(os.path.isdir(d) and os.listdir(d) == [])
+        self.assertTrue(stat.S_ISFIFO(os.lstat(fifo).st_mode))
+        if os.path.exists(dev):
+            self.assertTrue(stat.S_ISCHR(os.lstat(dev).st_mode))
+        self.assertTrue(stat.S_ISCHR(os.lstat("/dev/null").st_mode))
+        self.assertEqual([n for n in os.listdir(self.tmp) if ".tmp-" in n], [])
 
 
 if __name__ == "__main__":
