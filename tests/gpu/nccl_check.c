@@ -28,6 +28,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <poll.h>
 #include <signal.h>
 #include <stdint.h>
 
@@ -297,10 +298,37 @@ static int run_group(int W, int sc, msg *done, int *got, double limit_s)
     return t_ranks_reap(&g, sc == SC_KILL ? W - 1 : -1, 20.0);
 }
 
+/* The number of CUDA devices, counted in a child process: the parent must not initialise
+ * CUDA, or the ranks it forks next could not use it (CUDA does not survive fork). -1 when
+ * the child failed or took over 60 s. */
+static int count_gpus_forked(void)
+{
+    int fd[2];
+    if (pipe(fd)) return -1;
+    pid_t pid = fork();
+    if (pid < 0) {
+        close(fd[0]), close(fd[1]);
+        return -1;
+    }
+    if (pid == 0) {
+        close(fd[0]);
+        int n = train_device_count(TRAIN_DEVICE_CUDA);
+        _exit(write(fd[1], &n, sizeof n) == (ssize_t)sizeof n ? 0 : 1);
+    }
+    close(fd[1]);
+    int n = -1;
+    struct pollfd pf = {fd[0], POLLIN, 0};
+    if (poll(&pf, 1, 60000) == 1 && read(fd[0], &n, sizeof n) != (ssize_t)sizeof n) n = -1;
+    close(fd[0]);
+    kill(pid, SIGKILL); /* gone already unless it hung */
+    waitpid(pid, NULL, 0);
+    return n;
+}
+
 int main(int argc, char **argv)
 {
     int single = argc > 1 && !strcmp(argv[1], "--single");
-    int ngpu = train_device_count(TRAIN_DEVICE_CUDA);
+    int ngpu = count_gpus_forked();
     if (!train_dcomm_nccl_built() || ngpu < (single ? 1 : 2)) {
         printf("nccl_check: skipped (%d CUDA device(s), NCCL %s)\n", ngpu < 0 ? 0 : ngpu,
                train_dcomm_nccl_built() ? "built" : "not built");
