@@ -69,9 +69,13 @@ typedef struct ckpt_save_opts {
     unsigned queue_depth;  /* io_uring writes in flight; default 8; range [1, 64] */
     const char *lock_owner;/* ckpt_mem_flush: the job named in the folder's lock while it
                               writes (ckpt_dir_lock_acquire_owned); NULL none */
+    const struct ckpt_dir_lock *lock; /* the caller's lock on dir (ckpt_dir_lock_acquire), or
+                              NULL: before each save (and the engine's retention) dir/.lock
+                              must still be the file it locks (ckpt_dir_lock_check), else the
+                              save fails with -ESTALE and dir is not created again */
 } ckpt_save_opts;
 
-#define CKPT_SAVE_OPTS_INIT {NULL, 4u << 20, 1, CKPT_FILTER_NONE, 1, 8u, NULL}
+#define CKPT_SAVE_OPTS_INIT {NULL, 4u << 20, 1, CKPT_FILTER_NONE, 1, 8u, NULL, NULL}
 
 /* One buffer (or this rank's shard of it) to save. The bytes are only read. */
 typedef struct ckpt_buffer {
@@ -403,11 +407,19 @@ int ckpt_dir_lock_acquire(const char *dir, ckpt_dir_lock **out, long *holder_pid
 int ckpt_dir_lock_acquire_owned(const char *dir, const char *owner, ckpt_dir_lock **out,
                                 long *holder_pid, char *holder_owner, size_t holder_len);
 
+/* Whether l still locks dir: dir/.lock is the file l holds open (same device and inode).
+ * 0 yes; -ESTALE no (dir or its .lock was removed or replaced - by hand, or by a cleanup -
+ * so that another run could take a new lock there); -ENOENT dir/.lock is missing; -EINVAL
+ * l or dir NULL. A save under a lost lock could collide with that other run (its temp
+ * folders, its retention). Thread-safe; a few system calls. */
+int ckpt_dir_lock_check(const ckpt_dir_lock *l, const char *dir);
+
 /* Release the lock and free the handle; accepts NULL. */
 void ckpt_dir_lock_release(ckpt_dir_lock *l);
 
 /* Set a corrupt snapshot folder aside so that its step can be saved again while the bad
- * bytes stay for inspection: renames dir/name to dir/name.corrupt-<unix seconds> (a name
+ * bytes stay for inspection: renames dir/name to dir/name.corrupt-<unix seconds>, or
+ * .corrupt-<unix seconds>-<k> (k = 1, 2, ...) when that name is taken, never replacing one (a name
  * that readers never take for a snapshot) and fsyncs dir. The new name goes into newname
  * (at least 64 bytes) when not NULL.
  * Errors: -EINVAL (name is not a snapshot folder name), -errno of rename or fsync. */

@@ -253,7 +253,10 @@ static void *persist_main(void *arg)
                   persist_s * 1e3, waited,
                   work_s > 0 ? (double)st.raw_bytes / 1048576.0 / work_s : 0.0);
             if (e->o.on_commit) e->o.on_commit(e->o.on_commit_ctx, e->step);
-            if (e->o.keep_last > 0 || e->o.keep_every > 0) {
+            if ((e->o.keep_last > 0 || e->o.keep_every > 0) && e->o.save.lock &&
+                ckpt_dir_lock_check(e->o.save.lock, e->o.save.dir) < 0) {
+                LOG_W(TAG, "retention in %s skipped: this run's lock on it is gone", e->o.save.dir);
+            } else if (e->o.keep_last > 0 || e->o.keep_every > 0) {
                 removed = ckpt_retain(e->o.save.dir, e->o.keep_last, e->o.keep_every, e->run_id);
                 if (removed < 0) {
                     LOG_W(TAG, "retention in %s failed: %s", e->o.save.dir, strerror(-removed));

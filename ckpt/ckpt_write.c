@@ -679,6 +679,14 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
 
     const int deferred = !trainer_json && trainer_wait;
     if (!deferred && (rc = parse_trainer(trainer_json, step, &trainer)) < 0) goto out;
+    if (opts->lock && (rc = ckpt_dir_lock_check(opts->lock, opts->dir)) < 0) {
+        LOG_E(TAG, "snapshot folder %s: this run's lock on it is gone (%s: the folder or its "
+              ".lock was removed or replaced, and another run may hold it now); not saving step "
+              "%llu there", opts->dir, rc == -ENOENT ? "no .lock" : "another .lock",
+              (unsigned long long)step);
+        rc = -ESTALE;
+        goto out;
+    }
     if ((rc = mkdir_p(opts->dir)) < 0) {
         LOG_E(TAG, "cannot create snapshot folder %s: %s", opts->dir, strerror(-rc));
         goto out;
@@ -932,11 +940,25 @@ int ckpt_set_aside(const char *dir, const char *name, char *newname, size_t newn
     uint64_t step;
     char from[CKPT_PATH_MAX], to[CKPT_PATH_MAX], aside[96];
     if (!dir || !name || ckpt_parse_step_dirname(name, &step) != 0) return -EINVAL;
-    snprintf(aside, sizeof aside, "%.40s.corrupt-%lld", name, (long long)time(NULL));
     int rc = ckpt_path_join(from, sizeof from, dir, name);
-    if (rc == 0) rc = ckpt_path_join(to, sizeof to, dir, aside);
     if (rc < 0) return rc;
-    if (rename(from, to) != 0) {
+    /* a name of its own: .corrupt-<seconds>, then -1, -2, ... when that one is taken (the
+     * same step found corrupt twice within a second, or a name made by hand); never
+     * replacing what is there (RENAME_NOREPLACE, or a check where the file system lacks it:
+     * rename would replace an empty folder) */
+    const long long now = (long long)time(NULL);
+    for (int k = 0;; k++) {
+        if (k == 0) snprintf(aside, sizeof aside, "%.40s.corrupt-%lld", name, now);
+        else snprintf(aside, sizeof aside, "%.40s.corrupt-%lld-%d", name, now, k);
+        if ((rc = ckpt_path_join(to, sizeof to, dir, aside)) < 0) return rc;
+        int r = renameat2(AT_FDCWD, from, AT_FDCWD, to, RENAME_NOREPLACE);
+        if (r != 0 && (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP)) {
+            struct stat st;
+            if (lstat(to, &st) == 0) errno = EEXIST;
+            else r = rename(from, to);
+        }
+        if (r == 0) break;
+        if ((errno == EEXIST || errno == ENOTEMPTY) && k < 1000) continue;
         rc = -errno;
         LOG_E(TAG, "cannot set %s aside as %s: %s", from, aside, strerror(errno));
         return rc;
@@ -1101,6 +1123,18 @@ int ckpt_dir_lock_acquire_owned(const char *dir, const char *owner, ckpt_dir_loc
     l->fd = fd;
     *out = l;
     return 0;
+}
+
+int ckpt_dir_lock_check(const ckpt_dir_lock *l, const char *dir)
+{
+    if (!l || !dir) return -EINVAL;
+    char path[CKPT_PATH_MAX];
+    int rc = ckpt_path_join(path, sizeof path, dir, ".lock");
+    if (rc < 0) return rc;
+    struct stat held, now;
+    if (fstat(l->fd, &held) != 0) return -errno;
+    if (lstat(path, &now) != 0) return errno == ENOENT ? -ENOENT : -errno;
+    return held.st_dev == now.st_dev && held.st_ino == now.st_ino ? 0 : -ESTALE;
 }
 
 void ckpt_dir_lock_release(ckpt_dir_lock *l)

@@ -25,6 +25,38 @@ class Corruption(h.TempDirTest):
         self.assertRegex(r.stderr, r"resumed from \S+step-000000040 at step 40")
         self.assertEqual(h.final(r)["digest"], h.reference()["digest"])
 
+    def test_set_aside_name_taken(self):
+        """The names a corrupt snapshot would be set aside as are taken (the same step found
+        corrupt twice within a second; here made by hand, non-empty and empty, for the next
+        seconds): it goes aside under .corrupt-<seconds>-<k>, none of the taken ones is
+        touched, and the resume falls back as usual. Once the rename failed ('Directory not
+        empty') and the run was refused as if the corrupt snapshot were committed."""
+        import time
+        now = int(time.time())
+        taken = []
+        for t in range(now, now + 60):  # a minute: also on a slow sanitizer build
+            d = os.path.join(self.ckpt, f"step-000000060.corrupt-{t}")
+            os.mkdir(d)
+            if t % 2 == 0:
+                with open(os.path.join(d, "keep"), "w") as f:
+                    f.write(str(t))
+            taken.append(d)
+        size = os.path.getsize(self.shard)
+        with open(self.shard, "r+b") as f:
+            f.seek(size // 2)
+            b = f.read(1)
+            f.seek(size // 2)
+            f.write(bytes([b[0] ^ 0x01]))
+        r = h.train(["--ckpt-dir", self.ckpt, "--ckpt-every", "20", "--resume", "auto"])
+        m = re.search(r"set \S+step-000000060 aside as \S+(step-000000060\.corrupt-\d+-\d+)", r.stderr)
+        self.assertTrue(m, r.stderr[-2000:])
+        self.assertRegex(r.stderr, r"resumed from \S+step-000000040 at step 40")
+        self.assertEqual(h.final(r)["digest"], h.reference()["digest"])
+        for d in taken:
+            t = int(d.rsplit("-", 1)[1])
+            self.assertEqual(os.listdir(d), ["keep"] if t % 2 == 0 else [], d)
+        self.assertTrue(os.path.exists(os.path.join(self.ckpt, m.group(1), "manifest.json")))
+
     def test_c05_flipped_byte(self):
         size = os.path.getsize(self.shard)
         with open(self.shard, "r+b") as f:

@@ -49,6 +49,42 @@ class Misuse(h.TempDirTest):
         p = h.train(["--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume", "auto"])
         self.assertEqual(h.final(p)["step"], 60)
 
+    def test_lost_lock_stops_the_saves(self):
+        """The folder's .lock removed under a running train (a cleanup, an rm -rf) and then
+        taken by a second run: the first saves nothing more there (one error per snapshot
+        naming the lost lock, no recreated folder, no retention) and exits non-zero; the second
+        run's snapshots are all its own. Once the first recreated the folder without a lock at
+        each save and the two wrote into it side by side."""
+        ckpt = os.path.join(self.tmp, "ckpt")
+        lock = os.path.join(ckpt, ".lock")
+        first = subprocess.Popen([h.TRAIN] + h.data_args() + h.SMALL +
+                                 ["--steps", "400", "--ckpt-dir", ckpt, "--ckpt-every", "10",
+                                  "--keep-last", "2", "--log-every", "1"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=h.env(), text=True)
+        try:
+            deadline = time.time() + 60
+            while not h.snapshot_dirs(ckpt) and time.time() < deadline:
+                time.sleep(0.05)
+            self.assertTrue(h.snapshot_dirs(ckpt), "no first snapshot")
+            os.unlink(lock)
+            second = h.train(["--ckpt-dir", ckpt, "--ckpt-every", "5", "--steps", "60",
+                              "--resume", "auto"], check=False)
+            out, err = first.communicate(timeout=300)
+        finally:
+            if first.poll() is None:
+                first.kill()
+                first.communicate()
+        self.assertEqual(second.returncode, 0, second.stderr[-1500:])
+        self.assertNotEqual(first.returncode, 0, err[-1500:])
+        self.assertRegex(err, rf"snapshot folder {re.escape(ckpt)}: this run's lock on it is gone")
+        self.assertIn("the snapshot of the last step 400 failed", err)
+        # after the lock was lost, no snapshot of the first run was committed
+        committed = [int(m) for m in re.findall(r"snapshot step (\d+) committed", err)]
+        lost = int(re.search(r"not saving step (\d+) there", err).group(1))
+        self.assertTrue(all(c < lost for c in committed), (committed, lost))
+        self.assertNotIn("Stale file handle", second.stderr)
+        self.assertTrue(os.path.exists(lock))
+
     def test_lock_of_an_earlier_round_of_the_same_job_is_waited_for(self):
         """A rank of an earlier round of the same job (ELASTIC_RUN_ID) that still holds the
         folder's lock (stopping slowly, or on a node cut off from the store: the chaos suite's
