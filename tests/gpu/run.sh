@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # tests/gpu/run.sh - the GPU check of the CUDA trainer (issue 11), one script for a machine
 # with one or more NVIDIA GPUs. It builds, checks and measures, in under 8 minutes on one
-# H200, and prints one table (also written to $OUT/table.txt):
-#   build         meson + ninja with -Dcuda=enabled into build-gpu/ (sm_80/sm_90 SASS + PTX)
+# H200, and prints one table (also written to $RUN/table.txt):
+#   build         meson + ninja with -Dcuda=enabled into build-gpu/ (sm_80/sm_90 SASS + PTX),
+#                 or with --bundle the programs built by tests/gpu/bundle.sh elsewhere
 #   fatbin        the build suite: sm_90 SASS and PTX embedded, no spills in hot kernels
+#                 (with --bundle: its result where the bundle was built)
 #   kernels       every CUDA op against its CPU reference on fresh random inputs in five
 #                 shapes (fp32 1e-5 relative, bf16 GEMMs 5e-4, bf16 outputs 1e-2), and
 #                 bit-identical twice (tests/gpu/kernel_check; the dry run: its harness on
 #                 the CPU table, kernel_check_cpu)
-#   nccl          multi-rank collectives (tree bits stable, ring, a killed rank is an error):
-#                 only where `nvidia-smi -L` lists two or more GPUs, else "skip"
+#   nccl          multi-rank collectives (tree bits stable, ring, a killed rank is an error)
+#                 where `nvidia-smi -L` lists two or more GPUs, else the same on one rank
+#                 (nccl_check --single: a W=1 communicator, no kill)
 #   resume        the demo model on the GPU: uninterrupted vs SIGKILLed + --resume auto:
 #                 the same params_digest
 #   memtier       the same with the memory tier (CKPT_MEM_PATH, --mem-snapshot-mode async:
@@ -24,30 +27,46 @@
 #                 where and how long the record's digests were hashed
 #   restore       that snapshot resumed: MiB restored through the pinned bounce buffers and
 #                 the copy stream (decompression overlapped with the H2D copies), ms, MiB/s
-# Usage: tests/gpu/run.sh [--quick] [--cpu-dry-run]
+# Usage: tests/gpu/run.sh [--quick] [--cpu-dry-run] [--bundle FILE] [--results DIR]
 #   --quick        skip llm.c and the 124M runs
+#   --bundle FILE  a tests/gpu/bundle.sh output: its programs, libraries (LD_LIBRARY_PATH,
+#                  with the machine's own cudart/cuBLAS/NCCL found by name), token shards
+#                  and llm.c's train_gpt2cu, instead of building here: for a GPU machine
+#                  without our build dependencies (the device tool's; see docs/CUDA.md)
+#   --results DIR  also write table.txt (row by row, so a run cut short still leaves one)
+#                  and logs.tgz (every log; no snapshots) there: the device tool's $OUT
 #   --cpu-dry-run  on a machine without a GPU: the same steps with --device cpu, a small model
 #                  instead of the 124M one, llm.c's train_gpt2cu built but not run, the GPU
 #                  programs' skips (77) as "skip" rows: checks the script itself (its parsing,
 #                  its commands, the llm.c build) before device time is spent on it
-# Environment: OUT (work folder; default /tmp/ckpt-gpu-run), DATA (token shards; default
-# data/brown, made by scripts/demo's set-up), JOBS (build parallelism; default nproc), B (the
-# build folder; default build-gpu/, configured here with -Dcuda=enabled when missing).
+# Every program runs under a timeout (90 s the small runs, 150 s kernel_check and
+# nccl_check, 200 s the 124M run, 150 s llm.c, 120 s the restore): a hang is a FAIL row, not
+# a lost session; the whole script ends within about 8 minutes even so.
+# Environment: GPU_RUN_DIR (work folder; default /tmp/ckpt-gpu-run), DATA (token shards;
+# default data/brown, made by scripts/demo's set-up), JOBS (build parallelism; default nproc),
+# B (the build folder; default build-gpu/, configured here with -Dcuda=enabled when missing),
+# LLMC (llm.c's source; default ../shared/peers/llm.c).
 # Exit status: 0 every check passed, 1 a check failed, 77 no GPU here (without --cpu-dry-run).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-OUT="${OUT:-/tmp/ckpt-gpu-run}"
+RUN="${GPU_RUN_DIR:-/tmp/ckpt-gpu-run}"
 DATA="${DATA:-$ROOT/data/brown}"
 JOBS="${JOBS:-$(nproc)}"
 B="${B:-$ROOT/build-gpu}"
+LLMC="${LLMC:-$ROOT/../shared/peers/llm.c}"
 QUICK=0
 DRY=0
-for a in "$@"; do
-    case "$a" in
+BUNDLE=
+RESULTS=
+while [ $# -gt 0 ]; do
+    case "$1" in
     --quick) QUICK=1 ;;
     --cpu-dry-run) DRY=1 ;;
-    *) echo "tests/gpu/run.sh: unknown argument $a (see the header)" >&2; exit 2 ;;
+    --bundle) BUNDLE="${2:?--bundle FILE}"; shift ;;
+    --results) RESULTS="${2:?--results DIR}"; shift ;;
+    *) echo "tests/gpu/run.sh: unknown argument $1 (see the header)" >&2; exit 2 ;;
     esac
+    shift
 done
 DEV=cuda
 [ $DRY = 1 ] && DEV=cpu
@@ -56,85 +75,139 @@ T0=$SECONDS
 
 rows=()
 failed=0
+# the table so far, in $RUN/table.txt and --results' (rewritten at each row)
+write_table() {
+    {
+        echo "== tests/gpu/run.sh: $(date -u +%FT%TZ), $((SECONDS - T0)) s${1:-}"
+        echo "gpus: ${GPUS:-?}${BUNDLE:+; bundle: $(head -1 "$RUN/bundle/BUNDLE" 2>/dev/null)}"
+        printf '%-10s %-5s %s\n' check result figures
+        for r in "${rows[@]}"; do echo "$r"; done
+    } >"$RUN/table.txt"
+    [ -z "$RESULTS" ] || cp "$RUN/table.txt" "$RESULTS/table.txt"
+}
 row() { # row NAME RESULT FIGURES
     rows+=("$(printf '%-10s %-5s %s' "$1" "$2" "$3")")
     [ "$2" = "FAIL" ] && failed=1
     printf '[gpu %4ds] %-10s %-5s %s\n' "$((SECONDS - T0))" "$1" "$2" "$3"
+    write_table " (running)"
 }
 table() {
-    {
-        echo "== tests/gpu/run.sh: $(date -u +%FT%TZ), $((SECONDS - T0)) s"
-        echo "gpus: ${GPUS:-?}"
-        printf '%-10s %-5s %s\n' check result figures
-        for r in "${rows[@]}"; do echo "$r"; done
-    } | tee "$OUT/table.txt"
+    write_table
+    cat "$RUN/table.txt"
+    [ -z "$RESULTS" ] || (cd "$RUN" && find . -maxdepth 2 \( -name '*.log' -o -name '*.txt' -o -name BUNDLE \) -print0 |
+        tar --null -czf "$RESULTS/logs.tgz" -T - 2>/dev/null)
 }
 digest() { sed -n 's/.*params_digest=\([0-9a-f]*\).*/\1/p' "$1" | tail -1; }
 
-mkdir -p "$OUT"
+mkdir -p "$RUN"
+[ -z "$RESULTS" ] || mkdir -p "$RESULTS"
 if [ $DRY = 1 ]; then
-    echo "GPU 0: none (--cpu-dry-run: every step with --device cpu)" >"$OUT/gpus.txt"
-elif ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >"$OUT/gpus.txt" 2>&1; then
+    echo "GPU 0: none (--cpu-dry-run: every step with --device cpu)" >"$RUN/gpus.txt"
+elif ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >"$RUN/gpus.txt" 2>&1; then
     echo "tests/gpu/run.sh: no GPU here (nvidia-smi -L failed): skipped"
     exit 77
 fi
-NGPU=$(grep -c '^GPU ' "$OUT/gpus.txt" || true)
-GPUS="$NGPU: $(head -1 "$OUT/gpus.txt")"
+NGPU=$(grep -c '^GPU ' "$RUN/gpus.txt" || true)
+GPUS="$NGPU: $(head -1 "$RUN/gpus.txt")"
 [ "$NGPU" -ge 1 ] || { echo "tests/gpu/run.sh: nvidia-smi lists no GPU: skipped"; exit 77; }
 
-# ---- build
+# ---- build, or the bundle's programs
 t=$SECONDS
-if [ -f "$B/build.ninja" ] || meson setup "$B" -Dcuda=enabled -Dbuildtype=release >"$OUT/setup.log" 2>&1; then
-    if ninja -C "$B" -j "$JOBS" >"$OUT/build.log" 2>&1; then
-        row build ok "$((SECONDS - t)) s"
-    else
-        row build FAIL "see $OUT/build.log: $(grep -m1 -i error "$OUT/build.log")"
+LLMC_BIN=
+if [ -n "$BUNDLE" ]; then
+    rm -rf "$RUN/bundle" && mkdir -p "$RUN/bundle"
+    if ! tar -C "$RUN/bundle" -xzf "$BUNDLE" 2>"$RUN/bundle.log"; then
+        row build FAIL "cannot unpack $BUNDLE: $(head -1 "$RUN/bundle.log")"
         table; exit 1
     fi
+    B="$RUN/bundle/build"
+    [ -d "$DATA" ] || DATA="$RUN/bundle/data"
+    LLMC_BIN="$RUN/bundle/llmc/train_gpt2cu"
+    # cudart, cuBLAS(Lt) and NCCL are this machine's: the CUDA toolkit's, or the pip wheels'
+    # (nvidia-cublas, nvidia-nccl-cu13) - the folders of the first of each found
+    libdirs="$RUN/bundle/lib"
+    for so in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
+        d=$(timeout 60 find /usr/local/cuda/ /usr/local/cuda*/ /usr/lib /opt /usr/local/lib -name "$so" \
+            -not -path '*/stubs/*' 2>/dev/null | head -1)
+        [ -n "$d" ] && libdirs="$libdirs:$(dirname "$d")"
+    done
+    export LD_LIBRARY_PATH="$libdirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" >"$RUN/ldd.log"
+    for p in "$B/train" "$B/tests/gpu/kernel_check" "$B/tests/gpu/nccl_check" "$LLMC_BIN"; do
+        ldd "$p" >>"$RUN/ldd.log" 2>&1
+    done
+    missing=$(grep 'not found' "$RUN/ldd.log" | awk '{print $1}' | sort -u | tr '\n' ' ')
+    if [ -n "$missing" ]; then
+        row build FAIL "bundle: libraries not found here: $missing(see $RUN/ldd.log)"
+        table; exit 1
+    fi
+    row build ok "bundle: $(head -2 "$RUN/bundle/BUNDLE" | tr '\n' ' ')"
+    if grep -q '^fatbin: fatbin of' "$RUN/bundle/BUNDLE"; then
+        row fatbin ok "$(sed -n 's/^fatbin: //p' "$RUN/bundle/BUNDLE") (where the bundle was built)"
+    else
+        row fatbin FAIL "the bundle has no fatbin result"
+    fi
 else
-    row build FAIL "meson setup: see $OUT/setup.log"
-    table; exit 1
-fi
+    if [ -f "$B/build.ninja" ] || meson setup "$B" -Dcuda=enabled -Dbuildtype=release >"$RUN/setup.log" 2>&1; then
+        if ninja -C "$B" -j "$JOBS" >"$RUN/build.log" 2>&1; then
+            row build ok "$((SECONDS - t)) s"
+        else
+            row build FAIL "see $RUN/build.log: $(grep -m1 -i error "$RUN/build.log")"
+            table; exit 1
+        fi
+    else
+        row build FAIL "meson setup: see $RUN/setup.log (no GPU build here? tests/gpu/bundle.sh)"
+        table; exit 1
+    fi
 
-# ---- fatbin and spills (the same test CI runs)
-if meson test -C "$B" --suite build --verbose >"$OUT/fatbin.log" 2>&1; then
-    row fatbin ok "$(grep -m1 -o 'fatbin of [^:]*: [^:]*' "$OUT/fatbin.log"); $(grep -m1 -o 'zero spill.*' "$OUT/fatbin.log")"
-else
-    row fatbin FAIL "see $OUT/fatbin.log"
+    # ---- fatbin and spills (the same test CI runs)
+    if meson test -C "$B" --suite build --verbose >"$RUN/fatbin.log" 2>&1; then
+        row fatbin ok "$(grep -m1 -o 'fatbin of [^:]*: [^:]*' "$RUN/fatbin.log"); $(grep -m1 -o 'zero spill.*' "$RUN/fatbin.log")"
+    else
+        row fatbin FAIL "see $RUN/fatbin.log"
+    fi
+fi
+if ! ls "$DATA"/train_*.bin >/dev/null 2>&1; then
+    row data FAIL "no token shards in $DATA (scripts/demo's set-up makes data/brown; --bundle carries them)"
+    table; exit 1
 fi
 
 # ---- kernels vs CPU reference
 KC="$B/tests/gpu/kernel_check"
 [ $DRY = 1 ] && KC="$B/tests/gpu/kernel_check_cpu" # no GPU: the harness on the CPU table
-"$KC" >"$OUT/kernels.log" 2>&1
+# freed host buffers stay in the heap (no fresh mmap and page faults for each 64 MiB one)
+MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=268435456 \
+    timeout 150 "$KC" >"$RUN/kernels.log" 2>&1
 krc=$?
 if [ $krc = 0 ]; then
     # the worst passing check relative to its tolerance (bit-exact checks at 0 left out)
     worst=$(awk '/PASS/ { for (i = 1; i < NF; i++) { if ($i == "max_rel_err") e = $(i + 1); if ($i == "tol") t = $(i + 1) }
-                 if (t + 0 > 0 && e / t >= w) { w = e / t; l = $0 } } END { gsub(/  +/, " ", l); print l }' "$OUT/kernels.log")
-    row kernels ok "$(grep -c PASS "$OUT/kernels.log") checks pass$([ $DRY = 1 ] && echo ' (CPU table: the harness only)'); closest to its tolerance: $worst"
+                 if (t + 0 > 0 && e / t >= w) { w = e / t; l = $0 } } END { gsub(/  +/, " ", l); print l }' "$RUN/kernels.log")
+    row kernels ok "$(grep -c PASS "$RUN/kernels.log") checks pass$([ $DRY = 1 ] && echo ' (CPU table: the harness only)'); closest to its tolerance: $worst"
 else
-    row kernels FAIL "$(grep -v PASS "$OUT/kernels.log" | head -3 | tr '\n' ';')"
+    row kernels FAIL "$(grep -v PASS "$RUN/kernels.log" | head -3 | tr '\n' ';')"
 fi
 
-# ---- NCCL, two or more GPUs
-if [ "$NGPU" -ge 2 ]; then
-    if "$B/tests/gpu/nccl_check" >"$OUT/nccl.log" 2>&1; then
-        row nccl ok "$(tail -1 "$OUT/nccl.log")"
-    else
-        row nccl FAIL "$(tail -2 "$OUT/nccl.log" | tr '\n' ';')"
-    fi
+# ---- NCCL: W ranks on two or more GPUs, else one rank (--single)
+if [ $DRY = 1 ]; then
+    row nccl skip "no GPU"
 else
-    row nccl skip "one GPU (nvidia-smi -L lists $NGPU)"
+    nargs=()
+    [ "$NGPU" -ge 2 ] || nargs=(--single)
+    if timeout 150 "$B/tests/gpu/nccl_check" "${nargs[@]}" >"$RUN/nccl.log" 2>&1; then
+        row nccl ok "$(grep -m1 'NCCL W=' "$RUN/nccl.log"); $(grep -c 'killed rank' "$RUN/nccl.log") kill line(s)"
+    else
+        row nccl FAIL "exit $?: $(tail -2 "$RUN/nccl.log" | tr '\n' ';')"
+    fi
 fi
 
 # ---- kill and resume on the GPU: the demo model
 TR="$B/train"
 SMALL=(--data "$DATA/train_*.bin" --n-layer 4 --n-embd 128 --n-head 4 --seq-len 128
        --micro-batch 8 --grad-accum 2 --steps 120 --log-every 10 --seed 7)
-rm -rf "$OUT/ref" "$OUT/kill" "$OUT/cpu"
-"$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$OUT/ref" --ckpt-every 40 >"$OUT/ref.log" 2>&1
-ref=$(digest "$OUT/ref.log")
+rm -rf "$RUN/ref" "$RUN/kill" "$RUN/cpu"
+timeout 90 "$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$RUN/ref" --ckpt-every 40 >"$RUN/ref.log" 2>&1
+ref=$(digest "$RUN/ref.log")
 kill_at_70() { # kill_at_70 LOG COMMAND...: run it, SIGKILL it once LOG shows step 70; the last step
     local log="$1"
     shift
@@ -149,52 +222,52 @@ kill_at_70() { # kill_at_70 LOG COMMAND...: run it, SIGKILL it once LOG shows st
     wait $kpid 2>/dev/null
     grep -o 'step [0-9]*/' "$log" | tail -1 | tr -dc 0-9
 }
-killed_at=$(kill_at_70 "$OUT/kill1.log" "$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$OUT/kill" \
+killed_at=$(kill_at_70 "$RUN/kill1.log" "$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$RUN/kill" \
     --ckpt-every 20 --log-every 1)
-"$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$OUT/kill" --ckpt-every 20 --resume auto \
-    >"$OUT/kill2.log" 2>&1
-res=$(digest "$OUT/kill2.log")
-from=$(grep -o 'resumed from .* at step [0-9]*' "$OUT/kill2.log" | head -1 | sed 's/.* at //')
+timeout 90 "$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$RUN/kill" --ckpt-every 20 --resume auto \
+    >"$RUN/kill2.log" 2>&1
+res=$(digest "$RUN/kill2.log")
+from=$(grep -o 'resumed from .* at step [0-9]*' "$RUN/kill2.log" | head -1 | sed 's/.* at //')
 if [ -n "$ref" ] && [ "$ref" = "$res" ]; then
     row resume ok "killed at step ${killed_at:-?}, resumed at ${from:-?}; digest ${ref:0:16} equal"
 else
-    row resume FAIL "uninterrupted ${ref:-none} vs resumed ${res:-none} (see $OUT/kill2.log)"
+    row resume FAIL "uninterrupted ${ref:-none} vs resumed ${res:-none} (see $RUN/kill2.log)"
 fi
 
 # ---- the memory tier, asynchronous (the default on CUDA): copies from the GPU straight into
 # the pinned shared-memory slots; killed at step 70, resumed from memory, same digest
 MEMP="/dev/shm/ckptmem-gpurun-$$"
-rm -rf "$OUT/mem"
-mkilled=$(kill_at_70 "$OUT/mem1.log" env CKPT_MEM_PATH="$MEMP" "$TR" "${SMALL[@]}" --device "$DEV" \
-    --ckpt-dir "$OUT/mem" --ckpt-every 40 --mem-snapshot-mode async --log-every 1)
-CKPT_MEM_PATH="$MEMP" "$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$OUT/mem" --ckpt-every 40 \
-    --mem-snapshot-mode async --resume auto >"$OUT/mem2.log" 2>&1
-mres=$(digest "$OUT/mem2.log")
-mfrom=$(grep -o 'resumed from memory ([a-z]*) at step [0-9]*' "$OUT/mem2.log" | head -1 | sed 's/.* at //')
-mstall=$(grep -o 'memory snapshots: [0-9]* taken, stall [0-9.]* ms mean, [0-9.]* ms max' "$OUT/mem2.log" | tail -1)
+rm -rf "$RUN/mem"
+mkilled=$(kill_at_70 "$RUN/mem1.log" env CKPT_MEM_PATH="$MEMP" "$TR" "${SMALL[@]}" --device "$DEV" \
+    --ckpt-dir "$RUN/mem" --ckpt-every 40 --mem-snapshot-mode async --log-every 1)
+CKPT_MEM_PATH="$MEMP" timeout 90 "$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$RUN/mem" --ckpt-every 40 \
+    --mem-snapshot-mode async --resume auto >"$RUN/mem2.log" 2>&1
+mres=$(digest "$RUN/mem2.log")
+mfrom=$(grep -o 'resumed from memory ([a-z]*) at step [0-9]*' "$RUN/mem2.log" | head -1 | sed 's/.* at //')
+mstall=$(grep -o 'memory snapshots: [0-9]* taken, stall [0-9.]* ms mean, [0-9.]* ms max' "$RUN/mem2.log" | tail -1)
 rm -f "$MEMP".*
 if [ -n "$ref" ] && [ "$ref" = "$mres" ] && [ -n "$mfrom" ]; then
     row memtier ok "async: killed at step ${mkilled:-?}, resumed from memory at $mfrom; digest equal; ${mstall:-no summary}"
 else
-    row memtier FAIL "resumed from memory at ${mfrom:-none}; uninterrupted ${ref:-none} vs ${mres:-none} (see $OUT/mem2.log)"
+    row memtier FAIL "resumed from memory at ${mfrom:-none}; uninterrupted ${ref:-none} vs ${mres:-none} (see $RUN/mem2.log)"
 fi
 
 # ---- a GPU snapshot restored on the CPU backend (same weights), and the other way
-last=$(ls -d "$OUT/ref"/step-* 2>/dev/null | sort | tail -1)
+last=$(ls -d "$RUN/ref"/step-* 2>/dev/null | sort | tail -1)
 if [ -n "$last" ]; then
-    "$TR" "${SMALL[@]}" --device cpu --resume "$last" >"$OUT/g2c.log" 2>&1
-    g2c=$(digest "$OUT/g2c.log")
+    timeout 90 "$TR" "${SMALL[@]}" --device cpu --resume "$last" >"$RUN/g2c.log" 2>&1
+    g2c=$(digest "$RUN/g2c.log")
     if [ -n "$g2c" ] && [ "$g2c" = "$ref" ]; then row gpu-cpu ok "$(basename "$last") on cpu: ${g2c:0:16} equal"
     else row gpu-cpu FAIL "gpu ${ref:-none} vs cpu ${g2c:-none}"; fi
 else
-    row gpu-cpu FAIL "no snapshot in $OUT/ref"
+    row gpu-cpu FAIL "no snapshot in $RUN/ref"
 fi
 CPUS=(--data "$DATA/train_*.bin" --n-layer 2 --n-embd 64 --n-head 2 --seq-len 64
       --micro-batch 4 --steps 20 --seed 7)
-"$TR" "${CPUS[@]}" --device cpu --ckpt-dir "$OUT/cpu" --ckpt-every 20 >"$OUT/cpu.log" 2>&1
-cpud=$(digest "$OUT/cpu.log")
-"$TR" "${CPUS[@]}" --device "$DEV" --resume "$OUT/cpu/step-000000020" >"$OUT/c2g.log" 2>&1
-c2g=$(digest "$OUT/c2g.log")
+timeout 90 "$TR" "${CPUS[@]}" --device cpu --ckpt-dir "$RUN/cpu" --ckpt-every 20 >"$RUN/cpu.log" 2>&1
+cpud=$(digest "$RUN/cpu.log")
+timeout 90 "$TR" "${CPUS[@]}" --device "$DEV" --resume "$RUN/cpu/step-000000020" >"$RUN/c2g.log" 2>&1
+c2g=$(digest "$RUN/c2g.log")
 if [ -n "$c2g" ] && [ "$c2g" = "$cpud" ]; then row cpu-gpu ok "cpu snapshot on cuda: ${c2g:0:16} equal"
 else row cpu-gpu FAIL "cpu ${cpud:-none} vs cuda ${c2g:-none}"; fi
 
@@ -209,57 +282,67 @@ if [ $QUICK = 0 ]; then
     [ $DRY = 1 ] && BIG=(--data "$DATA/train_*.bin" --vocab 50257 --n-layer 2 --n-embd 128
          --n-head 4 --seq-len 256 --micro-batch 4 --grad-accum 1 --steps 12 --log-every 1
          --device cpu --dtype bf16)
-    rm -rf "$OUT/big"
-    CKPT_LOG_LEVEL=debug timeout 240 "$TR" "${BIG[@]}" --ckpt-dir "$OUT/big" --ckpt-every 6 \
-        --keep-last 1 >"$OUT/big.log" 2>&1
-    ours=$(med_toks "$OUT/big.log")
-    rm -rf "$OUT/llmc" && cp -r "$ROOT/../shared/peers/llm.c" "$OUT/llmc"
-    if (cd "$OUT/llmc" && make train_gpt2cu NO_MULTI_GPU=1 NO_USE_MPI=1 GPU_COMPUTE_CAPABILITY=90 \
-            >"$OUT/llmc-build.log" 2>&1); then
-        [ $DRY = 1 ] || (cd "$OUT/llmc" && timeout 180 ./train_gpt2cu -i "$DATA/train_*.bin" -j "$DATA/val_*.bin" \
-            -e d12 -b 16 -t 1024 -x 12 -v 100000 -s 100000 -m 2 >"$OUT/llmc.log" 2>&1)
-        [ $DRY = 1 ] || theirs=$(grep -o '[0-9.]* tok/s' "$OUT/llmc.log" | awk 'NR > 3 {print int($1)}' | sort -n |
+    rm -rf "$RUN/big"
+    CKPT_LOG_LEVEL=debug timeout 200 "$TR" "${BIG[@]}" --ckpt-dir "$RUN/big" --ckpt-every 6 \
+        --keep-last 1 >"$RUN/big.log" 2>&1
+    ours=$(med_toks "$RUN/big.log")
+    # llm.c: the bundle's train_gpt2cu, or built here from $LLMC
+    rm -rf "$RUN/llmc" && mkdir -p "$RUN/llmc"
+    if [ -n "$LLMC_BIN" ]; then
+        cp "$LLMC_BIN" "$RUN/llmc/" && echo "prebuilt: $LLMC_BIN" >"$RUN/llmc-build.log"
+    elif [ -f "$LLMC/Makefile" ]; then
+        cp -r "$LLMC/." "$RUN/llmc" && (cd "$RUN/llmc" && timeout 300 make train_gpt2cu NO_MULTI_GPU=1 NO_USE_MPI=1 \
+            GPU_COMPUTE_CAPABILITY=90 >"$RUN/llmc-build.log" 2>&1)
+    else
+        echo "no llm.c source in $LLMC" >"$RUN/llmc-build.log"
+    fi
+    if [ -x "$RUN/llmc/train_gpt2cu" ]; then
+        [ $DRY = 1 ] || (cd "$RUN/llmc" && timeout 150 ./train_gpt2cu -i "$DATA/train_*.bin" -j "$DATA/val_*.bin" \
+            -e d12 -b 16 -t 1024 -x 12 -v 100000 -s 100000 -m 2 >"$RUN/llmc.log" 2>&1)
+        [ $DRY = 1 ] || theirs=$(grep -o '[0-9.]* tok/s' "$RUN/llmc.log" | awk 'NR > 3 {print int($1)}' | sort -n |
                  awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print 0}')
         [ $DRY = 1 ] && theirs="(built, not run: no GPU)"
     else
         theirs=0
-        [ $DRY = 1 ] && theirs="(build FAILED: $OUT/llmc-build.log)"
+        [ $DRY = 1 ] && theirs="(build FAILED: $RUN/llmc-build.log)"
     fi
+    [ $DRY = 1 ] || [ "${theirs:-0}" -gt 0 ] ||
+        row llm.c FAIL "no tok/s from train_gpt2cu: $(tail -1 "$RUN/llmc-build.log"); $(grep -m1 -iE 'error|fail' "$RUN/llmc.log" 2>/dev/null)"
     if [ "${ours:-0}" -gt 0 ]; then
         ratio=$(awk -v a="$ours" -v b="${theirs:-0}" 'BEGIN {if (b + 0 > 0) printf "%.2f", a / b; else print "n/a"}')
         what="124M bf16 16x1024"
         [ $DRY = 1 ] && what="dry run: 2 x 128 bf16 4x256 on the CPU"
-        mem=$(grep -o 'bf16 working parameters [0-9.]* MiB, activations [0-9.]* MiB' "$OUT/big.log" | head -1)
+        mem=$(grep -o 'bf16 working parameters [0-9.]* MiB, activations [0-9.]* MiB' "$RUN/big.log" | head -1)
         row tokens/s ok "ours $ours, llm.c ${theirs:-0} (ratio $ratio), $what; ${mem:-no model memory line}"
     else
-        row tokens/s FAIL "no step line in $OUT/big.log: $(grep -m1 -iE 'error|fail' "$OUT/big.log")"
+        row tokens/s FAIL "no step line in $RUN/big.log: $(grep -m1 -iE 'error|fail' "$RUN/big.log")"
     fi
-    st=$(grep -o 'stall [0-9.]* ms for [0-9.]* MiB' "$OUT/big.log" | tail -1)
+    st=$(grep -o 'stall [0-9.]* ms for [0-9.]* MiB' "$RUN/big.log" | tail -1)
     smib=$(echo "$st" | awk '{print int($5 + 0.5)}')
     if [ -n "$st" ] && [ "${smib:-0}" -gt 0 ]; then
         bare=$("$B/tests/gpu/copy_bench" --device "$DEV" "$smib" 5 2>&1 | tail -1)
-        pers=$(grep -o 'persist [0-9]* ms[^,]*, [0-9.]* MiB/s' "$OUT/big.log" | tail -1)
+        pers=$(grep -o 'persist [0-9]* ms[^,]*, [0-9.]* MiB/s' "$RUN/big.log" | tail -1)
         # the second part of the stall: the next update's wait for the copies (and digests)
-        wt=$(grep -o 'waited [0-9.]* ms for its copies' "$OUT/big.log" | tail -1)
+        wt=$(grep -o 'waited [0-9.]* ms for its copies' "$RUN/big.log" | tail -1)
         # the record's digests, hashed on the digest thread while the next step computes
-        dg=$(grep -o 'digests hashed on the [a-z]* thread ([0-9.]* ms of hashing)' "$OUT/big.log" | tail -1)
+        dg=$(grep -o 'digests hashed on the [a-z]* thread ([0-9.]* ms of hashing)' "$RUN/big.log" | tail -1)
         row stall ok "$st, ${wt:-no wait logged}; bare copy: $(echo "$bare" | grep -o 'd2h_ms=[0-9.]* d2h_gbps=[0-9.]*'); $pers; ${dg:-no digests line}"
     else
-        row stall FAIL "no stall line in $OUT/big.log"
+        row stall FAIL "no stall line in $RUN/big.log"
     fi
     # the restore of that snapshot (--steps 12: loads, checks, trains nothing): slices read and
     # decompressed into pinned bounce buffers while the previous slice is copied to the device
     # (the CPU dry run forces that path with CKPT_RESTORE_STAGED=1)
-    CKPT_RESTORE_STAGED=1 timeout 120 "$TR" "${BIG[@]}" --ckpt-dir "$OUT/big" --resume auto \
-        >"$OUT/big-resume.log" 2>&1
-    rs=$(grep -o 'restore into [^:]*: [0-9.]* MiB' "$OUT/big-resume.log" | tail -1)
-    rms=$(grep -o 'loaded and checked in [0-9.]* ms' "$OUT/big-resume.log" | tail -1 | grep -o '[0-9.]* ms')
+    CKPT_RESTORE_STAGED=1 timeout 120 "$TR" "${BIG[@]}" --ckpt-dir "$RUN/big" --resume auto \
+        >"$RUN/big-resume.log" 2>&1
+    rs=$(grep -o 'restore into [^:]*: [0-9.]* MiB' "$RUN/big-resume.log" | tail -1)
+    rms=$(grep -o 'loaded and checked in [0-9.]* ms' "$RUN/big-resume.log" | tail -1 | grep -o '[0-9.]* ms')
     rmib=$(echo "$rs" | awk '{print $(NF - 1)}')
     if [ -n "$rs" ] && [ -n "$rms" ]; then
         rate=$(awk -v m="$rmib" -v t="${rms% ms}" 'BEGIN {if (t > 0) printf "%.0f", m / (t / 1000); else print "n/a"}')
         row restore ok "$rs in $rms (${rate} MiB/s, read + decompress + H2D + gather + digests)"
     else
-        row restore FAIL "no staged restore in $OUT/big-resume.log: $(grep -m1 -iE 'error|fail|skipping' "$OUT/big-resume.log")"
+        row restore FAIL "no staged restore in $RUN/big-resume.log: $(grep -m1 -iE 'error|fail|skipping' "$RUN/big-resume.log")"
     fi
 else
     row tokens/s skip "--quick"
