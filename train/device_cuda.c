@@ -247,6 +247,13 @@ static int cuda_alloc(train_device *td, void **out, size_t bytes)
         rc = fail_sticky(&d->compute.err, e, "cudaMemsetAsync");
     else
         rc = stream_wait(&d->compute, SYNC_BOUND_S);
+    if (rc == -ETIMEDOUT) {
+        /* the memset is still queued: cudaFree would wait for it without a bound (it
+         * synchronises the device), so the allocation is left to the process */
+        LOG_W("device", "cuda:%d: %zu bytes leaked: their zeroing did not finish in %.0f s",
+              d->ordinal, bytes, SYNC_BOUND_S);
+        return rc;
+    }
     if (rc < 0) {
         (void)cudaFree(p);
         return rc;
