@@ -46,7 +46,7 @@ rm -rf "$ROOT/.work/llmc-build" && cp -r "$LLMC" "$ROOT/.work/llmc-build"
 cp "$ROOT/.work/llmc-build/train_gpt2cu" "$STAGE/llmc/"
 
 PROGS=(train elastic/elastic ckpt-inspect tests/gpu/kernel_check tests/gpu/kernel_check_cpu
-       tests/gpu/nccl_check tests/gpu/copy_bench)
+       tests/gpu/nccl_check tests/gpu/copy_bench tests/unit/test_device tests/unit/test_train_stage)
 for p in "${PROGS[@]}"; do
     [ -x "$B/$p" ] || die "$B/$p was not built"
     mkdir -p "$STAGE/build/$(dirname "$p")"

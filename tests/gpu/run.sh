@@ -10,6 +10,9 @@
 #                 shapes (fp32 1e-5 relative, bf16 GEMMs 5e-4, bf16 outputs 1e-2), and
 #                 bit-identical twice (tests/gpu/kernel_check; the dry run: its harness on
 #                 the CPU table, kernel_check_cpu)
+#   device        the device layer's CUDA smoke test (tests/unit/test_device: memory, copies,
+#                 streams, events, pinned and registered memory) and the stager's checks on
+#                 the GPU (test_train_stage with TRAIN_STAGE_TEST_DEVICE=cuda)
 #   nccl          multi-rank collectives (tree bits stable, ring, a killed rank is an error)
 #                 where `nvidia-smi -L` lists two or more GPUs, else the same on one rank
 #                 (nccl_check --single: a W=1 communicator, no kill)
@@ -186,6 +189,14 @@ if [ $krc = 0 ]; then
     row kernels ok "$(grep -c PASS "$RUN/kernels.log") checks pass$([ $DRY = 1 ] && echo ' (CPU table: the harness only)'); closest to its tolerance: $worst"
 else
     row kernels FAIL "$(grep -v PASS "$RUN/kernels.log" | head -3 | tr '\n' ';')"
+fi
+
+# ---- the device layer and the stager on the GPU (their CPU runs are CI's unit tests)
+if timeout 120 "$B/tests/unit/test_device" >"$RUN/device.log" 2>&1 &&
+   TRAIN_STAGE_TEST_DEVICE=$DEV timeout 120 "$B/tests/unit/test_train_stage" >>"$RUN/device.log" 2>&1; then
+    row device ok "$(grep -m1 '^device: ' "$RUN/device.log"); $(grep -o 'test_[a-z_]*: all [0-9]* checks passed' "$RUN/device.log" | tr '\n' ';')"
+else
+    row device FAIL "$(grep -m2 -E 'FAIL|failed' "$RUN/device.log" | tr '\n' ';') (see $RUN/device.log)"
 fi
 
 # ---- NCCL: W ranks on two or more GPUs, else one rank (--single)
