@@ -88,7 +88,10 @@ int train_device_open(train_device **out, train_device_kind kind, int ordinal, c
 void train_device_close(train_device *d)
 {
     if (!d) return;
-    for (size_t i = 0; i < d->nreg; i++) /* ranges the caller left registered */
+    /* the compute stream first (as the header says), so that no copy it still runs uses a
+     * range unregistered below; after a timeout the ranges stay registered (the process's) */
+    const int drained = d->nreg == 0 || d->ops->stream_sync(d->ops->compute_stream(d), 60.0) != -ETIMEDOUT;
+    for (size_t i = 0; drained && i < d->nreg; i++) /* ranges the caller left registered */
         d->ops->host_unpin(d, d->reg[i].p);
     pthread_mutex_destroy(&d->reg_mu);
     free(d->reg);
