@@ -25,6 +25,7 @@
 #include <nccl.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,12 +57,84 @@ static int nccl_errno(ncclResult_t r)
     return r == ncclRemoteError || r == ncclSystemError ? -ECONNRESET : -EIO;
 }
 
+/* ncclCommAbort on a thread of its own, waited for at most ABORT_WAIT_S: an abort can hang
+ * with a dead peer (NVIDIA/nccl#863, #1777), and a dead peer must be an error in seconds.
+ * After the bound the thread is left running (detached) with its communicator. */
+#define ABORT_WAIT_S 30.0
+
+typedef struct abort_job {
+    ncclComm_t comm;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int done, abandoned;
+} abort_job;
+
+static void *abort_main(void *arg)
+{
+    abort_job *j = arg;
+    ncclCommAbort(j->comm);
+    pthread_mutex_lock(&j->mu);
+    j->done = 1;
+    const int abandoned = j->abandoned;
+    pthread_cond_signal(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+    if (abandoned) { /* the waiter is gone: the job is this thread's to free */
+        pthread_mutex_destroy(&j->mu);
+        pthread_cond_destroy(&j->cv);
+        free(j);
+    }
+    return NULL;
+}
+
+static void abort_bounded(ncclComm_t comm)
+{
+    abort_job *j = calloc(1, sizeof *j);
+    pthread_t th;
+    if (!j) {
+        ncclCommAbort(comm);
+        return;
+    }
+    j->comm = comm;
+    pthread_mutex_init(&j->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&j->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    if (pthread_create(&th, NULL, abort_main, j) != 0) {
+        pthread_mutex_destroy(&j->mu);
+        pthread_cond_destroy(&j->cv);
+        free(j);
+        ncclCommAbort(comm);
+        return;
+    }
+    struct timespec dl;
+    clock_gettime(CLOCK_MONOTONIC, &dl);
+    dl.tv_sec += (time_t)ABORT_WAIT_S;
+    pthread_mutex_lock(&j->mu);
+    while (!j->done)
+        if (pthread_cond_timedwait(&j->cv, &j->mu, &dl) == ETIMEDOUT) break;
+    const int done = j->done;
+    if (!done) j->abandoned = 1;
+    pthread_mutex_unlock(&j->mu);
+    if (done) {
+        pthread_join(th, NULL);
+        pthread_mutex_destroy(&j->mu);
+        pthread_cond_destroy(&j->cv);
+        free(j);
+    } else {
+        pthread_detach(th);
+        LOG_W(TAG, "ncclCommAbort did not return within %.0f s; leaving it to the process",
+              ABORT_WAIT_S);
+    }
+}
+
 /* The first failure of a collective: log it, abort the communicator, poison the dcomm. */
 static int poison(train_dcomm *c, int err)
 {
     nccl_state *s = c->nccl;
     if (s && s->comm) {
-        ncclCommAbort(s->comm);
+        abort_bounded(s->comm);
         s->comm = NULL;
     }
     if (!c->err) c->err = err;
@@ -259,7 +332,7 @@ int dcomm_nccl_init(train_dcomm *c)
               c->world, s->cuda_dev, c->mode == TRAIN_DCOMM_RING ? "ring" : "tree");
 out:
     if (r < 0) {
-        if (s->comm) ncclCommAbort(s->comm);
+        if (s->comm) abort_bounded(s->comm);
         s->comm = NULL;
         state_free(c);
         c->err = 0;
@@ -284,7 +357,7 @@ void dcomm_nccl_free(train_dcomm *c)
             s->comm = NULL;
         }
     }
-    if (s->comm) ncclCommAbort(s->comm);
+    if (s->comm) abort_bounded(s->comm);
     s->comm = NULL;
     state_free(c);
 }
