@@ -64,6 +64,7 @@ static int nccl_errno(ncclResult_t r)
 
 typedef struct abort_job {
     ncclComm_t comm;
+    int cuda_dev; /* the communicator's device, made current on the abort's thread */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int done, abandoned;
@@ -72,6 +73,7 @@ typedef struct abort_job {
 static void *abort_main(void *arg)
 {
     abort_job *j = arg;
+    (void)cudaSetDevice(j->cuda_dev); /* a fresh thread would otherwise start on device 0 */
     ncclCommAbort(j->comm);
     pthread_mutex_lock(&j->mu);
     j->done = 1;
@@ -86,7 +88,7 @@ static void *abort_main(void *arg)
     return NULL;
 }
 
-static void abort_bounded(ncclComm_t comm)
+static void abort_bounded(ncclComm_t comm, int cuda_dev)
 {
     abort_job *j = calloc(1, sizeof *j);
     pthread_t th;
@@ -95,6 +97,7 @@ static void abort_bounded(ncclComm_t comm)
         return;
     }
     j->comm = comm;
+    j->cuda_dev = cuda_dev;
     pthread_mutex_init(&j->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -134,7 +137,7 @@ static int poison(train_dcomm *c, int err)
 {
     nccl_state *s = c->nccl;
     if (s && s->comm) {
-        abort_bounded(s->comm);
+        abort_bounded(s->comm, s->cuda_dev);
         s->comm = NULL;
     }
     if (!c->err) c->err = err;
@@ -332,7 +335,7 @@ int dcomm_nccl_init(train_dcomm *c)
               c->world, s->cuda_dev, c->mode == TRAIN_DCOMM_RING ? "ring" : "tree");
 out:
     if (r < 0) {
-        if (s->comm) abort_bounded(s->comm);
+        if (s->comm) abort_bounded(s->comm, s->cuda_dev);
         s->comm = NULL;
         state_free(c);
         c->err = 0;
@@ -357,7 +360,7 @@ void dcomm_nccl_free(train_dcomm *c)
             s->comm = NULL;
         }
     }
-    if (s->comm) abort_bounded(s->comm);
+    if (s->comm) abort_bounded(s->comm, s->cuda_dev);
     s->comm = NULL;
     state_free(c);
 }
