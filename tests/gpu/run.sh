@@ -128,12 +128,20 @@ if [ -n "$BUNDLE" ]; then
     LLMC_BIN="$RUN/bundle/llmc/train_gpt2cu"
     # cudart, cuBLAS(Lt) and NCCL are this machine's: the CUDA toolkit's, or the pip wheels'
     # (nvidia-cublas, nvidia-nccl-cu13) - the folders of the first of each found
+    # (the toolkit's folders first; one bounded find for the rest)
     libdirs="$RUN/bundle/lib"
+    rest=()
     for so in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
-        d=$(timeout 60 find /usr/local/cuda/ /usr/local/cuda*/ /usr/lib /opt /usr/local/lib -name "$so" \
-            -not -path '*/stubs/*' 2>/dev/null | head -1)
-        [ -n "$d" ] && libdirs="$libdirs:$(dirname "$d")"
+        d=$(ls -d /usr/local/cuda/lib64/"$so" /usr/local/cuda/lib/"$so" /usr/local/cuda-*/lib64/"$so" \
+            /usr/lib/x86_64-linux-gnu/"$so" 2>/dev/null | head -1)
+        if [ -n "$d" ]; then libdirs="$libdirs:$(dirname "$d")"; else rest+=(-o -name "$so"); fi
     done
+    if [ ${#rest[@]} -gt 0 ]; then
+        for d in $(timeout 60 find /opt /usr/local /usr/lib /root -not -path '*/stubs/*' \( -false "${rest[@]}" \) \
+                   2>/dev/null | xargs -r -n1 dirname | sort -u); do
+            libdirs="$libdirs:$d"
+        done
+    fi
     export LD_LIBRARY_PATH="$libdirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" >"$RUN/ldd.log"
     for p in "$B/train" "$B/tests/gpu/kernel_check" "$B/tests/gpu/nccl_check" "$LLMC_BIN"; do
