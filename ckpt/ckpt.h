@@ -30,6 +30,9 @@
 
 /* Longest snapshot folder path this module handles, bytes including the NUL. */
 #define CKPT_PATH_MAX 4096
+/* The longest snapshot root folder (--ckpt-dir, absolute): room for the names beneath it
+ * (temp folders named with the run id, shard files) within CKPT_PATH_MAX. */
+#define CKPT_DIR_MAX (CKPT_PATH_MAX - 512)
 
 /* Limits of the format (docs/FORMAT.md, "Limits"): a reader rejects a manifest past any of
  * them as corrupt, and a writer refuses (-EINVAL, or -EFBIG for the manifest's size) to save

@@ -93,7 +93,7 @@ void log_msg(enum log_level level, const char *tag, const char *fmt, ...)
 {
     static const char *names[] = {"ERROR", "WARN", "INFO", "DEBUG"};
     if (!log_enabled(level)) return;
-    char line[2048], text[2048];
+    char line[12288], text[9216]; /* two paths of CKPT_PATH_MAX and the text around them */
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     struct tm tm;

@@ -522,6 +522,13 @@ int train_parse_args(int argc, char **argv, options *o)
         return -1;
     }
     if (o->ckpt_dir) o->ckpt_dir = ckpt_abs;
+    /* room for the names below it (temp folders with the run id, shard files): a longer
+     * folder would fail only when the engine starts, as if the environment had failed */
+    if (o->ckpt_dir && strlen(o->ckpt_dir) > CKPT_DIR_MAX) {
+        fprintf(stderr, "train: --ckpt-dir: the folder's absolute path is %zu bytes, more than "
+                "the %d a snapshot folder may have\n", strlen(o->ckpt_dir), CKPT_DIR_MAX);
+        return -1;
+    }
     if (o->resume && strcmp(o->resume, "auto") != 0 && strcmp(o->resume, "none") != 0 &&
         !ckpt_is_s3_url(o->resume) && store_canonical_path(o->resume, resume_abs, sizeof resume_abs) == 0)
         o->resume = resume_abs; /* an error is reported by the resume, naming the path */

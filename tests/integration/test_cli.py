@@ -30,6 +30,10 @@ class Cli(h.TempDirTest):
             ([h.INSPECT, "frobnicate", "x"], "unknown command"),
             ([h.PREPARE, "--out", self.tmp], "no input files"),
             ([h.PREPARE, "--out", self.tmp, "--val-fraction", "0.9", "x"], "not a number in [0, 0.5]"),
+            # a folder too long for the names beneath it: a usage error at start, not an
+            # engine failure (exit 1, retried) with its reason cut off
+            ([h.TRAIN] + h.data_args() + h.SMALL + ["--ckpt-dir", os.path.join(self.tmp, *["d" * 200] * 20), "--ckpt-every", "1"],
+             "more than the 3584 a snapshot folder may have"),
         ]
         for args, msg in cases:
             p = h.run(args)
