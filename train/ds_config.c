@@ -805,7 +805,9 @@ int train_ds_config_load(const char *path, train_ds_config *out, char *why,
   int rc = read_all(path, &text, &len);
   if (rc) {
     if (c.why_len)
-      snprintf(why, why_len, "%s: cannot read: %s", path, strerror(-rc));
+      snprintf(why, why_len, "%s: cannot read: %s", path,
+               rc == -ENODEV ? "not a regular file or a pipe (a device or a socket)"
+                             : strerror(-rc));
     goto out;
   }
 
