@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 static const char usage_text[] =
     "usage: train-prepare --out DIR [--val-fraction F] [--format plain|brown] FILE...\n"
@@ -59,8 +60,13 @@ int main(int argc, char **argv)
         default: fputs("train-prepare: see --help\n", stderr); return 2;
         }
     }
-    if (!out) {
+    if (!out || !out[0]) {
         fprintf(stderr, "train-prepare: --out DIR is required (see --help)\n");
+        return 2;
+    }
+    struct stat ost;
+    if (stat(out, &ost) == 0 && !S_ISDIR(ost.st_mode)) {
+        fprintf(stderr, "train-prepare: --out %s: not a folder\n", out);
         return 2;
     }
     if (optind >= argc) {

@@ -30,6 +30,8 @@ class Cli(h.TempDirTest):
             ([h.INSPECT, "frobnicate", "x"], "unknown command"),
             ([h.PREPARE, "--out", self.tmp], "no input files"),
             ([h.PREPARE, "--out", self.tmp, "--val-fraction", "0.9", "x"], "not a number in [0, 0.5]"),
+            ([h.PREPARE, "--out", "/etc/passwd", "x"], "--out /etc/passwd: not a folder"),
+            ([h.PREPARE, "--out", "", "x"], "--out DIR is required"),
             ([h.TRAIN, "--data", "x", "--config", "/dev/zero"], "/dev/zero: cannot read: not a regular file or a pipe"),
             # a folder too long for the names beneath it: a usage error at start, not an
             # engine failure (exit 1, retried) with its reason cut off
