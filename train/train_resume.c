@@ -1013,7 +1013,15 @@ static int resume_rank0(state *s, int *resumed)
         char aside[96];
         int ar = ckpt_set_aside(o->ckpt_dir, e[i].name, aside, sizeof aside);
         if (ar == 0) LOG_W(TAG, "set %s aside as %s/%s", path, o->ckpt_dir, aside);
-        else LOG_W(TAG, "could not set %s aside: %s", path, strerror(-ar));
+        else {
+            /* an older snapshot would be restored, and this run would then save the corrupt
+             * one's step again under the name it still has: stop here, with the cause */
+            LOG_E(TAG, "cannot set the corrupt snapshot %s aside: %s; not resuming from an older "
+                  "one (its step would be saved again under that name): make %s writable, or "
+                  "move the snapshot away, and restart", path, strerror(-ar), o->ckpt_dir);
+            result = 1;
+            break;
+        }
         /* the S3 copy of the same step, when there is one (DESIGN I1) */
         r3 = try_s3_from(s, e3, &k3, e[i].step, 1, lines, &bad, earlier, &fatal);
         if (r3 >= 0) {

@@ -57,6 +57,32 @@ class Corruption(h.TempDirTest):
             self.assertEqual(os.listdir(d), ["keep"] if t % 2 == 0 else [], d)
         self.assertTrue(os.path.exists(os.path.join(self.ckpt, m.group(1), "manifest.json")))
 
+    def test_set_aside_refused_stops_the_resume(self):
+        """The folder refuses the rename that sets a corrupt snapshot aside (immutable as root,
+        read-only otherwise): the resume stops there, exit 1, one error line with the cause -
+        not a resume from an older snapshot that then refused the run (exit 2) as if the
+        corrupt one were committed, advising the --resume auto that had just failed."""
+        size = os.path.getsize(self.shard)
+        with open(self.shard, "r+b") as f:
+            f.seek(size // 2)
+            b = f.read(1)
+            f.seek(size // 2)
+            f.write(bytes([b[0] ^ 0x01]))
+        import subprocess
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "+i", self.ckpt], check=True)
+            self.addCleanup(subprocess.run, ["chattr", "-i", self.ckpt], check=True)
+        else:
+            os.chmod(self.ckpt, 0o555)
+            self.addCleanup(os.chmod, self.ckpt, 0o755)
+        r = h.train(["--ckpt-dir", self.ckpt, "--ckpt-every", "20", "--resume", "auto"], check=False)
+        self.assertEqual(r.returncode, 1, r.stderr[-2000:])
+        self.assertRegex(r.stderr, r"ERROR .*cannot set the corrupt snapshot \S+step-000000060 aside: "
+                                   r"(Operation not permitted|Permission denied); not resuming from an older one")
+        self.assertNotIn("resumed from", r.stderr)
+        self.assertNotIn("already holds", r.stderr)
+        self.assertTrue(os.path.isdir(self.newest))
+
     def test_c05_flipped_byte(self):
         size = os.path.getsize(self.shard)
         with open(self.shard, "r+b") as f:
