@@ -76,9 +76,13 @@ typedef struct ckpt_save_opts {
                               NULL: before each save (and the engine's retention) dir/.lock
                               must still be the file it locks (ckpt_dir_lock_check), else the
                               save fails with -ESTALE and dir is not created again */
+    int dir_locked;        /* 1: dir was made and locked by the group's rank 0 (train, every
+                              rank): no rank creates it, and a rank without `lock` writes
+                              nothing while dir/.lock is missing (-ESTALE): a folder removed
+                              under the run is a lost lock, not a folder to make again */
 } ckpt_save_opts;
 
-#define CKPT_SAVE_OPTS_INIT {NULL, 4u << 20, 1, CKPT_FILTER_NONE, 1, 8u, NULL, NULL}
+#define CKPT_SAVE_OPTS_INIT {NULL, 4u << 20, 1, CKPT_FILTER_NONE, 1, 8u, NULL, NULL, 0}
 
 /* One buffer (or this rank's shard of it) to save. The bytes are only read. */
 typedef struct ckpt_buffer {

@@ -687,7 +687,18 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
         rc = -ESTALE;
         goto out;
     }
-    if ((rc = mkdir_p(opts->dir)) < 0) {
+    if (opts->dir_locked && !opts->lock) { /* another rank's lock: at least its file is there */
+        char lp[CKPT_PATH_MAX];
+        struct stat lst;
+        if (ckpt_path_join(lp, sizeof lp, opts->dir, ".lock") < 0 || lstat(lp, &lst) != 0) {
+            LOG_E(TAG, "snapshot folder %s is gone or has no .lock (rank 0's lock on it was lost); "
+                  "not writing this rank's part of step %llu there", opts->dir,
+                  (unsigned long long)step);
+            rc = -ESTALE;
+            goto out;
+        }
+    }
+    if (!opts->dir_locked && (rc = mkdir_p(opts->dir)) < 0) {
         LOG_E(TAG, "cannot create snapshot folder %s: %s", opts->dir, strerror(-rc));
         goto out;
     }

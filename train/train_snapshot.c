@@ -449,6 +449,7 @@ int train_make_engine(state *s)
     eo.save.filter = o->filter;
     eo.save.direct_io = o->direct_io;
     eo.save.lock = s->lock; /* rank 0 (NULL elsewhere): no save once the folder has lost it */
+    eo.save.dir_locked = 1; /* rank 0 made and locked it at start-up: never made again here */
     /* a state too large for the format's chunk limit at this chunk size gets larger chunks
      * (the same on every rank: it depends on the model and W only) */
     const uint64_t total = (uint64_t)s->np * sizeof(float);

@@ -658,6 +658,32 @@ class WithTrain(ElasticTest):
             self.assertIn("a usage or configuration error, not restarting", err)
             self.assertIn(bad, err)
 
+    def test_folder_moved_away_no_rank_makes_it_again(self):
+        """The snapshot folder moved away under a 2-rank job (lost lock): no rank makes it
+        again or writes there - rank 1 used to recreate it at its next save and go on writing
+        its parts into it; rank 0 names the lost lock, and the job ends non-zero (no restart:
+        --max-restarts 0)."""
+        cmd = self.train_cmd(["--steps", "400", "--keep-last", "2"])
+        a = self.agent(["--nproc-per-node", "2", "--max-restarts", "0"], cmd)
+        a.wait_for(r"snapshot step 5 committed")
+        os.rename(self.ckpt, self.ckpt + ".moved")
+        # while the ranks train on (and try to save every 5 steps), the folder stays gone
+        deadline = time.time() + 3
+        seen = 0
+        while time.time() < deadline and a.p.poll() is None:
+            self.assertFalse(os.path.exists(self.ckpt), os.listdir(self.ckpt) if os.path.isdir(self.ckpt) else "")
+            seen += 1
+            time.sleep(0.02)
+        rc = a.wait(300)
+        self.assertGreater(seen, 10)
+        self.assertNotEqual(rc, 0, a.err()[-2000:])
+        self.assertRegex(a.err(), r"\[rank 0\] .*this run's lock on it is gone")
+        self.assertRegex(a.err(), r"\[rank 1\] .*is gone or has no \.lock")
+        # after the failed round the agent's flush writes the newest memory snapshot there,
+        # under a new lock of its own (a folder another run held would be refused): nothing else
+        if os.path.exists(self.ckpt):
+            self.assertEqual([n for n in os.listdir(self.ckpt) if n.startswith(".tmp-")], [])
+
     def test_preempt_final_snapshot_then_resume(self):
         """SIGTERM to the agent: the ranks finish the step, take a final snapshot and exit 143;
         the agent exits 143; the relaunch resumes from that snapshot to the same digest."""
