@@ -199,11 +199,7 @@ static void parent_of(const char *path, char *dir, size_t len)
 static int commit_rename(const char *tmp, const char *out, int force)
 {
     if (force) return rename(tmp, out) ? -errno : 0;
-    if (renameat2(AT_FDCWD, tmp, AT_FDCWD, out, RENAME_NOREPLACE) == 0) return 0;
-    if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP) return -errno;
-    struct stat st;
-    if (lstat(out, &st) == 0) return -EEXIST;
-    return rename(tmp, out) ? -errno : 0;
+    return store_rename_noreplace(tmp, out);
 }
 
 int ckpt_export_safetensors(ckpt_snapshot *s, const char *out_path, const ckpt_export_opts *opts,

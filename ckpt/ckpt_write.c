@@ -955,23 +955,16 @@ int ckpt_set_aside(const char *dir, const char *name, char *newname, size_t newn
     if (rc < 0) return rc;
     /* a name of its own: .corrupt-<seconds>, then -1, -2, ... when that one is taken (the
      * same step found corrupt twice within a second, or a name made by hand); never
-     * replacing what is there (RENAME_NOREPLACE, or a check where the file system lacks it:
-     * rename would replace an empty folder) */
+     * replacing what is there (store_rename_noreplace: a plain rename would replace an
+     * empty folder) */
     const long long now = (long long)time(NULL);
     for (int k = 0;; k++) {
         if (k == 0) snprintf(aside, sizeof aside, "%.40s.corrupt-%lld", name, now);
         else snprintf(aside, sizeof aside, "%.40s.corrupt-%lld-%d", name, now, k);
         if ((rc = ckpt_path_join(to, sizeof to, dir, aside)) < 0) return rc;
-        int r = renameat2(AT_FDCWD, from, AT_FDCWD, to, RENAME_NOREPLACE);
-        if (r != 0 && (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP)) {
-            struct stat st;
-            if (lstat(to, &st) == 0) errno = EEXIST;
-            else r = rename(from, to);
-        }
-        if (r == 0) break;
-        if ((errno == EEXIST || errno == ENOTEMPTY) && k < 1000) continue;
-        rc = -errno;
-        LOG_E(TAG, "cannot set %s aside as %s: %s", from, aside, strerror(errno));
+        if ((rc = store_rename_noreplace(from, to)) == 0) break;
+        if ((rc == -EEXIST || rc == -ENOTEMPTY) && k < 1000) continue;
+        LOG_E(TAG, "cannot set %s aside as %s: %s", from, aside, strerror(-rc));
         return rc;
     }
     if ((rc = store_fsync_dir(dir)) < 0) return rc;

@@ -201,6 +201,12 @@ int store_fsync_dir(const char *path);
  * Errors: -errno of rename, or of store_fsync_dir. */
 int store_rename_durable(const char *from, const char *to);
 
+/* rename(2) from -> to that never replaces an existing `to` (a file, a link, an empty
+ * folder): renameat2 RENAME_NOREPLACE, or, where the file system lacks the flag, a check
+ * just before a plain rename (a race with another creator is then possible). Not durable by
+ * itself. Errors: -EEXIST `to` exists; -errno of renameat2 or rename. */
+int store_rename_noreplace(const char *from, const char *to);
+
 /* Remove a folder and everything below it (no symlinks followed: a link is removed, not
  * its target); `path` may also name a file or a link. Missing is not an error. Goes on after
  * a failure and removes what it can. Not durable by itself: fsync the parent afterwards if

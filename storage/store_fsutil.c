@@ -208,6 +208,15 @@ out:
     return rc;
 }
 
+int store_rename_noreplace(const char *from, const char *to)
+{
+    if (renameat2(AT_FDCWD, from, AT_FDCWD, to, RENAME_NOREPLACE) == 0) return 0;
+    if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP) return -errno;
+    struct stat st;
+    if (lstat(to, &st) == 0) return -EEXIST;
+    return rename(from, to) ? -errno : 0;
+}
+
 int store_fsync_dir(const char *path)
 {
     if (!path) return -EINVAL;

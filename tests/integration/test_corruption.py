@@ -18,6 +18,15 @@ class Corruption(h.TempDirTest):
         self.newest = os.path.join(self.ckpt, "step-000000060")
         self.shard = os.path.join(self.newest, "rank-00000.bin")
 
+    def flip_middle_byte(self):
+        """Flip one bit of the byte in the middle of the newest snapshot's shard."""
+        size = os.path.getsize(self.shard)
+        with open(self.shard, "r+b") as f:
+            f.seek(size // 2)
+            b = f.read(1)
+            f.seek(size // 2)
+            f.write(bytes([b[0] ^ 0x01]))
+
     def resume_falls_back(self, pattern):
         r = h.train(["--ckpt-dir", self.ckpt, "--ckpt-every", "20", "--resume", "auto"])
         self.assertRegex(r.stderr, pattern)
@@ -41,12 +50,7 @@ class Corruption(h.TempDirTest):
                 with open(os.path.join(d, "keep"), "w") as f:
                     f.write(str(t))
             taken.append(d)
-        size = os.path.getsize(self.shard)
-        with open(self.shard, "r+b") as f:
-            f.seek(size // 2)
-            b = f.read(1)
-            f.seek(size // 2)
-            f.write(bytes([b[0] ^ 0x01]))
+        self.flip_middle_byte()
         r = h.train(["--ckpt-dir", self.ckpt, "--ckpt-every", "20", "--resume", "auto"])
         m = re.search(r"set \S+step-000000060 aside as \S+(step-000000060\.corrupt-\d+-\d+)", r.stderr)
         self.assertTrue(m, r.stderr[-2000:])
@@ -62,12 +66,7 @@ class Corruption(h.TempDirTest):
         read-only otherwise): the resume stops there, exit 1, one error line with the cause -
         not a resume from an older snapshot that then refused the run (exit 2) as if the
         corrupt one were committed, advising the --resume auto that had just failed."""
-        size = os.path.getsize(self.shard)
-        with open(self.shard, "r+b") as f:
-            f.seek(size // 2)
-            b = f.read(1)
-            f.seek(size // 2)
-            f.write(bytes([b[0] ^ 0x01]))
+        self.flip_middle_byte()
         import subprocess
         if os.geteuid() == 0:
             subprocess.run(["chattr", "+i", self.ckpt], check=True)
@@ -84,12 +83,7 @@ class Corruption(h.TempDirTest):
         self.assertTrue(os.path.isdir(self.newest))
 
     def test_c05_flipped_byte(self):
-        size = os.path.getsize(self.shard)
-        with open(self.shard, "r+b") as f:
-            f.seek(size // 2)
-            b = f.read(1)
-            f.seek(size // 2)
-            f.write(bytes([b[0] ^ 0x01]))
+        self.flip_middle_byte()
         v = h.run([h.INSPECT, "verify", self.newest])
         self.assertEqual(v.returncode, 1)
         self.assertRegex(v.stderr, r"rank-00000\.bin: chunk \d+ of \w+ .*checksum mismatch")
