@@ -84,7 +84,8 @@ static const char usage_text_dev[] =
     ;
 static const char usage_text2[] =
     "Snapshots:\n"
-    "  --ckpt-dir DIR        snapshot folder\n"
+    "  --ckpt-dir DIR        snapshot folder (made if missing, locked by this run; its\n"
+    "                        absolute path at most 3584 bytes)\n"
     "  --ckpt-every N        snapshot every N steps, and at the last step (default 0: none);\n"
     "                        taken asynchronously: the copies run beside the next step's\n"
     "                        forward and backward; only its optimizer update waits for them\n"
