@@ -417,7 +417,8 @@ int ckpt_dir_lock_acquire_owned(const char *dir, const char *owner, ckpt_dir_loc
 /* Whether l still locks dir: dir/.lock is the file l holds open (same device and inode).
  * 0 yes; -ESTALE no (dir or its .lock was removed or replaced - by hand, or by a cleanup -
  * so that another run could take a new lock there); -ENOENT dir/.lock is missing; -EINVAL
- * l or dir NULL. A save under a lost lock could collide with that other run (its temp
+ * l or dir NULL; other -errno of fstat or lstat (EACCES, EIO: the check failed, which says
+ * nothing about the lock). A save under a lost lock could collide with that other run (its temp
  * folders, its retention). Thread-safe; a few system calls. */
 int ckpt_dir_lock_check(const ckpt_dir_lock *l, const char *dir);
 

@@ -679,7 +679,14 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
 
     const int deferred = !trainer_json && trainer_wait;
     if (!deferred && (rc = parse_trainer(trainer_json, step, &trainer)) < 0) goto out;
-    if (opts->lock && (rc = ckpt_dir_lock_check(opts->lock, opts->dir)) < 0) {
+    if (opts->lock && (rc = ckpt_dir_lock_check(opts->lock, opts->dir)) < 0 && rc != -ENOENT &&
+        rc != -ESTALE && rc != -ENOTDIR) {
+        /* the check itself failed (EACCES, EIO, ...): says nothing about the lock */
+        LOG_E(TAG, "snapshot folder %s: cannot check this run's lock on it: %s; not saving step "
+              "%llu", opts->dir, strerror(-rc), (unsigned long long)step);
+        goto out;
+    }
+    if (rc < 0 && opts->lock) {
         LOG_E(TAG, "snapshot folder %s: this run's lock on it is gone (%s: the folder or its "
               ".lock was removed or replaced, and another run may hold it now); not saving step "
               "%llu there", opts->dir, rc == -ENOENT ? "no .lock" : "another .lock",
@@ -690,7 +697,16 @@ int ckpt_persist(ckpt_pool *pool, const ckpt_save_opts *opts, int compress, uint
     if (opts->dir_locked && !opts->lock) { /* another rank's lock: at least its file is there */
         char lp[CKPT_PATH_MAX];
         struct stat lst;
-        if (ckpt_path_join(lp, sizeof lp, opts->dir, ".lock") < 0 || lstat(lp, &lst) != 0) {
+        if ((rc = ckpt_path_join(lp, sizeof lp, opts->dir, ".lock")) < 0) goto out;
+        const int le = lstat(lp, &lst) == 0 ? 0 : errno;
+        if (le && le != ENOENT && le != ENOTDIR) {
+            rc = -le; /* EACCES, EIO, ...: says nothing about the lock */
+            LOG_E(TAG, "snapshot folder %s: cannot check rank 0's lock on it: %s; not writing "
+                  "this rank's part of step %llu", opts->dir, strerror(le),
+                  (unsigned long long)step);
+            goto out;
+        }
+        if (le) {
             LOG_E(TAG, "snapshot folder %s is gone or has no .lock (rank 0's lock on it was lost); "
                   "not writing this rank's part of step %llu there", opts->dir,
                   (unsigned long long)step);
