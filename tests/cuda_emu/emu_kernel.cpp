@@ -1,0 +1,360 @@
+/* emu_kernel.cpp - the CUDA emulator's kernel executor: launches (configuration checks,
+ * pointer checks), the blocks of a grid one after another, the threads of a block as fibers
+ * that switch at __syncthreads and at warp shuffles (cuda_runtime.h says what is emulated).
+ *
+ * Fibers: each thread of a block runs on a stack of its own (mmap'd, with a guard page), and
+ * a scheduler on the worker thread resumes every runnable fiber in thread order until it
+ * finishes or waits. A warp whose 32 lanes all wait at a shuffle, or a block whose threads
+ * all wait at __syncthreads, is released; if neither can happen and threads remain, the
+ * kernel has a barrier that some threads never reach - a fault. A finished fiber gives its
+ * stack back at once, so a kernel without barriers runs on one stack.
+ * The switch is a few instructions of x86-64 assembly (callee-saved registers and the stack
+ * pointer, System V ABI); other machines use ucontext (slower: a system call per switch).
+ */
+#include "cuda_runtime.h"
+#include "emu_internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+namespace emu {
+
+thread_local const uint3 *t_tid;
+thread_local uint3 t_block_idx;
+thread_local dim3 t_block_dim, t_grid_dim;
+
+#define STACK_BYTES ((size_t)128 << 10)
+#define PAGE 4096
+
+enum { F_NEW, F_RUN, F_WAIT_BLOCK, F_WAIT_WARP, F_DONE };
+
+struct Fiber {
+#if defined(__x86_64__)
+    void *sp;
+#else
+    ucontext_t uc;
+#endif
+    uint3 tid;
+    unsigned lin; /* linear thread index in the block */
+    int state;
+    char *stack;  /* the base of its mapping (guard page first) */
+};
+
+struct Exec {
+#if defined(__x86_64__)
+    void *sched_sp = nullptr;
+#else
+    ucontext_t sched_uc;
+#endif
+    std::vector<Fiber> f;
+    std::vector<uint32_t> slot; /* one shuffle value per thread */
+    std::vector<char *> free_stacks;
+    Fiber *cur = nullptr;
+    void (*body)(void *) = nullptr;
+    void *args = nullptr;
+    const char *name = "";
+    bool bad = false; /* an unsupported use reported during this block */
+    ~Exec()
+    {
+        for (char *s : free_stacks) munmap(s, STACK_BYTES + PAGE);
+    }
+};
+
+static thread_local Exec *t_ex;
+
+#if defined(__x86_64__)
+extern "C" void emu_swap(void **save_sp, void *load_sp);
+extern "C" void emu_fiber_entry(void);
+/* emu_swap: push the callee-saved registers, save rsp in *save_sp, load load_sp, pop the
+ * registers saved there and return into that context. emu_fiber_entry: a new fiber's first
+ * return lands here with its Fiber * in r12 and its function in r13. */
+asm(R"(
+    .text
+    .p2align 4
+    .globl emu_swap
+    .type emu_swap, @function
+emu_swap:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size emu_swap, .-emu_swap
+    .globl emu_fiber_entry
+    .type emu_fiber_entry, @function
+emu_fiber_entry:
+    movq %r12, %rdi
+    callq *%r13
+    ud2
+    .size emu_fiber_entry, .-emu_fiber_entry
+)");
+#endif
+
+static void fiber_main(Fiber *f)
+{
+    Exec *ex = t_ex;
+    ex->body(ex->args);
+    f->state = F_DONE;
+#if defined(__x86_64__)
+    void *dead;
+    emu_swap(&dead, ex->sched_sp); /* never resumed */
+#else
+    setcontext(&ex->sched_uc);
+#endif
+    abort();
+}
+
+#if !defined(__x86_64__)
+static void fiber_main_uc(unsigned hi, unsigned lo)
+{
+    fiber_main((Fiber *)(((uintptr_t)hi << 32) | lo));
+}
+#endif
+
+static char *stack_get(Exec *ex)
+{
+    if (!ex->free_stacks.empty()) {
+        char *s = ex->free_stacks.back();
+        ex->free_stacks.pop_back();
+        return s;
+    }
+    void *m = mmap(NULL, STACK_BYTES + PAGE, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) {
+        say("no memory for a fiber stack of %zu bytes", STACK_BYTES);
+        abort();
+    }
+    mprotect(m, PAGE, PROT_NONE); /* a stack overflow faults here */
+    return (char *)m;
+}
+
+static void resume(Exec *ex, Fiber *f)
+{
+    if (f->state == F_NEW) {
+        f->stack = stack_get(ex);
+#if defined(__x86_64__)
+        char *top = f->stack + PAGE + STACK_BYTES; /* 16-aligned */
+        void **sp = (void **)(top - 72); /* after the 6 pops and the ret: rsp = top - 16 */
+        sp[0] = sp[1] = nullptr;          /* r15, r14 */
+        sp[2] = (void *)fiber_main;       /* r13 */
+        sp[3] = (void *)f;                /* r12 */
+        sp[4] = sp[5] = nullptr;          /* rbx, rbp */
+        sp[6] = (void *)emu_fiber_entry;  /* return address */
+        f->sp = sp;
+#else
+        getcontext(&f->uc);
+        f->uc.uc_stack.ss_sp = f->stack + PAGE;
+        f->uc.uc_stack.ss_size = STACK_BYTES;
+        f->uc.uc_link = NULL;
+        makecontext(&f->uc, (void (*)())fiber_main_uc, 2, (unsigned)((uintptr_t)f >> 32),
+                    (unsigned)(uintptr_t)f);
+#endif
+    }
+    f->state = F_RUN;
+    ex->cur = f;
+    t_tid = &f->tid;
+#if defined(__x86_64__)
+    emu_swap(&ex->sched_sp, f->sp);
+#else
+    swapcontext(&ex->sched_uc, &f->uc);
+#endif
+    if (f->state == F_DONE) {
+        ex->free_stacks.push_back(f->stack);
+        f->stack = nullptr;
+    }
+}
+
+static void yield(Exec *ex, Fiber *f, int state)
+{
+    f->state = state;
+#if defined(__x86_64__)
+    emu_swap(&f->sp, ex->sched_sp);
+#else
+    swapcontext(&f->uc, &ex->sched_uc);
+#endif
+}
+
+static Exec *exec_of(const char *what)
+{
+    Exec *ex = t_ex;
+    if (!ex || !ex->cur) {
+        say("%s outside a kernel", what);
+        abort();
+    }
+    return ex;
+}
+
+void syncthreads()
+{
+    Exec *ex = exec_of("__syncthreads");
+    yield(ex, ex->cur, F_WAIT_BLOCK);
+}
+
+uint32_t shfl_xor_u32(unsigned mask, uint32_t v, int lane_mask, int width)
+{
+    Exec *ex = exec_of("__shfl_xor_sync");
+    Fiber *f = ex->cur;
+    if (mask != 0xffffffffu || width != 32 || lane_mask < 0 || lane_mask > 31) {
+        if (!ex->bad)
+            say("kernel %s: __shfl_xor_sync(mask %#x, lane mask %d, width %d): only full-mask "
+                "shuffles of width 32 are emulated",
+                ex->name, mask, lane_mask, width);
+        ex->bad = true;
+        return v;
+    }
+    ex->slot[f->lin] = v;
+    yield(ex, f, F_WAIT_WARP); /* every lane has written */
+    uint32_t r = ex->slot[(f->lin & ~31u) | ((f->lin & 31u) ^ (unsigned)lane_mask)];
+    yield(ex, f, F_WAIT_WARP); /* every lane has read: the slots may be written again */
+    return r;
+}
+
+/* Run one block; 0, or -1 after a fault. */
+static int run_block(Exec *ex, unsigned n)
+{
+    for (unsigned i = 0; i < n; i++) ex->f[i].state = F_NEW;
+    unsigned done = 0;
+    const unsigned nwarps = (n + 31) / 32;
+    for (;;) {
+        for (unsigned i = 0; i < n; i++) {
+            Fiber *f = &ex->f[i];
+            if (f->state != F_NEW && f->state != F_RUN) continue;
+            resume(ex, f);
+            if (f->state == F_DONE) done++;
+        }
+        if (ex->bad) {
+            fault(cudaErrorLaunchFailure, "kernel %s: an unsupported operation (above)", ex->name);
+            return -1;
+        }
+        if (done == n) return 0;
+        bool released = false;
+        for (unsigned w = 0; w < nwarps; w++) {
+            const unsigned lo = w * 32, hi = lo + 32 < n ? lo + 32 : n;
+            unsigned waiting = 0;
+            for (unsigned i = lo; i < hi; i++) waiting += ex->f[i].state == F_WAIT_WARP;
+            if (waiting == 0) continue;
+            if (waiting == hi - lo && hi - lo == 32) {
+                for (unsigned i = lo; i < hi; i++) ex->f[i].state = F_RUN;
+                released = true;
+            }
+        }
+        if (!released) {
+            unsigned at_sync = 0, at_shfl = 0;
+            for (unsigned i = 0; i < n; i++) {
+                at_sync += ex->f[i].state == F_WAIT_BLOCK;
+                at_shfl += ex->f[i].state == F_WAIT_WARP;
+            }
+            if (at_sync == n) {
+                for (unsigned i = 0; i < n; i++) ex->f[i].state = F_RUN;
+                continue;
+            }
+            fault(cudaErrorLaunchFailure,
+                  "kernel %s, block (%u,%u,%u) of %u threads: a barrier some threads never "
+                  "reach: %u finished, %u wait at __syncthreads, %u at a full-mask warp "
+                  "shuffle (a warp of fewer than 32 threads, or lanes that diverged)",
+                  ex->name, t_block_idx.x, t_block_idx.y, t_block_idx.z, n, done, at_sync,
+                  at_shfl);
+            /* the waiting fibers are abandoned; their stacks are taken back */
+            for (unsigned i = 0; i < n; i++)
+                if (ex->f[i].stack) {
+                    ex->free_stacks.push_back(ex->f[i].stack);
+                    ex->f[i].stack = nullptr;
+                }
+            return -1;
+        }
+    }
+}
+
+int run_grid(const char *name, dim3 grid, dim3 block, void (*body)(void *), void *args)
+{
+    static thread_local Exec ex;
+    t_ex = &ex;
+    const unsigned n = block.x * block.y * block.z;
+    ex.f.resize(n);
+    ex.slot.assign(n, 0);
+    ex.body = body;
+    ex.args = args;
+    ex.name = name;
+    ex.bad = false;
+    for (unsigned i = 0; i < n; i++) {
+        ex.f[i].lin = i;
+        ex.f[i].tid = uint3{i % block.x, (i / block.x) % block.y, i / (block.x * block.y)};
+        ex.f[i].stack = nullptr;
+    }
+    t_block_dim = block;
+    t_grid_dim = grid;
+    int rc = 0;
+    for (unsigned z = 0; z < grid.z && !rc; z++)
+        for (unsigned y = 0; y < grid.y && !rc; y++)
+            for (unsigned x = 0; x < grid.x && !rc; x++) {
+                t_block_idx = uint3{x, y, z};
+                rc = run_block(&ex, n);
+            }
+    ex.cur = nullptr;
+    t_tid = nullptr;
+    return rc;
+}
+
+int launch_check(const char *name, dim3 g, dim3 b, size_t smem, cudaStream_t s)
+{
+    cudaError_t e = api_enter(name);
+    if (e) return 1;
+    if (!stream_get(s)) {
+        ret(cudaErrorInvalidResourceHandle);
+        return 1;
+    }
+    const unsigned long long threads = (unsigned long long)b.x * b.y * b.z;
+    if (!g.x || !g.y || !g.z || !b.x || !b.y || !b.z || threads > 1024 || b.z > 64 ||
+        g.x > 2147483647u || g.y > 65535 || g.z > 65535 || smem > (48u << 10)) {
+        say("kernel %s: invalid configuration: grid (%u,%u,%u), block (%u,%u,%u), %zu bytes of "
+            "dynamic shared memory",
+            name, g.x, g.y, g.z, b.x, b.y, b.z, smem);
+        ret(cudaErrorInvalidConfiguration);
+        return 1;
+    }
+    return 0;
+}
+
+void launch_enqueue(const char *name, dim3 grid, dim3 block, cudaStream_t s,
+                    std::shared_ptr<void> args, void (*body)(void *), std::vector<const void *> ptrs)
+{
+    auto st = stream_get(s);
+    const int dev = stream_device(st.get());
+    enqueue(st, [=] {
+        if (faulted()) return;
+        for (size_t i = 0; i < ptrs.size(); i++) {
+            if (!ptrs[i]) continue;
+            int d = -1;
+            int k = range_kind(ptrs[i], 0, &d, NULL);
+            if (k != MEM_DEVICE || d != dev) {
+                fault(cudaErrorIllegalAddress,
+                      "kernel %s: pointer argument %zu (%p) is not memory of device %d when the "
+                      "kernel starts",
+                      name, i + 1, ptrs[i], dev);
+                return;
+            }
+        }
+        if (run_grid(name, grid, block, body, args.get())) return;
+        for (const void *p : ptrs)
+            if (p && guards_ok(p, name)) return;
+    });
+}
+
+} // namespace emu
