@@ -30,7 +30,7 @@
 #                 where and how long the record's digests were hashed
 #   restore       that snapshot resumed: MiB restored through the pinned bounce buffers and
 #                 the copy stream (decompression overlapped with the H2D copies), ms, MiB/s
-# Usage: tests/gpu/run.sh [--quick] [--cpu-dry-run] [--bundle FILE] [--results DIR]
+# Usage: tests/gpu/run.sh [--quick] [--cpu-dry-run | --emu] [--bundle FILE] [--results DIR]
 #   --quick        skip llm.c and the 124M runs
 #   --bundle FILE  a tests/gpu/bundle.sh output: its programs, libraries (LD_LIBRARY_PATH,
 #                  with the machine's own cudart/cuBLAS/NCCL found by name), token shards
@@ -42,6 +42,11 @@
 #                  instead of the 124M one, llm.c's train_gpt2cu built but not run, the GPU
 #                  programs' skips (77) as "skip" rows: checks the script itself (its parsing,
 #                  its commands, the llm.c build) before device time is spent on it
+#   --emu          on a machine without a GPU: the same steps with --device cuda on the CUDA
+#                  emulator (tests/cuda_emu; build-emu/, configured with -Dgpu_emu=true):
+#                  the CUDA host code, kernels/cuda and dcomm_nccl (one rank) run for real,
+#                  on a smaller model (80 steps, killed at 50); no fatbin, llm.c or speed rows
+#                  (an emulator's speed means nothing). CI runs this (scripts/test)
 # Every program runs under a timeout (90 s the small runs, 150 s kernel_check and
 # nccl_check, 200 s the 124M run, 150 s llm.c, 120 s the restore): a hang is a FAIL row, not
 # a lost session; the whole script ends within about 8 minutes even so.
@@ -59,12 +64,14 @@ B="${B:-$ROOT/build-gpu}"
 LLMC="${LLMC:-$ROOT/../shared/peers/llm.c}"
 QUICK=0
 DRY=0
+EMU=0
 BUNDLE=
 RESULTS=
 while [ $# -gt 0 ]; do
     case "$1" in
     --quick) QUICK=1 ;;
     --cpu-dry-run) DRY=1 ;;
+    --emu) EMU=1; QUICK=1 ;;
     --bundle) BUNDLE="${2:?--bundle FILE}"; shift ;;
     --results) RESULTS="${2:?--results DIR}"; shift ;;
     *) echo "tests/gpu/run.sh: unknown argument $1 (see the header)" >&2; exit 2 ;;
@@ -73,6 +80,11 @@ while [ $# -gt 0 ]; do
 done
 DEV=cuda
 [ $DRY = 1 ] && DEV=cpu
+if [ $EMU = 1 ]; then
+    [ $DRY = 0 ] && [ -z "$BUNDLE" ] || { echo "tests/gpu/run.sh: --emu goes with neither --cpu-dry-run nor --bundle" >&2; exit 2; }
+    B="${B_EMU:-$ROOT/build-emu}"
+    RUN="${GPU_RUN_DIR:-/tmp/ckpt-gpu-emu}"
+fi
 export PATH="/usr/local/cuda/bin:$PATH" # nvcc for meson and llm.c's Makefile
 T0=$SECONDS
 
@@ -106,6 +118,8 @@ mkdir -p "$RUN"
 [ -z "$RESULTS" ] || mkdir -p "$RESULTS"
 if [ $DRY = 1 ]; then
     echo "GPU 0: none (--cpu-dry-run: every step with --device cpu)" >"$RUN/gpus.txt"
+elif [ $EMU = 1 ]; then
+    echo "GPU 0: cuda-emu (the CPU emulator of tests/cuda_emu; --device cuda on it)" >"$RUN/gpus.txt"
 elif ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >"$RUN/gpus.txt" 2>&1; then
     echo "tests/gpu/run.sh: no GPU here (nvidia-smi -L failed): skipped"
     exit 77
@@ -159,7 +173,9 @@ if [ -n "$BUNDLE" ]; then
         row fatbin FAIL "the bundle has no fatbin result"
     fi
 else
-    if [ -f "$B/build.ninja" ] || meson setup "$B" -Dcuda=enabled -Dbuildtype=release >"$RUN/setup.log" 2>&1; then
+    setup_args=(-Dcuda=enabled -Dbuildtype=release)
+    [ $EMU = 1 ] && setup_args=(-Dgpu_emu=true -Dfuzz=disabled -Dbuildtype=release)
+    if [ -f "$B/build.ninja" ] || meson setup "$B" "${setup_args[@]}" >"$RUN/setup.log" 2>&1; then
         if ninja -C "$B" -j "$JOBS" >"$RUN/build.log" 2>&1; then
             row build ok "$((SECONDS - t)) s"
         else
@@ -172,7 +188,9 @@ else
     fi
 
     # ---- fatbin and spills (the same test CI runs)
-    if meson test -C "$B" --suite build --verbose >"$RUN/fatbin.log" 2>&1; then
+    if [ $EMU = 1 ]; then
+        row fatbin skip "the emulator runs no GPU code"
+    elif meson test -C "$B" --suite build --verbose >"$RUN/fatbin.log" 2>&1; then
         row fatbin ok "$(grep -m1 -o 'fatbin of [^:]*: [^:]*' "$RUN/fatbin.log"); $(grep -m1 -o 'zero spill.*' "$RUN/fatbin.log")"
     else
         row fatbin FAIL "see $RUN/fatbin.log"
@@ -207,6 +225,15 @@ else
     row device FAIL "$(grep -m2 -E 'FAIL|failed' "$RUN/device.log" | tr '\n' ';') (see $RUN/device.log)"
 fi
 
+# ---- the emulator's own test: what it computes, and the faults it exists to catch, caught
+if [ $EMU = 1 ]; then
+    if timeout 120 "$B/tests/cuda_emu/emu_selftest" >"$RUN/emu.log" 2>&1; then
+        row emulator ok "$(grep -c 'checks, 0 failed' "$RUN/emu.log") cases of emu_selftest pass (faults: $(grep -c '^cuda-emu: fault' "$RUN/emu.log") reported)"
+    else
+        row emulator FAIL "$(grep -m2 FAIL "$RUN/emu.log" | tr '\n' ';') (see $RUN/emu.log)"
+    fi
+fi
+
 # ---- NCCL: W ranks on two or more GPUs, else one rank (--single)
 if [ $DRY = 1 ]; then
     row nccl skip "no GPU"
@@ -224,16 +251,20 @@ fi
 TR="$B/train"
 SMALL=(--data "$DATA/train_*.bin" --n-layer 4 --n-embd 128 --n-head 4 --seq-len 128
        --micro-batch 8 --grad-accum 2 --steps 120 --log-every 10 --seed 7)
+KILL_AT=70
+# the emulator runs kernels a thread at a time: a smaller model, fewer steps
+[ $EMU = 1 ] && KILL_AT=50 && SMALL=(--data "$DATA/train_*.bin" --n-layer 2 --n-embd 64 --n-head 2
+       --seq-len 64 --micro-batch 4 --grad-accum 1 --steps 80 --log-every 10 --seed 7)
 rm -rf "$RUN/ref" "$RUN/kill" "$RUN/cpu"
 timeout 90 "$TR" "${SMALL[@]}" --device "$DEV" --ckpt-dir "$RUN/ref" --ckpt-every 40 >"$RUN/ref.log" 2>&1
 ref=$(digest "$RUN/ref.log")
-kill_at_70() { # kill_at_70 LOG COMMAND...: run it, SIGKILL it once LOG shows step 70; the last step
+kill_at_70() { # kill_at_70 LOG COMMAND...: run it, SIGKILL it once LOG shows step $KILL_AT; the last step
     local log="$1"
     shift
     ( "$@" >"$log" 2>&1 ) &
     local kpid=$!
     for _ in $(seq 1 600); do
-        grep -q 'step 70/' "$log" 2>/dev/null && break
+        grep -q "step $KILL_AT/" "$log" 2>/dev/null && break
         kill -0 $kpid 2>/dev/null || break
         sleep 0.1
     done
@@ -254,7 +285,7 @@ else
 fi
 
 # ---- the memory tier, asynchronous (the default on CUDA): copies from the GPU straight into
-# the pinned shared-memory slots; killed at step 70, resumed from memory, same digest
+# the pinned shared-memory slots; killed at step $KILL_AT, resumed from memory, same digest
 MEMP="/dev/shm/ckptmem-gpurun-$$"
 rm -rf "$RUN/mem"
 mkilled=$(kill_at_70 "$RUN/mem1.log" env CKPT_MEM_PATH="$MEMP" "$TR" "${SMALL[@]}" --device "$DEV" \
@@ -364,7 +395,7 @@ if [ $QUICK = 0 ]; then
         row restore FAIL "no staged restore in $RUN/big-resume.log: $(grep -m1 -iE 'error|fail|skipping' "$RUN/big-resume.log")"
     fi
 else
-    row tokens/s skip "--quick"
+    row tokens/s skip "$([ $EMU = 1 ] && echo 'the emulator: no speed figures' || echo --quick)"
 fi
 
 table
