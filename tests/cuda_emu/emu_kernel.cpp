@@ -6,8 +6,14 @@
  * a scheduler on the worker thread resumes every runnable fiber in thread order until it
  * finishes or waits. A warp whose 32 lanes all wait at a shuffle, or a block whose threads
  * all wait at __syncthreads, is released; if neither can happen and threads remain, the
- * kernel has a barrier that some threads never reach - a fault. A finished fiber gives its
- * stack back at once, so a kernel without barriers runs on one stack.
+ * kernel has a barrier that some threads never reach - a fault.
+ * Direct mode: a block starts with one fiber that runs its threads one after another. That
+ * is the order the fibers would run in, so it changes nothing until a thread reaches a
+ * barrier: thread 0 then becomes the first fiber of the block and the others start as fibers
+ * of their own; a later thread means that the threads before it finished without reaching
+ * the barrier - the fault above. Kernels without barriers so cost a call per thread.
+ * Shuffles write to one of two slot arrays by the parity of the lane's shuffle count, so one
+ * warp barrier per shuffle suffices (no lane can be two shuffles ahead of another).
  * The switch is a few instructions of x86-64 assembly (callee-saved registers and the stack
  * pointer, System V ABI); other machines use ucontext (slower: a system call per switch).
  */
@@ -28,7 +34,7 @@ namespace emu {
 
 thread_local const uint3 *t_tid;
 thread_local uint3 t_block_idx;
-thread_local dim3 t_block_dim, t_grid_dim;
+thread_local uint3 t_block_dim, t_grid_dim;
 
 #define STACK_BYTES ((size_t)128 << 10)
 #define PAGE 4096
@@ -42,9 +48,10 @@ struct Fiber {
     ucontext_t uc;
 #endif
     uint3 tid;
-    unsigned lin; /* linear thread index in the block */
+    unsigned lin;    /* linear thread index in the block */
     int state;
-    char *stack;  /* the base of its mapping (guard page first) */
+    unsigned shuffles; /* shuffles done: its parity picks the slot array */
+    char *stack;     /* the base of its mapping (guard page first) */
 };
 
 struct Exec {
@@ -54,13 +61,18 @@ struct Exec {
     ucontext_t sched_uc;
 #endif
     std::vector<Fiber> f;
-    std::vector<uint32_t> slot; /* one shuffle value per thread */
+    std::vector<uint32_t> slot[2]; /* one shuffle value per thread, by parity */
+    std::vector<unsigned> warp_wait; /* lanes of each warp waiting at a shuffle */
+    unsigned n = 0, block_wait = 0, done = 0;
+    bool direct = false;   /* fiber 0 runs the threads one after another */
+    unsigned direct_at = 0; /* the thread it runs */
     std::vector<char *> free_stacks;
     Fiber *cur = nullptr;
     void (*body)(void *) = nullptr;
     void *args = nullptr;
     const char *name = "";
     bool bad = false; /* an unsupported use reported during this block */
+    unsigned diverged = 0; /* direct mode: the thread that reached a barrier after others ended */
     ~Exec()
     {
         for (char *s : free_stacks) munmap(s, STACK_BYTES + PAGE);
@@ -110,7 +122,25 @@ emu_fiber_entry:
 static void fiber_main(Fiber *f)
 {
     Exec *ex = t_ex;
-    ex->body(ex->args);
+    if (ex->direct) {
+        /* f is fiber 0; it runs thread after thread until one waits at a barrier */
+        for (unsigned i = 0; i < ex->n && ex->direct; i++) {
+            ex->direct_at = i;
+            ex->cur = &ex->f[i];
+            t_tid = &ex->f[i].tid;
+            ex->body(ex->args);
+            if (ex->direct) ex->done++;
+        }
+        if (ex->direct) {
+            ex->direct = false;
+            for (unsigned i = 1; i < ex->n; i++) ex->f[i].state = F_DONE;
+        } else {
+            ex->done++; /* thread 0, resumed as a fiber of its own, finished */
+        }
+    } else {
+        ex->body(ex->args);
+        ex->done++;
+    }
     f->state = F_DONE;
 #if defined(__x86_64__)
     void *dead;
@@ -183,7 +213,29 @@ static void resume(Exec *ex, Fiber *f)
 
 static void yield(Exec *ex, Fiber *f, int state)
 {
+    if (ex->direct) {
+        /* the first barrier of the block: thread 0's becomes a fiber of its own (the
+         * others start as fibers); a later thread's means threads finished before it */
+        ex->direct = false;
+        if (ex->direct_at != 0) {
+            ex->diverged = ex->direct_at;
+            f = &ex->f[0];
+            f->state = F_WAIT_BLOCK;
+            ex->cur = f;
+        }
+        for (unsigned i = 1; i < ex->n; i++) ex->f[i].state = F_NEW;
+        if (ex->diverged) {
+#if defined(__x86_64__)
+            emu_swap(&f->sp, ex->sched_sp);
+#else
+            swapcontext(&f->uc, &ex->sched_uc);
+#endif
+            abort(); /* never resumed */
+        }
+    }
     f->state = state;
+    if (state == F_WAIT_WARP) ex->warp_wait[f->lin / 32]++;
+    else ex->block_wait++;
 #if defined(__x86_64__)
     emu_swap(&f->sp, ex->sched_sp);
 #else
@@ -219,58 +271,66 @@ uint32_t shfl_xor_u32(unsigned mask, uint32_t v, int lane_mask, int width)
         ex->bad = true;
         return v;
     }
-    ex->slot[f->lin] = v;
+    std::vector<uint32_t> &slot = ex->slot[f->shuffles++ & 1u];
+    slot[f->lin] = v;
     yield(ex, f, F_WAIT_WARP); /* every lane has written */
-    uint32_t r = ex->slot[(f->lin & ~31u) | ((f->lin & 31u) ^ (unsigned)lane_mask)];
-    yield(ex, f, F_WAIT_WARP); /* every lane has read: the slots may be written again */
-    return r;
+    f = ex->cur;                /* (direct mode may have changed which fiber this is) */
+    return slot[(f->lin & ~31u) | ((f->lin & 31u) ^ (unsigned)lane_mask)];
 }
 
 /* Run one block; 0, or -1 after a fault. */
-static int run_block(Exec *ex, unsigned n)
+static int run_block(Exec *ex)
 {
-    for (unsigned i = 0; i < n; i++) ex->f[i].state = F_NEW;
-    unsigned done = 0;
-    const unsigned nwarps = (n + 31) / 32;
+    const unsigned n = ex->n, nwarps = (n + 31) / 32;
+    for (unsigned i = 0; i < n; i++) {
+        ex->f[i].state = i ? F_DONE : F_NEW; /* direct mode: fiber 0 runs them all */
+        ex->f[i].shuffles = 0;
+    }
+    for (unsigned w = 0; w < nwarps; w++) ex->warp_wait[w] = 0;
+    ex->block_wait = ex->done = ex->diverged = 0;
+    ex->direct = true;
     for (;;) {
         for (unsigned i = 0; i < n; i++) {
             Fiber *f = &ex->f[i];
             if (f->state != F_NEW && f->state != F_RUN) continue;
             resume(ex, f);
-            if (f->state == F_DONE) done++;
+            if (ex->diverged) break;
         }
         if (ex->bad) {
             fault(cudaErrorLaunchFailure, "kernel %s: an unsupported operation (above)", ex->name);
             return -1;
         }
-        if (done == n) return 0;
+        if (ex->done == n) return 0;
         bool released = false;
-        for (unsigned w = 0; w < nwarps; w++) {
-            const unsigned lo = w * 32, hi = lo + 32 < n ? lo + 32 : n;
-            unsigned waiting = 0;
-            for (unsigned i = lo; i < hi; i++) waiting += ex->f[i].state == F_WAIT_WARP;
-            if (waiting == 0) continue;
-            if (waiting == hi - lo && hi - lo == 32) {
-                for (unsigned i = lo; i < hi; i++) ex->f[i].state = F_RUN;
+        if (!ex->diverged) {
+            for (unsigned w = 0; w < nwarps; w++) {
+                if (ex->warp_wait[w] != 32) continue;
+                for (unsigned i = w * 32; i < w * 32 + 32; i++) ex->f[i].state = F_RUN;
+                ex->warp_wait[w] = 0;
+                released = true;
+            }
+            if (!released && ex->block_wait == n) {
+                for (unsigned i = 0; i < n; i++) ex->f[i].state = F_RUN;
+                ex->block_wait = 0;
                 released = true;
             }
         }
         if (!released) {
-            unsigned at_sync = 0, at_shfl = 0;
-            for (unsigned i = 0; i < n; i++) {
-                at_sync += ex->f[i].state == F_WAIT_BLOCK;
-                at_shfl += ex->f[i].state == F_WAIT_WARP;
-            }
-            if (at_sync == n) {
-                for (unsigned i = 0; i < n; i++) ex->f[i].state = F_RUN;
-                continue;
-            }
-            fault(cudaErrorLaunchFailure,
-                  "kernel %s, block (%u,%u,%u) of %u threads: a barrier some threads never "
-                  "reach: %u finished, %u wait at __syncthreads, %u at a full-mask warp "
-                  "shuffle (a warp of fewer than 32 threads, or lanes that diverged)",
-                  ex->name, t_block_idx.x, t_block_idx.y, t_block_idx.z, n, done, at_sync,
-                  at_shfl);
+            unsigned at_shfl = 0;
+            for (unsigned w = 0; w < nwarps; w++) at_shfl += ex->warp_wait[w];
+            if (ex->diverged)
+                fault(cudaErrorLaunchFailure,
+                      "kernel %s, block (%u,%u,%u) of %u threads: a barrier some threads never "
+                      "reach: threads 0 to %u finished before thread %u reached one",
+                      ex->name, t_block_idx.x, t_block_idx.y, t_block_idx.z, n,
+                      ex->diverged - 1, ex->diverged);
+            else
+                fault(cudaErrorLaunchFailure,
+                      "kernel %s, block (%u,%u,%u) of %u threads: a barrier some threads never "
+                      "reach: %u finished, %u wait at __syncthreads, %u at a full-mask warp "
+                      "shuffle (a warp of fewer than 32 threads, or lanes that diverged)",
+                      ex->name, t_block_idx.x, t_block_idx.y, t_block_idx.z, n, ex->done,
+                      ex->block_wait, at_shfl);
             /* the waiting fibers are abandoned; their stacks are taken back */
             for (unsigned i = 0; i < n; i++)
                 if (ex->f[i].stack) {
@@ -287,8 +347,11 @@ int run_grid(const char *name, dim3 grid, dim3 block, void (*body)(void *), void
     static thread_local Exec ex;
     t_ex = &ex;
     const unsigned n = block.x * block.y * block.z;
+    ex.n = n;
     ex.f.resize(n);
-    ex.slot.assign(n, 0);
+    ex.slot[0].assign(n, 0);
+    ex.slot[1].assign(n, 0);
+    ex.warp_wait.assign((n + 31) / 32, 0);
     ex.body = body;
     ex.args = args;
     ex.name = name;
@@ -298,14 +361,14 @@ int run_grid(const char *name, dim3 grid, dim3 block, void (*body)(void *), void
         ex.f[i].tid = uint3{i % block.x, (i / block.x) % block.y, i / (block.x * block.y)};
         ex.f[i].stack = nullptr;
     }
-    t_block_dim = block;
-    t_grid_dim = grid;
+    t_block_dim = uint3{block.x, block.y, block.z};
+    t_grid_dim = uint3{grid.x, grid.y, grid.z};
     int rc = 0;
     for (unsigned z = 0; z < grid.z && !rc; z++)
         for (unsigned y = 0; y < grid.y && !rc; y++)
             for (unsigned x = 0; x < grid.x && !rc; x++) {
                 t_block_idx = uint3{x, y, z};
-                rc = run_block(&ex, n);
+                rc = run_block(&ex);
             }
     ex.cur = nullptr;
     t_tid = nullptr;

@@ -6,9 +6,10 @@
  * stream>>>(args)` as `::emu::launcher("k", grid, block, smem, stream).run(k, args)`. The
  * launch checks its configuration as a GPU does (cudaErrorInvalidConfiguration), copies the
  * arguments, and queues the grid on the stream's worker thread. There the blocks run one after
- * another, and the threads of a block as fibers (each with its own stack) that switch only at
- * __syncthreads and warp shuffles - so a barrier that some threads never reach, or a full-mask
- * shuffle in a warp whose lanes diverged, is detected and reported, not silently passed.
+ * another, and the threads of a block in order, each to its end or to its first barrier: from
+ * there on as fibers (each with its own stack) that switch only at __syncthreads and warp
+ * shuffles - so a barrier that some threads never reach, or a full-mask shuffle in a warp whose
+ * lanes diverged, is detected and reported, not silently passed.
  * __shared__ variables are per worker thread (one block runs at a time on it).
  *
  * Not emulated: the GPU's memory model (no data races are found between threads of a grid;
@@ -51,7 +52,7 @@ struct dim3 {
 namespace emu {
 extern thread_local const uint3 *t_tid; /* the running fiber's threadIdx */
 extern thread_local uint3 t_block_idx;
-extern thread_local dim3 t_block_dim, t_grid_dim;
+extern thread_local uint3 t_block_dim, t_grid_dim; /* uint3: no TLS constructor */
 void syncthreads();
 uint32_t shfl_xor_u32(unsigned mask, uint32_t v, int lane_mask, int width);
 
