@@ -1,9 +1,12 @@
-/* nccl.h of the CUDA emulator (tests/cuda_emu/): the NCCL calls of train/dcomm_nccl.c for a
- * communicator of ONE rank (a world size of 1), where every collective is a copy queued on the
- * stream. ncclCommInitRankConfig with nranks > 1 returns ncclInvalidUsage (the emulator has
- * no transport between processes): multi-rank NCCL is only tested on GPUs (nccl_check).
- * Non-blocking communicators (config.blocking = 0) return ncclInProgress from the init, as
- * NCCL may, so the caller's polling of ncclCommGetAsyncError is exercised.
+/* nccl.h of the CUDA emulator (tests/cuda_emu/): the NCCL calls of train/dcomm_nccl.c, for
+ * ranks that are processes on this machine (up to 64), through shared memory in /dev/shm
+ * (emu_nccl.cpp says how). Every operation runs on its stream in queue order; sends and
+ * receives match by peer and order as in NCCL; sums are in rank order (deterministic, not
+ * NCCL's ring order). A peer process that is gone ends a waiting operation with
+ * ncclRemoteError (ncclCommGetAsyncError); ncclCommAbort ends it too. Non-blocking
+ * communicators (config.blocking = 0) return ncclInProgress from the init and report the
+ * rendezvous through ncclCommGetAsyncError. Reductions: ncclSum of ncclFloat only.
+ * Groups: over one communicator and stream.
  */
 #ifndef CUDA_EMU_NCCL_H
 #define CUDA_EMU_NCCL_H
