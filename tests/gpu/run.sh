@@ -23,6 +23,9 @@
 #                 memory, the same digest
 #   gpu->cpu      the GPU run's last snapshot restored by --device cpu: the same digest
 #   cpu->gpu      a CPU run's snapshot restored by --device cuda: the same digest
+#   ranks         with two or more GPUs (or the emulator): two ranks under elastic (NCCL tree
+#                 reduce, ZeRO-1) give one rank's bits with --grad-accum 2, and a rank
+#                 SIGKILLed mid-run: the group restarts, resumes, ends with the same digest
 #   tokens/s      GPT-2 124M (12 x 768, 12 heads, vocab 50257) bf16, micro-batch 16 x 1024,
 #                 next to llm.c's train_gpt2cu (../shared/peers/llm.c, `-e d12`, same shards)
 #   stall         the 124M run's snapshot stall (ms) next to a bare pinned D2H copy of the
@@ -84,6 +87,7 @@ if [ $EMU = 1 ]; then
     [ $DRY = 0 ] && [ -z "$BUNDLE" ] || { echo "tests/gpu/run.sh: --emu goes with neither --cpu-dry-run nor --bundle" >&2; exit 2; }
     B="${B_EMU:-$ROOT/build-emu}"
     RUN="${GPU_RUN_DIR:-/tmp/ckpt-gpu-emu}"
+    export CUDA_EMU_DEVICES="${CUDA_EMU_DEVICES:-3}" # nccl_check W=3 (odd), two-rank training
 fi
 export PATH="/usr/local/cuda/bin:$PATH" # nvcc for meson and llm.c's Makefile
 T0=$SECONDS
@@ -239,7 +243,7 @@ if [ $DRY = 1 ]; then
     row nccl skip "no GPU"
 else
     nargs=()
-    [ "$NGPU" -ge 2 ] || nargs=(--single)
+    [ "$NGPU" -ge 2 ] || [ $EMU = 1 ] || nargs=(--single)
     if timeout 150 "$B/tests/gpu/nccl_check" "${nargs[@]}" >"$RUN/nccl.log" 2>&1; then
         row nccl ok "$(grep -m1 'NCCL W=' "$RUN/nccl.log"); $(grep -c 'killed rank' "$RUN/nccl.log") kill line(s)"
     else
@@ -320,6 +324,41 @@ timeout 90 "$TR" "${CPUS[@]}" --device "$DEV" --resume "$RUN/cpu/step-000000020"
 c2g=$(digest "$RUN/c2g.log")
 if [ -n "$c2g" ] && [ "$c2g" = "$cpud" ]; then row cpu-gpu ok "cpu snapshot on cuda: ${c2g:0:16} equal"
 else row cpu-gpu FAIL "cpu ${cpud:-none} vs cuda ${c2g:-none}"; fi
+
+# ---- two ranks: NCCL's tree reduce gives one rank's bits (grad-accum 2); a rank killed
+# under elastic restarts the group, which resumes and ends with the same digest
+if [ $EMU = 1 ] || [ "${NGPU:-0}" -ge 2 ]; then
+    W2=(--data "$DATA/train_*.bin" --n-layer 2 --n-embd 64 --n-head 2 --seq-len 64
+        --micro-batch 4 --steps 30 --log-every 1 --seed 7 --zero 1 --device cuda)
+    EL="$B/elastic/elastic"
+    rm -rf "$RUN/w2"
+    timeout 90 "$TR" "${W2[@]}" --grad-accum 2 >"$RUN/w1ga2.log" 2>&1
+    w1=$(digest "$RUN/w1ga2.log")
+    timeout 120 "$EL" --nproc-per-node 2 -- "$TR" "${W2[@]}" >"$RUN/w2.log" 2>&1
+    w2=$(digest "$RUN/w2.log")
+    ( timeout 180 "$EL" --nproc-per-node 2 --max-restarts 1 -- "$TR" "${W2[@]}" --ckpt-dir "$RUN/w2" \
+        --ckpt-every 10 --resume auto >"$RUN/w2kill.log" 2>&1 ) &
+    epid=$!
+    kpid=
+    for _ in $(seq 1 900); do
+        grep -q '\[rank 0\] .*step 15/' "$RUN/w2kill.log" 2>/dev/null && \
+            kpid=$(sed -n 's/.*round 0: started ranks 0\.\.1 of 2 (pids [0-9]* \([0-9]*\)).*/\1/p' "$RUN/w2kill.log" | head -1) && break
+        kill -0 $epid 2>/dev/null || break
+        sleep 0.1
+    done
+    [ -n "$kpid" ] && kill -KILL "$kpid" 2>/dev/null
+    wait $epid
+    wk=$(digest "$RUN/w2kill.log")
+    rounds=$(grep -c 'round [0-9]*: started' "$RUN/w2kill.log")
+    wfrom=$(grep -o 'resumed from [^ ]* at step [0-9]*\|resumed from memory ([a-z]*) at step [0-9]*' "$RUN/w2kill.log" | head -1)
+    if [ -n "$w1" ] && [ "$w1" = "$w2" ] && [ "$w2" = "$wk" ] && [ -n "$kpid" ] && [ "$rounds" = 2 ]; then
+        row ranks ok "W=2 tree = W=1 grad-accum 2: ${w1:0:16}; rank 1 killed at step 15, round 1 ${wfrom:-resumed}: digest equal"
+    else
+        row ranks FAIL "W=1 ga2 ${w1:-none}, W=2 ${w2:-none}, killed ${wk:-none} (pid ${kpid:-not found}, $rounds rounds; see $RUN/w2kill.log)"
+    fi
+else
+    row ranks skip "one GPU"
+fi
 
 # ---- GPT-2 124M bf16: tokens/s next to llm.c, the snapshot stall next to a bare D2H copy
 med_toks() { # median tok/s of the step lines after the first 3
