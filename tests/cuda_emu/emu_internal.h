@@ -55,7 +55,8 @@ int current_device(void);
 
 /* Run grid (on the calling worker thread): body(args) once per thread. 0, or -1 after a
  * fault. Kernel executor, emu_kernel.cpp. */
-int run_grid(const char *name, dim3 grid, dim3 block, void (*body)(void *), void *args);
+int run_grid(const char *name, dim3 grid, dim3 block, void (*body)(void *), void *args,
+             int schedule);
 
 } // namespace emu
 

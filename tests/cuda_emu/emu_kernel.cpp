@@ -72,6 +72,7 @@ struct Exec {
     void *args = nullptr;
     const char *name = "";
     bool bad = false; /* an unsupported use reported during this block */
+    int schedule = CUDA_EMU_SCHEDULE_FORWARD;
     unsigned diverged = 0; /* direct mode: the thread that reached a barrier after others ended */
     ~Exec()
     {
@@ -131,16 +132,17 @@ static void fiber_main(Fiber *f)
             ex->body(ex->args);
             if (ex->direct) ex->done++;
         }
-        if (ex->direct) {
+        if (ex->direct) { /* every thread ran to its end: f, the stack's owner, is done */
             ex->direct = false;
-            for (unsigned i = 1; i < ex->n; i++) ex->f[i].state = F_DONE;
+            ex->cur = f;
         } else {
-            ex->done++; /* thread 0, resumed as a fiber of its own, finished */
+            ex->done++; /* thread k (0, or the first of a warp), a fiber of its own since */
         }
     } else {
         ex->body(ex->args);
         ex->done++;
     }
+    f = ex->cur; /* direct mode may have handed this stack to a later thread's fiber */
     f->state = F_DONE;
 #if defined(__x86_64__)
     void *dead;
@@ -205,26 +207,28 @@ static void resume(Exec *ex, Fiber *f)
 #else
     swapcontext(&ex->sched_uc, &f->uc);
 #endif
-    if (f->state == F_DONE) {
-        ex->free_stacks.push_back(f->stack);
-        f->stack = nullptr;
+    Fiber *ran = ex->cur; /* f, or the thread that direct mode handed f's stack to */
+    if (ran->state == F_DONE && ran->stack) {
+        ex->free_stacks.push_back(ran->stack);
+        ran->stack = nullptr;
     }
 }
 
 static void yield(Exec *ex, Fiber *f, int state)
 {
     if (ex->direct) {
-        /* the first barrier of the block: thread 0's becomes a fiber of its own (the
-         * others start as fibers); a later thread's means threads finished before it */
+        /* The block's first barrier. Threads 0 to k - 1 (k = direct_at) finished without
+         * one: legal when k is 0, or when k starts a warp and this is that warp's shuffle;
+         * thread k then goes on as a fiber of its own, on the stack it runs on, and the
+         * threads after it start as fibers. Otherwise threads ended before a barrier that
+         * others wait at: the fault that fiber mode finds too. */
         ex->direct = false;
-        if (ex->direct_at != 0) {
-            ex->diverged = ex->direct_at;
-            f = &ex->f[0];
+        const unsigned k = ex->direct_at;
+        if (k != 0 && (state != F_WAIT_WARP || k % 32 != 0)) {
+            ex->diverged = k;
+            f = &ex->f[0]; /* the stack's owner: taken back by the fault path */
             f->state = F_WAIT_BLOCK;
             ex->cur = f;
-        }
-        for (unsigned i = 1; i < ex->n; i++) ex->f[i].state = F_NEW;
-        if (ex->diverged) {
 #if defined(__x86_64__)
             emu_swap(&f->sp, ex->sched_sp);
 #else
@@ -232,6 +236,13 @@ static void yield(Exec *ex, Fiber *f, int state)
 #endif
             abort(); /* never resumed */
         }
+        if (k != 0) {
+            ex->f[k].stack = ex->f[0].stack;
+            ex->f[0].stack = nullptr; /* thread 0 finished long ago */
+            ex->f[0].state = F_DONE;
+        }
+        for (unsigned i = k + 1; i < ex->n; i++) ex->f[i].state = F_NEW;
+        f = &ex->f[k];
     }
     f->state = state;
     if (state == F_WAIT_WARP) ex->warp_wait[f->lin / 32]++;
@@ -278,23 +289,46 @@ uint32_t shfl_xor_u32(unsigned mask, uint32_t v, int lane_mask, int width)
     return slot[(f->lin & ~31u) | ((f->lin & 31u) ^ (unsigned)lane_mask)];
 }
 
-/* Run one block; 0, or -1 after a fault. */
+/* Release warp w when all its 32 lanes wait at a shuffle; true when it did. */
+static bool release_warp(Exec *ex, unsigned w)
+{
+    if (ex->warp_wait[w] != 32) return false;
+    for (unsigned i = w * 32; i < w * 32 + 32; i++) ex->f[i].state = F_RUN;
+    ex->warp_wait[w] = 0;
+    return true;
+}
+
+/* The reverse schedule's depth-first warps: while warp w is complete at a shuffle, release
+ * it and run its lanes (in reverse) again, before any other warp runs. */
+static void run_warp_ahead(Exec *ex, unsigned w)
+{
+    while (release_warp(ex, w))
+        for (unsigned j = w * 32 + 32; j-- > w * 32;)
+            if (ex->f[j].state == F_RUN) resume(ex, &ex->f[j]);
+}
+
+/* Run one block; 0, or -1 after a fault. Forward: direct mode, then rounds over the fibers
+ * in thread order. Reverse: fibers from the start, rounds in reverse thread order, and a
+ * warp released at a shuffle runs on at once (so one warp gets ahead of the others). */
 static int run_block(Exec *ex)
 {
     const unsigned n = ex->n, nwarps = (n + 31) / 32;
+    const bool rev = ex->schedule == CUDA_EMU_SCHEDULE_REVERSE;
     for (unsigned i = 0; i < n; i++) {
-        ex->f[i].state = i ? F_DONE : F_NEW; /* direct mode: fiber 0 runs them all */
+        ex->f[i].state = i && !rev ? F_DONE : F_NEW; /* direct mode: fiber 0 runs them all */
         ex->f[i].shuffles = 0;
     }
     for (unsigned w = 0; w < nwarps; w++) ex->warp_wait[w] = 0;
     ex->block_wait = ex->done = ex->diverged = 0;
-    ex->direct = true;
+    ex->direct = !rev;
     for (;;) {
-        for (unsigned i = 0; i < n; i++) {
+        for (unsigned k = 0; k < n; k++) {
+            const unsigned i = rev ? n - 1 - k : k;
             Fiber *f = &ex->f[i];
             if (f->state != F_NEW && f->state != F_RUN) continue;
             resume(ex, f);
             if (ex->diverged) break;
+            if (rev && f->state == F_WAIT_WARP) run_warp_ahead(ex, i / 32);
         }
         if (ex->bad) {
             fault(cudaErrorLaunchFailure, "kernel %s: an unsupported operation (above)", ex->name);
@@ -303,12 +337,7 @@ static int run_block(Exec *ex)
         if (ex->done == n) return 0;
         bool released = false;
         if (!ex->diverged) {
-            for (unsigned w = 0; w < nwarps; w++) {
-                if (ex->warp_wait[w] != 32) continue;
-                for (unsigned i = w * 32; i < w * 32 + 32; i++) ex->f[i].state = F_RUN;
-                ex->warp_wait[w] = 0;
-                released = true;
-            }
+            for (unsigned w = 0; w < nwarps; w++) released |= release_warp(ex, w);
             if (!released && ex->block_wait == n) {
                 for (unsigned i = 0; i < n; i++) ex->f[i].state = F_RUN;
                 ex->block_wait = 0;
@@ -342,7 +371,8 @@ static int run_block(Exec *ex)
     }
 }
 
-int run_grid(const char *name, dim3 grid, dim3 block, void (*body)(void *), void *args)
+int run_grid(const char *name, dim3 grid, dim3 block, void (*body)(void *), void *args,
+             int schedule)
 {
     static thread_local Exec ex;
     t_ex = &ex;
@@ -356,6 +386,7 @@ int run_grid(const char *name, dim3 grid, dim3 block, void (*body)(void *), void
     ex.args = args;
     ex.name = name;
     ex.bad = false;
+    ex.schedule = schedule;
     for (unsigned i = 0; i < n; i++) {
         ex.f[i].lin = i;
         ex.f[i].tid = uint3{i % block.x, (i / block.x) % block.y, i / (block.x * block.y)};
@@ -364,12 +395,13 @@ int run_grid(const char *name, dim3 grid, dim3 block, void (*body)(void *), void
     t_block_dim = uint3{block.x, block.y, block.z};
     t_grid_dim = uint3{grid.x, grid.y, grid.z};
     int rc = 0;
-    for (unsigned z = 0; z < grid.z && !rc; z++)
-        for (unsigned y = 0; y < grid.y && !rc; y++)
-            for (unsigned x = 0; x < grid.x && !rc; x++) {
-                t_block_idx = uint3{x, y, z};
-                rc = run_block(&ex);
-            }
+    const unsigned long long nb = (unsigned long long)grid.x * grid.y * grid.z;
+    for (unsigned long long b = 0; b < nb && !rc; b++) {
+        const unsigned long long q = schedule == CUDA_EMU_SCHEDULE_REVERSE ? nb - 1 - b : b;
+        t_block_idx = uint3{(unsigned)(q % grid.x), (unsigned)(q / grid.x % grid.y),
+                            (unsigned)(q / grid.x / grid.y)};
+        rc = run_block(&ex);
+    }
     ex.cur = nullptr;
     t_tid = nullptr;
     return rc;
@@ -400,6 +432,7 @@ void launch_enqueue(const char *name, dim3 grid, dim3 block, cudaStream_t s,
 {
     auto st = stream_get(s);
     const int dev = stream_device(st.get());
+    const int schedule = cudaEmuGetSchedule(); /* the one in force at the launch */
     enqueue(st, [=] {
         if (faulted()) return;
         for (size_t i = 0; i < ptrs.size(); i++) {
@@ -414,7 +447,7 @@ void launch_enqueue(const char *name, dim3 grid, dim3 block, cudaStream_t s,
                 return;
             }
         }
-        if (run_grid(name, grid, block, body, args.get())) return;
+        if (run_grid(name, grid, block, body, args.get(), schedule)) return;
         for (const void *p : ptrs)
             if (p && guards_ok(p, name)) return;
     });

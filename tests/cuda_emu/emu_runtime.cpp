@@ -23,7 +23,13 @@
 namespace emu {
 
 #define GUARD 256 /* bytes of guard before and after each device allocation (keeps 256-alignment) */
-#define GUARD_BYTE 0xA5
+/* Guard bytes: A5 at even addresses, FF at odd ones, so that an aligned float, bf16 or
+ * double read from a guard is a NaN (FFA5FFA5...) that poisons the result it enters. */
+static inline unsigned char guard_byte(const unsigned char *p) { return ((uintptr_t)p & 1) ? 0xFF : 0xA5; }
+static void guard_fill(unsigned char *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++) p[i] = guard_byte(p + i);
+}
 
 struct Stream {
     int device = 0;
@@ -239,10 +245,11 @@ int guards_ok(const void *p, const char *what)
     const unsigned char *lo = (const unsigned char *)base - GUARD,
                         *hi = (const unsigned char *)base + bytes;
     for (size_t i = 0; i < GUARD; i++) {
-        if (lo[i] != GUARD_BYTE || hi[i] != GUARD_BYTE) {
+        const bool blo = lo[i] != guard_byte(lo + i);
+        if (blo || hi[i] != guard_byte(hi + i)) {
             fault(cudaErrorIllegalAddress,
                   "%s wrote %s the device allocation %p of %zu bytes (guard byte %zu)", what,
-                  lo[i] != GUARD_BYTE ? "before" : "past the end of", (void *)base, bytes, i);
+                  blo ? "before" : "past the end of", (void *)base, bytes, i);
             return -1;
         }
     }
@@ -398,9 +405,9 @@ static cudaError_t dev_alloc(void **p, size_t bytes, const char *call)
         g_used[dev] -= body;
         return ret(cudaErrorMemoryAllocation);
     }
-    memset(raw, GUARD_BYTE, GUARD);
+    guard_fill(raw, GUARD);
     memset(raw + GUARD, 0xFF, bytes); /* not zeroed, as on a GPU: a NaN pattern */
-    memset(raw + GUARD + bytes, GUARD_BYTE, body - bytes + GUARD);
+    guard_fill(raw + GUARD + bytes, body - bytes + GUARD);
     std::lock_guard<std::mutex> g(g_mu);
     g_ranges[(uintptr_t)(raw + GUARD)] = Range{bytes, MEM_DEVICE, dev, raw};
     *p = raw + GUARD;
@@ -551,7 +558,7 @@ static int side_kind(const void *p, size_t bytes, const char *call, const char *
 }
 
 static cudaError_t copy_args(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind,
-                             const char *call, int *dst_dev)
+                             const char *call, int *dst_dev, int *src_dev)
 {
     if (bytes && (!dst || !src)) return ret(cudaErrorInvalidValue);
     if (!bytes) return cudaSuccess;
@@ -576,6 +583,7 @@ static cudaError_t copy_args(void *dst, const void *src, size_t bytes, enum cuda
         return ret(cudaErrorInvalidValue);
     }
     *dst_dev = dd;
+    *src_dev = sd;
     return cudaSuccess;
 }
 
@@ -586,14 +594,15 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaM
     if (e) return e;
     auto st = stream_get(s);
     if (!st) return ret(cudaErrorInvalidResourceHandle);
-    int dd = 0;
-    if ((e = copy_args(dst, src, bytes, kind, "cudaMemcpyAsync", &dd))) return e;
+    int dd = 0, sd = 0;
+    if ((e = copy_args(dst, src, bytes, kind, "cudaMemcpyAsync", &dd, &sd))) return e;
     if (!bytes) return cudaSuccess;
     enqueue(st, [=] {
         if (faulted()) return;
         /* the ranges may have been freed since (stream-ordered frees): check again */
         if (range_kind(dst, bytes, NULL, NULL) < 0 || range_kind(src, bytes, NULL, NULL) < 0 ||
-            (dd && range_kind(dst, bytes, NULL, NULL) != MEM_DEVICE)) {
+            (dd && range_kind(dst, bytes, NULL, NULL) != MEM_DEVICE) ||
+            (sd && range_kind(src, bytes, NULL, NULL) != MEM_DEVICE)) {
             fault(cudaErrorIllegalAddress, "cudaMemcpyAsync(%p <- %p, %zu bytes): a side is no "
                                            "longer in its allocation when the copy runs",
                   dst, src, bytes);
@@ -609,7 +618,7 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, enum cudaMemcpy
 {
     cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, NULL);
     if (e) return e;
-    device_sync();
+    stream_drain(stream_get(NULL).get()); /* the legacy stream; not the non-blocking ones */
     return api_enter("cudaMemcpy");
 }
 
@@ -764,6 +773,28 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
         ev->cv.notify_all();
     });
     return cudaSuccess;
+}
+
+static std::atomic<int> g_schedule{-1};
+
+void cudaEmuSetSchedule(int schedule)
+{
+    g_schedule.store(schedule == CUDA_EMU_SCHEDULE_REVERSE ? schedule : CUDA_EMU_SCHEDULE_FORWARD);
+}
+
+int cudaEmuGetSchedule(void)
+{
+    int s = g_schedule.load();
+    if (s < 0) {
+        const char *v = getenv("CUDA_EMU_SCHEDULE");
+        s = v && !strcmp(v, "reverse") ? CUDA_EMU_SCHEDULE_REVERSE : CUDA_EMU_SCHEDULE_FORWARD;
+        if (v && *v && strcmp(v, "reverse") && strcmp(v, "forward"))
+            say("CUDA_EMU_SCHEDULE=%s: not forward or reverse; forward", v);
+        int expect = -1;
+        g_schedule.compare_exchange_strong(expect, s);
+        s = g_schedule.load();
+    }
+    return s;
 }
 
 cudaError_t cudaEventQuery(cudaEvent_t e)

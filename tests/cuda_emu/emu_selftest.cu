@@ -63,6 +63,50 @@ __global__ void k_shfl(float *x)
     x[threadIdx.x] = __shfl_xor_sync(0xffffffffu, x[threadIdx.x], 1);
 }
 
+/* Warp 0 leaves; warp 1 shuffles: legal (the shuffle's warp is whole). */
+__global__ void k_warp_exit(float *x)
+{
+    if (threadIdx.x < 32) return;
+    x[threadIdx.x] = __shfl_xor_sync(0xffffffffu, (float)threadIdx.x, 1);
+}
+
+/* A block max, then a block sum, sharing sh (kern_cuda.cu's block_max/block_sum); with
+ * `racy`, without the barrier before the sum's write to sh, which may still be read for the
+ * max: a warp that gets ahead overwrites it. */
+__device__ float wsum(float v)
+{
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ float wmax(float v)
+{
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__global__ void k_max_then_sum(const float *x, float *out, int racy)
+{
+    __shared__ float sh[32];
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, nw = blockDim.x / 32;
+    float v = wmax(x[threadIdx.x]);
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    float mx = wmax(lane < nw ? sh[lane] : -INFINITY);
+    float s = wsum(x[threadIdx.x] - mx);
+    if (!racy) __syncthreads();
+    if (lane == 0) sh[w] = s;
+    __syncthreads();
+    float t = wsum(lane < nw ? sh[lane] : 0.0f);
+    if (threadIdx.x == 0) out[0] = t;
+    if (threadIdx.x == 0) out[1] = mx;
+}
+
+/* Reads one element past the end of x. */
+__global__ void k_read_past(const float *x, float *out, int n)
+{
+    if (threadIdx.x == 0) out[0] = x[0] + x[n];
+}
+
 __global__ void k_2d(int *out)
 {
     const int i = (blockIdx.y * gridDim.x + blockIdx.x) * (blockDim.x * blockDim.y) +
@@ -82,6 +126,16 @@ static float *dev_floats(size_t n)
     void *p = NULL;
     if (cudaMalloc(&p, n * sizeof(float)) != cudaSuccess) abort();
     return (float *)p;
+}
+
+static int count_maps(void)
+{
+    FILE *f = fopen("/proc/self/maps", "r");
+    int n = 0;
+    char line[512];
+    while (f && fgets(line, sizeof line, f)) n++;
+    if (f) fclose(f);
+    return n;
 }
 
 /* ---- cases that must work */
@@ -109,10 +163,48 @@ static void case_compute(void)
     CHECK(h2[0] == 0 && h2[1] == 1 && h2[4] == 10 && h2[8] == 100 && h2[47] == 2113,
           "2-D indices: %d %d %d %d %d", h2[0], h2[1], h2[4], h2[8], h2[47]);
 
+    float *wx = dev_floats(64), hw[64];
+    k_warp_exit<<<1, 64, 0, s>>>(wx);
+    CHECK(cudaMemcpyAsync(hw, wx, sizeof hw, cudaMemcpyDeviceToHost, s) == cudaSuccess &&
+              cudaStreamSynchronize(s) == cudaSuccess, "a warp leaves, the next one shuffles");
+    CHECK(hw[32] == 33.0f && hw[33] == 32.0f && hw[63] == 62.0f, "shuffle after a warp left: %g %g",
+          hw[32], hw[33]);
+
+    /* a read one past the end meets the guard: NaN, which poisons the result */
+    float one = 1.0f, rp = 0.0f, *px = dev_floats(4), *po = dev_floats(1);
+    cudaMemcpyAsync(px, &one, 4, cudaMemcpyHostToDevice, s);
+    k_read_past<<<1, 32, 0, s>>>(px, po, 4);
+    cudaMemcpyAsync(&rp, po, 4, cudaMemcpyDeviceToHost, s);
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess && rp != rp, "a read past the end: %g, not NaN", rp);
+
+    /* the reverse schedule: the same results for a correct kernel, other ones for a racy one */
+    float hx[128], res[2][2][2];
+    for (int i = 0; i < 128; i++) hx[i] = (float)((i * 37) % 11) - 5.0f;
+    hx[127] = 100.0f; /* the maximum in the last warp: the one the reverse schedule runs ahead */
+    float *dx = dev_floats(128), *dr = dev_floats(2);
+    cudaMemcpyAsync(dx, hx, sizeof hx, cudaMemcpyHostToDevice, s);
+    for (int racy = 0; racy < 2; racy++)
+        for (int sched = 0; sched < 2; sched++) {
+            cudaEmuSetSchedule(sched ? CUDA_EMU_SCHEDULE_REVERSE : CUDA_EMU_SCHEDULE_FORWARD);
+            k_max_then_sum<<<1, 128, 0, s>>>(dx, dr, racy);
+            cudaMemcpyAsync(res[racy][sched], dr, 8, cudaMemcpyDeviceToHost, s);
+            CHECK(cudaStreamSynchronize(s) == cudaSuccess, "max then sum");
+        }
+    cudaEmuSetSchedule(CUDA_EMU_SCHEDULE_FORWARD);
+    CHECK(!memcmp(res[0][0], res[0][1], 8), "correct kernel: %g vs %g under the reverse schedule",
+          res[0][0][0], res[0][1][0]);
+    CHECK(memcmp(res[1][0], res[1][1], 8) != 0, "racy kernel: the reverse schedule shows no difference");
+
+    /* many launches: the fiber stacks are given back (a leak ran out of mappings) */
+    const int maps0 = count_maps();
+    for (int i = 0; i < 3000; i++) k_fill<<<2, 64, 0, s>>>(wx, 64, 1.0f);
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess, "3000 launches");
+    CHECK(count_maps() < maps0 + 50, "%d mappings after 3000 launches, %d before", count_maps(), maps0);
+
     /* cuBLAS: C (2x2) = A (2x3) B (3x2), column-major, and beta 0 does not read C (NaN) */
     cublasHandle_t hb;
     CHECK(cublasCreate(&hb) == CUBLAS_STATUS_SUCCESS && cublasSetStream(hb, s) == CUBLAS_STATUS_SUCCESS, "cublas");
-    float A[6] = {1, 2, 3, 4, 5, 6}, B[6] = {1, 0, 1, 0, 1, 1}, Cg[4], one = 1, zero = 0;
+    float A[6] = {1, 2, 3, 4, 5, 6}, B[6] = {1, 0, 1, 0, 1, 1}, Cg[4], zero = 0;
     float *dA = dev_floats(6), *dB = dev_floats(6), *dC = dev_floats(4); /* dC: 0xFF, NaN */
     cudaMemcpyAsync(dA, A, sizeof A, cudaMemcpyHostToDevice, s);
     cudaMemcpyAsync(dB, B, sizeof B, cudaMemcpyHostToDevice, s);
@@ -235,6 +327,19 @@ static void fault_use_after_free(void)
     CHECK(cudaStreamSynchronize(s) == cudaErrorIllegalAddress, "a kernel after the stream-ordered free");
 }
 
+static void fault_copy_freed_source(void)
+{
+    cudaStream_t s = stream(), t = stream();
+    void *p;
+    static float h[1 << 18];
+    CHECK(cudaMallocAsync(&p, sizeof h, t) == cudaSuccess, "malloc async");
+    cudaLaunchHostFunc(s, wait_gate, NULL); /* s is held while t frees the source */
+    CHECK(cudaMemcpyAsync(h, p, sizeof h, cudaMemcpyDeviceToHost, s) == cudaSuccess, "queued");
+    CHECK(cudaFreeAsync(p, t) == cudaSuccess && cudaStreamSynchronize(t) == cudaSuccess, "freed");
+    gate = 1;
+    CHECK(cudaStreamSynchronize(s) == cudaErrorIllegalAddress, "a copy from a source freed first");
+}
+
 static void fault_gemm_bounds(void)
 {
     cudaStream_t s = stream();
@@ -279,6 +384,7 @@ int main(void)
     bad += run_case("fault: host pointer", fault_host_pointer);
     bad += run_case("fault: use after free", fault_use_after_free);
     bad += run_case("fault: gemm bounds", fault_gemm_bounds);
+    bad += run_case("fault: freed source", fault_copy_freed_source);
     printf("emu_selftest: %s\n", bad ? "FAILED" : "all cases passed");
     return bad ? 1 : 0;
 }

@@ -223,6 +223,12 @@ static void check(const char *name, const shape *s, const kern_ops *k, gpu_fn fn
             }
         }
         if (ok) {
+#ifdef CUDA_EMU
+            /* on the CUDA emulator the second run takes its other thread order (blocks and
+             * threads reversed, one warp ahead of the others): a race or an order-dependent
+             * sum then shows as "two runs differ in bits", or as a wrong value */
+            cudaEmuSetSchedule(run ? CUDA_EMU_SCHEDULE_REVERSE : CUDA_EMU_SCHEDULE_FORWARD);
+#endif
             fn(k, d, s, extra);
             if (wait_stream() || k->status(k->ctx)) {
                 ok = 0;

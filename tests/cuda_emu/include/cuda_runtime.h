@@ -12,9 +12,15 @@
  * lanes diverged, is detected and reported, not silently passed.
  * __shared__ variables are per worker thread (one block runs at a time on it).
  *
- * Not emulated: the GPU's memory model (no data races are found between threads of a grid;
- * threads run in order, so a kernel relying on an unordered write order passes), float
- * intrinsics' accuracy (expf is glibc's), timing. Only full-mask __shfl_xor_sync.
+ * Orders: threads run in one of two legal orders (cudaEmuSetSchedule, cuda_runtime_api.h):
+ * forward, or blocks and threads reversed with one warp run ahead of the others at each
+ * shuffle. kernel_check runs each op once in each: a race between warps over shared memory
+ * or an order-dependent accumulation across blocks then differs in bits or in value.
+ * Not emulated: the GPU's memory model beyond those two orders (threads never interleave
+ * between barriers, so a lost update of a read-modify-write race cannot happen here), float
+ * intrinsics' accuracy (expf is glibc's), nvcc's exact choice of which a * b + c to fuse
+ * into an FMA (g++'s -ffp-contract=fast choice stands in for it), shared memory's garbage at a block's start (a block sees the previous
+ * block's values), timing. Only full-mask __shfl_xor_sync.
  */
 #ifndef CUDA_EMU_RUNTIME_H
 #define CUDA_EMU_RUNTIME_H
@@ -119,14 +125,17 @@ template <typename T> static inline T __shfl_xor_sync(unsigned mask, T v, int la
     return v;
 }
 
-/* IEEE round-to-nearest operations: the host's (built with -ffp-contract=off). */
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float __fsub_rn(float a, float b) { return a - b; }
-static inline float __fmul_rn(float a, float b) { return a * b; }
-static inline float __fdiv_rn(float a, float b) { return a / b; }
-static inline float __fsqrt_rn(float a) { return sqrtf(a); }
-static inline double __dadd_rn(double a, double b) { return a + b; }
-static inline double __dmul_rn(double a, double b) { return a * b; }
+/* IEEE round-to-nearest operations that are never contracted into an FMA (as nvcc's): the
+ * empty asm statements hide the operands' and the result's origins from the optimizer, so
+ * that -ffp-contract=fast (the emulated kernels' nvcc-like default) cannot fuse them. */
+#define EMU_OPAQUE(x) __asm__("" : "+x"(x))
+static inline float __fadd_rn(float a, float b) { EMU_OPAQUE(a); EMU_OPAQUE(b); float r = a + b; EMU_OPAQUE(r); return r; }
+static inline float __fsub_rn(float a, float b) { EMU_OPAQUE(a); EMU_OPAQUE(b); float r = a - b; EMU_OPAQUE(r); return r; }
+static inline float __fmul_rn(float a, float b) { EMU_OPAQUE(a); EMU_OPAQUE(b); float r = a * b; EMU_OPAQUE(r); return r; }
+static inline float __fdiv_rn(float a, float b) { EMU_OPAQUE(a); EMU_OPAQUE(b); float r = a / b; EMU_OPAQUE(r); return r; }
+static inline float __fsqrt_rn(float a) { EMU_OPAQUE(a); float r = sqrtf(a); EMU_OPAQUE(r); return r; }
+static inline double __dadd_rn(double a, double b) { EMU_OPAQUE(a); EMU_OPAQUE(b); double r = a + b; EMU_OPAQUE(r); return r; }
+static inline double __dmul_rn(double a, double b) { EMU_OPAQUE(a); EMU_OPAQUE(b); double r = a * b; EMU_OPAQUE(r); return r; }
 static inline unsigned __float_as_uint(float f)
 {
     unsigned u;

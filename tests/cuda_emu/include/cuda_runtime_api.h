@@ -5,9 +5,11 @@
  *
  * Semantics follow the CUDA Runtime API reference (CUDA 13.0), with these choices:
  * - Device memory is host memory from the emulator's allocator, filled with 0xFF bytes (a NaN
- *   pattern) at cudaMalloc, fenced by 64-byte guards checked after every operation that wrote
- *   it. It is only "device memory" by the emulator's registry: copies, memsets, kernels and
- *   cuBLAS calls refuse pointers outside a live allocation of the right kind.
+ *   pattern) at cudaMalloc, fenced by 256-byte guards (NaN as float, bf16 and double, so that
+ *   a read past the end poisons its result) checked after every operation that wrote it. It
+ *   is only "device memory" by the emulator's registry: copies, memsets, kernels and cuBLAS
+ *   calls refuse pointers outside a live allocation of the right kind, when queued and again
+ *   when they run (a stream-ordered free on another stream may have come first).
  * - Each stream is a worker thread running its operations in order; events, cross-stream
  *   waits and host functions behave as on a GPU, so ordering mistakes show as races.
  * - Errors: argument errors return at once and set the calling thread's last error; a fault
@@ -130,6 +132,17 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags);
 cudaError_t cudaEventDestroy(cudaEvent_t e);
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
 cudaError_t cudaEventQuery(cudaEvent_t e);
+
+/* The emulator's own (not CUDA): the order in which later launches run their threads.
+ * FORWARD (the default): blocks and threads in index order. REVERSE: blocks and threads in
+ * reverse, and a warp released at a shuffle runs on before the other warps - a different,
+ * equally legal order, so a kernel whose result depends on the order (a race, an unordered
+ * accumulation) gives other bits or values under it. CUDA_EMU_SCHEDULE=reverse in the
+ * environment sets it at start. Thread-safe; takes effect at the next launch. */
+#define CUDA_EMU_SCHEDULE_FORWARD 0
+#define CUDA_EMU_SCHEDULE_REVERSE 1
+void cudaEmuSetSchedule(int schedule);
+int cudaEmuGetSchedule(void);
 
 #ifdef __cplusplus
 }
