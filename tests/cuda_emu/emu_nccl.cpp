@@ -391,8 +391,14 @@ ncclResult_t drop(ncclComm_t comm, bool abort)
     }
     if (!c) return ncclInvalidArgument;
     if (abort) c->aborted.store(1); /* a waiting operation sees it within 50 us */
-    /* leave (unmap, remove the files when last) once no queued operation holds the
-     * communicator: the last reference is this thread's */
+    /* leave (unmap; the last rank alive removes the files) once no queued operation holds
+     * the communicator - at once after a finalize, within a second after an abort, else
+     * later on a thread of its own (a wait that does not poll: an operation not started) */
+    for (int i = 0; i < 20000 && c.use_count() > 1; i++) nap();
+    if (c.use_count() == 1) {
+        leave(c.get());
+        return ncclSuccess;
+    }
     struct Leaver {
         static void run(std::shared_ptr<ncclComm> c)
         {
