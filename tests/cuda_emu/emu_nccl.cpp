@@ -49,6 +49,7 @@ struct Dir {
 
 struct RankHdr {
     std::atomic<int> pid;
+    std::atomic<int> out; /* it left (destroy, abort) or stopped on an error: waits end */
     std::atomic<uint64_t> coll_posted, coll_consumed;
     std::atomic<uint64_t> sent[MAXR];     /* messages to each peer posted */
     std::atomic<uint64_t> received[MAXR]; /* messages to each peer consumed (the peer writes) */
@@ -81,6 +82,7 @@ struct ncclComm {
 namespace {
 
 thread_local int t_group = 0;
+thread_local ncclResult_t t_group_err = ncclSuccess; /* a call of the open group failed */
 struct P2p {
     bool send;
     void *buf;
@@ -128,6 +130,15 @@ void nap(void)
     nanosleep(&ts, NULL);
 }
 
+/* Keep the communicator's first error and tell the peers that this rank stopped, so that
+ * their waits end (as a closed connection does in NCCL) instead of running to a timeout. */
+void fail(ncclComm *c, ncclResult_t r)
+{
+    int expect = ncclSuccess;
+    c->async.compare_exchange_strong(expect, (int)r);
+    if (c->h) c->h->r[c->rank].out.store(1);
+}
+
 /* The process is gone: no such pid, or a zombie (killed, not yet reaped by its parent). */
 bool gone(int pid)
 {
@@ -150,16 +161,18 @@ template <typename F> ncclResult_t wait_for(ncclComm *c, F ready, const char *wh
     for (unsigned k = 0;; k++) {
         if (ready()) return ncclSuccess;
         if (c->aborted.load()) return ncclInvalidUsage;
-        if (k % 256 == 255)
-            for (int p = 0; p < c->nranks; p++) {
-                int pid = c->h->r[p].pid.load();
-                if (p != c->rank && pid > 0 && gone(pid)) {
-                    snprintf(c->last, sizeof c->last, "%s: rank %d (pid %d) is gone", what, p, pid);
+        for (int p = 0; p < c->nranks; p++) {
+            int pid = c->h->r[p].pid.load();
+            const bool out = c->h->r[p].out.load();
+            if (p != c->rank && (out || (k % 256 == 255 && pid > 0 && gone(pid)))) {
+                    if (ready()) return ncclSuccess; /* its last stores came before `out` */
+                    snprintf(c->last, sizeof c->last, "%s: rank %d (pid %d) %s", what, p, pid,
+                             out ? "left the communicator" : "is gone");
                     say("NCCL: %s", c->last);
-                    c->async.store(ncclRemoteError);
+                    fail(c, ncclRemoteError);
                     return ncclRemoteError;
-                }
             }
+        }
         nap();
     }
 }
@@ -168,7 +181,14 @@ template <typename F> ncclResult_t wait_for(ncclComm *c, F ready, const char *wh
 void *region(ncclComm *c, size_t bytes)
 {
     if (bytes > c->cap) {
-        if (ftruncate(c->fd, (off_t)bytes) < 0) return nullptr;
+        /* allocated, not sparse: a full /dev/shm is this error, not a SIGBUS in a copy */
+        int e = posix_fallocate(c->fd, 0, (off_t)bytes);
+        if (e) {
+            snprintf(c->last, sizeof c->last, "growing %s-r%d to %zu bytes: %s", c->base,
+                     c->rank, bytes, strerror(e));
+            say("NCCL: %s", c->last);
+            return nullptr;
+        }
         c->cap = bytes;
     }
     return mmap(NULL, bytes ? bytes : 1, PROT_READ | PROT_WRITE, MAP_SHARED, c->fd, 0);
@@ -181,6 +201,13 @@ const void *peer_region(ncclComm *c, int p, size_t bytes)
     snprintf(name, sizeof name, "%s-r%d", c->base, p);
     int fd = open(name, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return nullptr;
+    struct stat st;
+    if (fstat(fd, &st) < 0 || (size_t)st.st_size < bytes) { /* counts differ between ranks */
+        snprintf(c->last, sizeof c->last, "rank %d posted fewer bytes than %zu", p, bytes);
+        say("NCCL: %s", c->last);
+        close(fd);
+        return nullptr;
+    }
     void *m = mmap(NULL, bytes ? bytes : 1, PROT_READ, MAP_SHARED, fd, 0);
     close(fd);
     return m == MAP_FAILED ? nullptr : m;
@@ -234,7 +261,7 @@ ncclResult_t collective(ncclComm_t comm, int kind, const void *in, void *out, si
         RankHdr *mine = &c->h->r[me];
         void *reg = region(c.get(), in_bytes);
         if (reg == MAP_FAILED || !reg) {
-            c->async.store(ncclSystemError);
+            fail(c.get(), ncclSystemError);
             return;
         }
         memcpy(reg, in, in_bytes);
@@ -249,7 +276,7 @@ ncclResult_t collective(ncclComm_t comm, int kind, const void *in, void *out, si
         std::vector<const void *> regs(W);
         for (int p = 0; p < W; p++)
             if (!(regs[p] = peer_region(c.get(), p, in_bytes))) {
-                c->async.store(ncclSystemError);
+                fail(c.get(), ncclSystemError);
                 return;
             }
         if (kind == C_ALLGATHER) {
@@ -307,7 +334,7 @@ ncclResult_t run_group(std::vector<P2p> &ops)
         if (!sends.empty()) {
             void *reg = region(c.get(), total);
             if (reg == MAP_FAILED || !reg) {
-                c->async.store(ncclSystemError);
+                fail(c.get(), ncclSystemError);
                 return;
             }
             for (auto &m : sends) {
@@ -328,12 +355,12 @@ ncclResult_t run_group(std::vector<P2p> &ops)
                          "sent", m.peer, m.bytes, (unsigned long long)d.msg,
                          (unsigned long long)d.bytes);
                 say("NCCL: %s", c->last);
-                c->async.store(ncclInvalidUsage);
+                fail(c.get(), ncclInvalidUsage);
                 return;
             }
             const char *reg = (const char *)peer_region(c.get(), m.peer, d.off + d.bytes);
             if (!reg) {
-                c->async.store(ncclSystemError);
+                fail(c.get(), ncclSystemError);
                 return;
             }
             memcpy(m.buf, reg + d.off, m.bytes);
@@ -353,6 +380,7 @@ ncclResult_t run_group(std::vector<P2p> &ops)
 void leave(ncclComm *c)
 {
     if (!c->h) return;
+    c->h->r[c->rank].out.store(1);
     char name[128];
     snprintf(name, sizeof name, "%s-r%d", c->base, c->rank);
     unlink(name);
@@ -480,20 +508,20 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId i
         munmap(m, sizeof(Hdr));
         return ncclInvalidUsage;
     }
-    char name[128];
-    snprintf(name, sizeof name, "%s-r%d", c->base, rank);
-    c->fd = open(name, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (c->fd < 0) {
-        munmap(m, sizeof(Hdr));
-        return ncclSystemError;
-    }
     int zero = 0;
     if (!c->h->r[rank].pid.compare_exchange_strong(zero, (int)getpid())) {
         say("ncclCommInitRankConfig: rank %d joined twice (pid %d, then %d)", rank, zero,
             (int)getpid());
-        close(c->fd);
         munmap(m, sizeof(Hdr));
         return ncclInvalidUsage;
+    }
+    char name[128]; /* the region: truncated only once this rank's slot is ours */
+    snprintf(name, sizeof name, "%s-r%d", c->base, rank);
+    c->fd = open(name, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (c->fd < 0) {
+        c->h->r[rank].out.store(1);
+        munmap(m, sizeof(Hdr));
+        return ncclSystemError;
     }
     c->h->joined.fetch_add(1);
     {
@@ -515,6 +543,14 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *async)
     if (!comm || !async || !ref(comm)) return ncclInvalidArgument;
     if (!comm->init_done) {
         if (comm->h->joined.load() < comm->nranks) {
+            for (int p = 0; p < comm->nranks; p++) { /* a rank that joined and went away */
+                int pid = comm->h->r[p].pid.load();
+                if (p != comm->rank && pid > 0 && (comm->h->r[p].out.load() || gone(pid))) {
+                    snprintf(comm->last, sizeof comm->last, "init: rank %d (pid %d) is gone", p, pid);
+                    *async = ncclRemoteError;
+                    return ncclSuccess;
+                }
+            }
             *async = ncclInProgress;
             return ncclSuccess;
         }
@@ -543,7 +579,9 @@ ncclResult_t ncclGroupEnd(void)
     if (--t_group) return ncclSuccess;
     std::vector<P2p> ops;
     ops.swap(t_p2p);
-    return run_group(ops);
+    ncclResult_t e = t_group_err;
+    t_group_err = ncclSuccess;
+    return e != ncclSuccess ? e : run_group(ops); /* a group with a failed call: none run */
 }
 
 ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t t,
@@ -576,7 +614,17 @@ static ncclResult_t p2p(bool send, void *buf, size_t count, ncclDataType_t t, in
         return ncclInvalidArgument;
     }
     ncclResult_t r = check(comm, buf, count * tsize(t), s, call);
-    if (r != ncclSuccess) return r;
+    if (r != ncclSuccess) {
+        if (t_group && t_group_err == ncclSuccess) t_group_err = r;
+        return r;
+    }
+    for (auto &o : t_p2p)
+        if (o.send == send && o.peer == peer && send) {
+            snprintf(comm->last, sizeof comm->last, "%s: two sends to rank %d in one group are "
+                     "not emulated", call, peer);
+            if (t_group && t_group_err == ncclSuccess) t_group_err = ncclInvalidUsage;
+            return ncclInvalidUsage;
+        }
     t_p2p.push_back(P2p{send, buf, count * tsize(t), peer, comm, s});
     if (t_group) return ncclSuccess;
     std::vector<P2p> ops; /* outside a group: a group of one */

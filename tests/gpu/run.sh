@@ -124,7 +124,9 @@ mkdir -p "$RUN"
 if [ $DRY = 1 ]; then
     echo "GPU 0: none (--cpu-dry-run: every step with --device cpu)" >"$RUN/gpus.txt"
 elif [ $EMU = 1 ]; then
-    echo "GPU 0: cuda-emu (the CPU emulator of tests/cuda_emu; --device cuda on it)" >"$RUN/gpus.txt"
+    for g in $(seq 0 $((CUDA_EMU_DEVICES - 1))); do
+        echo "GPU $g: cuda-emu (the CPU emulator of tests/cuda_emu; --device cuda on it)"
+    done >"$RUN/gpus.txt"
 elif ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >"$RUN/gpus.txt" 2>&1; then
     echo "tests/gpu/run.sh: no GPU here (nvidia-smi -L failed): skipped"
     exit 77
@@ -339,6 +341,7 @@ if [ $EMU = 1 ] || [ "${NGPU:-0}" -ge 2 ]; then
         --micro-batch 2 --steps 30 --log-every 1 --seed 7 --zero 1 --device cuda)
     EL="$B/elastic/elastic"
     rm -rf "$RUN/w2"
+    touch "$RUN/ranks.start"
     timeout 90 "$TR" "${W2[@]}" --grad-accum 2 >"$RUN/w1ga2.log" 2>&1
     w1=$(digest "$RUN/w1ga2.log")
     timeout 120 "$EL" --nproc-per-node 2 -- "$TR" "${W2[@]}" >"$RUN/w2.log" 2>&1
@@ -348,8 +351,12 @@ if [ $EMU = 1 ] || [ "${NGPU:-0}" -ge 2 ]; then
     epid=$!
     kpid=
     for _ in $(seq 1 900); do
-        grep -q '\[rank 0\] .*step 15/' "$RUN/w2kill.log" 2>/dev/null && \
-            kpid=$(sed -n 's/.*round 0: started ranks 0\.\.1 of 2 (pids [0-9]* \([0-9]*\)).*/\1/p' "$RUN/w2kill.log" | head -1) && break
+        # rank 1 of round 0, once rank 0 is at step 15 (and round 0 still runs)
+        if grep -q '\[rank 0\] .*step 15/' "$RUN/w2kill.log" 2>/dev/null; then
+            grep -q 'round 1: started' "$RUN/w2kill.log" ||
+                kpid=$(sed -n 's/.*round 0: started ranks 0\.\.1 of 2 (pids [0-9]* \([0-9]*\)).*/\1/p' "$RUN/w2kill.log" | head -1)
+            break
+        fi
         kill -0 $epid 2>/dev/null || break
         sleep 0.1
     done
@@ -358,10 +365,13 @@ if [ $EMU = 1 ] || [ "${NGPU:-0}" -ge 2 ]; then
     wk=$(digest "$RUN/w2kill.log")
     rounds=$(grep -c 'round [0-9]*: started' "$RUN/w2kill.log")
     wfrom=$(grep -o 'resumed from [^ ]* at step [0-9]*\|resumed from memory ([a-z]*) at step [0-9]*' "$RUN/w2kill.log" | head -1)
-    if [ -n "$w1" ] && [ "$w1" = "$w2" ] && [ "$w2" = "$wk" ] && [ -n "$kpid" ] && [ "$rounds" = 2 ]; then
+    # the emulator's NCCL files: the last rank alive removes them, the killed rank's included
+    shm_left=
+    [ $EMU = 1 ] && shm_left=$(find /dev/shm -maxdepth 1 -name 'cuda-emu-nccl-*' -newer "$RUN/ranks.start" 2>/dev/null | head -3 | tr '\n' ' ')
+    if [ -n "$w1" ] && [ "$w1" = "$w2" ] && [ "$w2" = "$wk" ] && [ -n "$kpid" ] && [ "$rounds" = 2 ] && [ -z "$shm_left" ]; then
         row ranks ok "W=2 tree = W=1 grad-accum 2: ${w1:0:16}; rank 1 killed at step 15, round 1 ${wfrom:-resumed}: digest equal"
     else
-        row ranks FAIL "W=1 ga2 ${w1:-none}, W=2 ${w2:-none}, killed ${wk:-none} (pid ${kpid:-not found}, $rounds rounds; see $RUN/w2kill.log)"
+        row ranks FAIL "W=1 ga2 ${w1:-none}, W=2 ${w2:-none}, killed ${wk:-none} (pid ${kpid:-not found}, $rounds rounds; see $RUN/w2kill.log)${shm_left:+; left in /dev/shm: $shm_left}"
     fi
 else
     row ranks skip "one GPU"

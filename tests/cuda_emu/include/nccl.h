@@ -6,7 +6,8 @@
  * ncclRemoteError (ncclCommGetAsyncError); ncclCommAbort ends it too. Non-blocking
  * communicators (config.blocking = 0) return ncclInProgress from the init and report the
  * rendezvous through ncclCommGetAsyncError. Reductions: ncclSum of ncclFloat only.
- * Groups: over one communicator and stream.
+ * Groups: over one communicator and stream, at most one send to each peer; a group in which a
+ * call failed runs none of its calls (ncclGroupEnd returns that error).
  */
 #ifndef CUDA_EMU_NCCL_H
 #define CUDA_EMU_NCCL_H
