@@ -58,7 +58,10 @@ int ckpt_path_join(char *out, size_t len, const char *dir, const char *name);
 
 /* Fault points for crash tests (docs/FORMAT.md, "Crash safety"). When the environment
  * variable CKPT_FAULT_POINT is "<name>" or "<name>@<step>" and matches, the process kills
- * itself with SIGKILL here, as a crash at that instant would. Names along the save path:
+ * itself with SIGKILL here, as a crash at that instant would; with the suffix ":stop"
+ * ("<name>@<step>:stop") it stops itself with SIGSTOP instead, once, so that a test can act at
+ * that instant (arm a CKPT_FAULT_DIR fault, inspect files) and then send SIGCONT. An unknown
+ * suffix is logged and the point never fires. Names along the save path:
  *   before-chunk-write  before the first chunk of the snapshot is handed to the writer
  *   mid-chunk           half of the middle chunk's stored bytes handed to the writer
  *   mid-data            after half of the snapshot's raw bytes were handed to the writer

@@ -242,12 +242,14 @@ int ckpt_path_join(char *out, size_t len, const char *dir, const char *name)
     return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
 }
 
-/* CKPT_FAULT_POINT="<name>[@<step>]": read once; matching points kill the process. */
+/* CKPT_FAULT_POINT="<name>[@<step>][:stop]": read once; matching points kill the process
+ * (SIGKILL), or with ":stop" stop it (SIGSTOP) until a driver sends SIGCONT. */
 void ckpt_fault_point(const char *name, uint64_t step)
 {
     static int loaded;
     static char want[64];
     static long long want_step = -1;
+    static int want_stop;
     if (store_fault_armed(name)) { /* CKPT_FAULT_DIR/<name> (storage.h) */
         LOG_W("ckpt", "fault point %s reached at step %llu: killing this process (armed in "
               "CKPT_FAULT_DIR)", name, (unsigned long long)step);
@@ -257,6 +259,15 @@ void ckpt_fault_point(const char *name, uint64_t step)
         const char *s = getenv("CKPT_FAULT_POINT");
         if (s && *s) {
             snprintf(want, sizeof want, "%s", s);
+            char *colon = strchr(want, ':');
+            if (colon) {
+                want_stop = strcmp(colon + 1, "stop") == 0;
+                if (!want_stop) /* an unknown action: the point never fires */
+                    LOG_W("ckpt", "ignoring CKPT_FAULT_POINT=\"%s\": unknown action (want "
+                          "<point>[@<step>][:stop])", s);
+                *colon = '\0';
+                if (!want_stop) want[0] = '\0';
+            }
             char *at = strchr(want, '@');
             if (at) {
                 *at = '\0';
@@ -267,6 +278,15 @@ void ckpt_fault_point(const char *name, uint64_t step)
     }
     if (!want[0] || strcmp(want, name) != 0) return;
     if (want_step >= 0 && (uint64_t)want_step != step) return;
+    if (want_stop) {
+        /* One-shot: a driver that sends SIGCONT wants the run to go on past this point. */
+        static int stopped;
+        if (__atomic_exchange_n(&stopped, 1, __ATOMIC_ACQ_REL)) return;
+        LOG_W("ckpt", "fault point %s reached at step %llu: stopping this process (SIGSTOP; "
+              "CKPT_FAULT_POINT)", name, (unsigned long long)step);
+        raise(SIGSTOP);
+        return;
+    }
     LOG_W("ckpt", "fault point %s reached at step %llu: killing this process (CKPT_FAULT_POINT)",
           name, (unsigned long long)step);
     raise(SIGKILL);

@@ -8,6 +8,7 @@ does) fire once, in one process, and then never again.
 import os
 import re
 import subprocess
+import signal
 import tempfile
 import time
 
@@ -24,20 +25,39 @@ POINTS = {
 }
 
 
-def train_arming(args, fault_dir, name, after, timeout=300):
-    """Run train with CKPT_FAULT_DIR=fault_dir and touch fault_dir/name once its log matches
-    the regex `after` (None: before the start). Returns a CompletedProcess."""
-    if after is None:
+def stopped(pid):
+    """True once the process is stopped (state T in /proc/PID/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:
+        return False
+
+
+def train_arming(args, fault_dir, name, point, timeout=300):
+    """Run train with CKPT_FAULT_DIR=fault_dir and touch fault_dir/name: before the start when
+    point is None, else once the process has stopped itself at CKPT_FAULT_POINT=point (a
+    "<name>@<step>:stop" point), then send SIGCONT. Either way the fault is armed at a known
+    instant of the run, whatever the machine's load (a test that armed it on seeing a log
+    line lost that race on a loaded CI machine). Returns a CompletedProcess."""
+    if point is None:
         open(os.path.join(fault_dir, name), "w").close()
+        p = subprocess.run([h.TRAIN] + h.data_args() + h.SMALL + list(args),
+                           capture_output=True, text=True, timeout=timeout,
+                           env=h.env({"CKPT_FAULT_DIR": fault_dir}))
+        return p
     err = tempfile.TemporaryFile("w+")
     p = subprocess.Popen([h.TRAIN] + h.data_args() + h.SMALL + list(args), stdout=subprocess.PIPE,
-                         stderr=err, text=True, env=h.env({"CKPT_FAULT_DIR": fault_dir}))
+                         stderr=err, text=True,
+                         env=h.env({"CKPT_FAULT_DIR": fault_dir, "CKPT_FAULT_POINT": point}))
+    armed = False
     try:
         deadline = time.time() + timeout
-        while after is not None and p.poll() is None and time.time() < deadline:
-            err.seek(0)
-            if re.search(after, err.read()):
+        while p.poll() is None and time.time() < deadline:
+            if stopped(p.pid):
                 open(os.path.join(fault_dir, name), "w").close()
+                armed = True
+                os.kill(p.pid, signal.SIGCONT)
                 break
             time.sleep(0.005)
         out = p.communicate(timeout=max(1, deadline - time.time()))[0]
@@ -48,6 +68,9 @@ def train_arming(args, fault_dir, name, after, timeout=300):
     err.seek(0)
     text = err.read()
     err.close()
+    if not armed:
+        raise AssertionError(f"the run never stopped at {point} (exit {p.returncode}):\n"
+                             + text[-1500:])
     return subprocess.CompletedProcess(p.args, p.returncode, out, text)
 
 
@@ -139,14 +162,14 @@ class CrashPoints(h.TempDirTest):
     # ------------------------------------------------------------------ CKPT_FAULT_DIR
 
     def fault_dir_point(self, point, committed):
-        """A point armed while the run trains (after step 20 committed) fires once: at the
+        """A point armed while the run trains (stopped once step 20 is renamed) fires once: at the
         save of step 40, SIGKILL, its file gone; the resume with the same environment passes
         the point again (saves of 40 and 60) without dying and ends on the reference."""
         ckpt = os.path.join(self.tmp, point)
         faults = os.path.join(self.tmp, "faults-" + point)
         os.mkdir(faults)
         args = ["--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume", "auto"]
-        p = train_arming(args, faults, point, r"snapshot step 20 committed")
+        p = train_arming(args, faults, point, "after-rename@20:stop")
         self.assertEqual(p.returncode, -9, f"{point}: expected SIGKILL, got {p.returncode}\n{p.stderr[-1500:]}")
         self.assertIn(f"fault point {point} reached at step 40: killing this process (armed in "
                       "CKPT_FAULT_DIR)", p.stderr)
@@ -185,15 +208,27 @@ class CrashPoints(h.TempDirTest):
         self.assertEqual(h.snapshot_dirs(ckpt), ["step-000000020", "step-000000040", "step-000000060"])
         self.assertEqual(h.final(r)["digest"], h.reference()["digest"])
 
+    def test_fault_point_with_an_unknown_action_never_fires(self):
+        """CKPT_FAULT_POINT="after-rename@20:bogus": one line says the variable is ignored and
+        the run neither dies nor stops there."""
+        ckpt = os.path.join(self.tmp, "bogus")
+        r = h.train(["--ckpt-dir", ckpt, "--ckpt-every", "20"],
+                    extra_env={"CKPT_FAULT_POINT": "after-rename@20:bogus"}, timeout=300)
+        self.assertIn('ignoring CKPT_FAULT_POINT="after-rename@20:bogus": unknown action', r.stderr)
+        self.assertNotIn("fault point", r.stderr)
+        self.assertEqual(h.snapshot_dirs(ckpt), ["step-000000020", "step-000000040", "step-000000060"])
+
     def fault_dir_store(self, name, error):
-        """store-enospc / store-eio armed after step 20 committed: the first data write of
-        step 40 fails, step 40 alone is not committed, training goes on to the reference."""
+        """store-enospc / store-eio armed once step 20 is renamed to its final name (the run
+        stopped there): the first data write of step 40 fails, step 40 alone is not
+        committed, training goes on to the reference."""
         ckpt = os.path.join(self.tmp, name)
         faults = os.path.join(self.tmp, "faults-" + name)
         os.mkdir(faults)
         args = ["--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume", "auto"]
-        p = train_arming(args, faults, name, r"snapshot step 20 committed")
+        p = train_arming(args, faults, name, "after-rename@20:stop")
         self.assertEqual(p.returncode, 0, p.stderr[-1500:])
+        self.assertIn("fault point after-rename reached at step 20: stopping this process", p.stderr)
         self.assertIn(f"snapshot step 40 failed: {error}; it is not committed", p.stderr)
         self.assertEqual(len(re.findall(r"snapshot step \d+ failed", p.stderr)), 1, p.stderr[-2000:])
         self.assertIn("snapshot step 60 committed", p.stderr)
