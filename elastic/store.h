@@ -164,8 +164,10 @@ typedef struct elastic_store_server elastic_store_server;
  * caller owns *out and releases it with elastic_store_server_stop().
  * Memory: per connection a receive buffer of up to one frame (bounded by the limits above)
  * and the responses not yet sent; plus the keys and values stored.
- * Errors: -EINVAL bad options or out NULL, -EADDRINUSE, -EADDRNOTAVAIL, -EACCES (privileged
- * port), -ENOMEM, other -errno of socket/bind/listen/pthread_create (logged). */
+ * Errors: -EINVAL bad options or out NULL, -EADDRINUSE, -EADDRNOTAVAIL (opts->host does not
+ * resolve, or not to an address of this host), -EAGAIN (the resolver could not answer now:
+ * getaddrinfo's EAI_AGAIN, transient), -EACCES (privileged port), -ENOMEM, other -errno of
+ * socket/bind/listen/pthread_create (logged). */
 int elastic_store_server_start(elastic_store_server **out, const elastic_store_server_opts *opts);
 
 /* The TCP port the server listens on (the chosen one when opts->port was 0); -1 for NULL. */

@@ -909,7 +909,9 @@ static int listen_on(elastic_store_server *s)
     int g = getaddrinfo(s->o.host, port, &hints, &res);
     if (g != 0) {
         LOG_E(ES_TAG, "store: cannot resolve bind address %s: %s", s->o.host, gai_strerror(g));
-        return g == EAI_MEMORY ? -ENOMEM : -EINVAL;
+        /* EAI_AGAIN: the resolver could not answer now (transient); other failures: the
+         * name does not resolve to an address to bind (a configuration error) */
+        return g == EAI_MEMORY ? -ENOMEM : g == EAI_AGAIN ? -EAGAIN : -EADDRNOTAVAIL;
     }
     int err = -EADDRNOTAVAIL;
     for (struct addrinfo *a = res; a; a = a->ai_next) {

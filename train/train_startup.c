@@ -406,7 +406,10 @@ int train_dist_init(state *s)
         if ((rc = elastic_store_server_start(&s->server, &so)) < 0) {
             LOG_E(TAG, "rank 0 cannot host the rendezvous store at %s:%d (MASTER_ADDR:MASTER_PORT): "
                   "%s", co.store_host, co.store_port, strerror(-rc));
-            return 1;
+            /* an address that is not this host's, or a privileged port: the launch's
+             * configuration (exit 2, no restart helps); a port in use, a resolver that did
+             * not answer: a runtime failure (exit 1) */
+            return rc == -EADDRNOTAVAIL || rc == -EACCES || rc == -EINVAL ? 2 : 1;
         }
     }
     if ((rc = train_comm_init(&s->comm, &co)) < 0) {

@@ -563,6 +563,19 @@ class Distributed(TempDirTest):
                 p.kill()
                 p.wait()
 
+    def test_master_addr_not_of_this_host_is_a_configuration_error(self):
+        """Rank 0 with a MASTER_ADDR that is not an address of this host (192.0.2.1, TEST-NET-1)
+        cannot host the store: one line naming the address, exit 2 (a configuration error no
+        restart mends), where a port in use is exit 1 (test_duplicated_rank_is_refused)."""
+        import subprocess
+        env = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "192.0.2.1",
+               "MASTER_PORT": str(harness.free_port())}
+        p = subprocess.run([harness.TRAIN] + harness.data_args() + DIST + MB3, capture_output=True,
+                           text=True, timeout=60, env=harness.env(env))
+        self.assertEqual(p.returncode, 2, p.stderr[-1500:])
+        self.assertRegex(p.stderr, r"rank 0 cannot host the rendezvous store at 192\.0\.2\.1:\d+ "
+                         r"\(MASTER_ADDR:MASTER_PORT\): Cannot assign requested address")
+
     def test_stray_clients_do_not_flood_the_log(self):
         """Garbage connections to the store port while the ranks join: the job still trains,
         and at most 10 refusals a 10 s window are logged one by one."""

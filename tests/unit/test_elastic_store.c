@@ -1098,6 +1098,11 @@ int main(void)
     bad.max_key = 0;
     elastic_store_server *x = NULL;
     T_CHECK(elastic_store_server_start(&x, &bad) == -EINVAL && !x, "bad options");
+    /* an address that is not this host's (TEST-NET-1, RFC 5737): a configuration error */
+    elastic_store_server_opts foreign = o;
+    foreign.host = "192.0.2.1";
+    foreign.port = 0;
+    T_CHECK(elastic_store_server_start(&x, &foreign) == -EADDRNOTAVAIL && !x, "foreign address");
 
     test_roundtrip();
     test_missing_times_out();
